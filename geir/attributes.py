@@ -1,0 +1,143 @@
+"""Attribute values that are not plain Python values: dense literals and weight-archive references.
+
+Plain attributes are Python values: int, float, bool, str, DType, list and dict (nested freely).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from geir.types import DType, TensorType
+
+
+class NestedList(list):
+    """A list literal from the parser that remembers how deeply it nests (to refuse absurd depth)."""
+
+    depth: int = 1
+
+
+@attrs.frozen(eq=False)
+class DenseAttr:
+    """`dense<...>`: a constant array; `values` holds the literal, a 0-d array when it is a splat."""
+
+    values: np.ndarray
+
+    @property
+    def is_splat(self) -> bool:
+        return self.values.ndim == 0
+
+    def splat_value(self) -> float | int | bool | None:
+        """The single value of a splat (or of an array whose elements are all equal), else None."""
+        v = self.values
+        if v.size == 0:
+            return None
+        first = v.flat[0]
+        if v.ndim and not np.all(v == first):
+            return None
+        return first.item()
+
+    def to_array(self, type: TensorType) -> np.ndarray:
+        """The constant as an array of its result type (splats broadcast to the shape)."""
+        arr = self.values
+        if arr.dtype != type.dtype.np:
+            arr = arr.astype(type.dtype.np)
+        if arr.ndim == 0 and type.shape != ():
+            arr = np.broadcast_to(arr, type.shape)
+        return arr
+
+    def check_against(self, type: TensorType) -> str | None:
+        """Why this literal cannot be a value of `type`, or None when it can."""
+        kind = self.values.dtype.kind
+        if type.dtype == DType.i1 and kind not in "bi":
+            return f"a {_KIND_WORDS[kind]} literal cannot initialise {type}"
+        if type.dtype.is_int and kind not in "iub":
+            return f"a {_KIND_WORDS[kind]} literal cannot initialise {type}"
+        if kind == "b" and type.dtype != DType.i1:
+            return f"a boolean literal cannot initialise {type}"
+        if self.values.ndim == 0:
+            return None
+        if not type.is_static:
+            return f"a dense literal of shape {_shape_text(self.values.shape)} needs a static result type, not {type}"
+        if tuple(self.values.shape) != type.shape:
+            return f"dense literal has shape {_shape_text(self.values.shape)} but the result type is {type}"
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DenseAttr)
+            and self.values.dtype == other.values.dtype
+            and self.values.shape == other.values.shape
+            and np.array_equal(self.values, other.values, equal_nan=self.values.dtype.kind == "f")
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.values.dtype.str, self.values.shape, self.values.tobytes()))
+
+
+_KIND_WORDS = {"f": "floating-point", "i": "integer", "u": "integer", "b": "boolean", "V": "floating-point"}
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]" if shape else "[] (a scalar)"
+
+
+@attrs.frozen
+class DenseResourceAttr:
+    """`dense_resource<"key">`: array `key` of the weights archive."""
+
+    key: str
+
+
+def literal_to_array(literal: object) -> np.ndarray:
+    """Turn a parsed dense literal (scalars and rectangular nested lists) into a numpy array.
+
+    Raises ValueError with a readable reason when the nesting is ragged or the values mix kinds.
+    """
+    shape = _literal_shape(literal)
+    flat: list = []
+    _flatten(literal, flat)
+    if any(isinstance(x, bool) for x in flat):
+        if not all(isinstance(x, bool) for x in flat):
+            raise ValueError("dense literal mixes booleans and numbers")
+        dtype = np.bool_
+    elif any(isinstance(x, float) for x in flat):
+        dtype = np.float64
+    else:
+        dtype = np.int64
+        if any(not -(2**63) <= x < 2**63 for x in flat):
+            raise ValueError("integer in dense literal does not fit in 64 bits")
+    return np.array(flat, dtype=dtype).reshape(shape)
+
+
+def _literal_shape(literal: object) -> tuple[int, ...]:
+    if not isinstance(literal, list):
+        return ()
+    if not literal:
+        return (0,)
+    inner = [_literal_shape(x) for x in literal]
+    if any(s != inner[0] for s in inner):
+        raise ValueError("dense literal is ragged: its rows have different shapes")
+    return (len(literal),) + inner[0]
+
+
+def _flatten(literal: object, out: list) -> None:
+    if isinstance(literal, list):
+        for x in literal:
+            _flatten(x, out)
+    else:
+        out.append(literal)
+
+
+def format_float(v: float) -> str:
+    """Shortest text that reads back as the same float, always with a '.' or exponent."""
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    s = repr(float(v))
+    if "e" not in s and "." not in s:
+        s += ".0"
+    return s

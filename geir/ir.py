@@ -1,0 +1,233 @@
+"""The IR's data structures: values, operations, graphs and modules, with use lists."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Iterator
+
+import attrs
+
+from geir.diagnostics import UNKNOWN, Location
+from geir.types import TensorType
+
+
+@attrs.define(eq=False, slots=True)
+class Value:
+    """An SSA value: a graph argument (owner None) or result `index` of operation `owner`."""
+
+    type: TensorType | None
+    name: str | None = None
+    owner: "Operation | None" = None
+    index: int = 0
+    loc: Location = UNKNOWN
+    uses: list["Operation"] = attrs.field(factory=list, repr=False)
+
+    def __repr__(self) -> str:
+        return f"%{self.name or '?'}: {self.type}"
+
+    @property
+    def has_uses(self) -> bool:
+        return bool(self.uses)
+
+    def users(self) -> list["Operation"]:
+        """Distinct operations that use this value, in first-use order."""
+        return list(dict.fromkeys(self.uses))
+
+    def has_other_users(self, op: "Operation") -> bool:
+        """True when something besides `op` uses this value."""
+        return any(u is not op for u in self.uses)
+
+    def replace_all_uses_with(self, new: "Value") -> None:
+        """Point every use of this value at `new` instead."""
+        if new is self:
+            return
+        for user in self.users():
+            user.operands = [new if v is self else v for v in user.operands]
+            for _ in range(user.operands.count(new)):
+                new.uses.append(user)
+        self.uses.clear()
+
+
+@attrs.define(eq=False, slots=True)
+class Operation:
+    """One operation: `%r... = name %operands... {attributes} : result types`.
+
+    Each op kind is a subclass registered with `geir.opdef.op`; its class variables describe
+    its operands and attributes, and its methods hold its checks, shape rule and semantics.
+    """
+
+    # operand names; "x+" takes one or more, "x*" any number, "mask?" may be left out
+    OPERAND_NAMES: ClassVar[tuple[str, ...]] = ()
+    # how many results; None when an attribute decides (split)
+    NUM_RESULTS: ClassVar[int | None] = 1
+    # attribute specs by name, collected from the class's `Attr` fields
+    ATTRS: ClassVar[dict[str, Any]] = {}
+
+    name: str
+    operands: list[Value]
+    results: list[Value]
+    attributes: dict[str, Any]
+    loc: Location = UNKNOWN
+    # where each attribute was written, for diagnostics that point at it (None for built ops)
+    attr_locs: dict[str, Location] | None = None
+    erased: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        operands: list[Value],
+        result_types: list[TensorType | None],
+        attributes: dict[str, Any] | None = None,
+        loc: Location = UNKNOWN,
+        result_names: list[str | None] | None = None,
+    ) -> "Operation":
+        """Build an operation with fresh result values and register its operand uses."""
+        op = cls(name, list(operands), [], dict(attributes or {}), loc)
+        names = result_names or [None] * len(result_types)
+        op.results = [Value(t, n, op, i, loc) for i, (t, n) in enumerate(zip(result_types, names))]
+        for v in op.operands:
+            v.uses.append(op)
+        return op
+
+    @property
+    def result(self) -> Value:
+        """The only result (asserts there is exactly one)."""
+        assert len(self.results) == 1, f"{self.name} has {len(self.results)} results"
+        return self.results[0]
+
+    def attr(self, key: str) -> Any:
+        """The attribute's value, or its declared default when absent."""
+        if key in self.attributes:
+            return self.attributes[key]
+        spec = self.ATTRS.get(key)
+        return None if spec is None else spec.default_value
+
+    # --- hooks each op kind overrides -------------------------------------------------------
+    def verify(self) -> str | None:
+        """Op-specific checks beyond operand counts and attribute kinds: a reason, or None."""
+        return None
+
+    def infer(self, *types: TensorType) -> TensorType | tuple[TensorType, ...]:
+        """Result type(s) from operand types; raises ShapeError when they are incompatible."""
+        raise NotImplementedError(f"{self.name} has no shape rule")
+
+    def compute(self, *args: Any) -> Any:
+        """The op's numpy semantics: arrays in, array (or tuple of arrays) out."""
+        raise NotImplementedError(f"{self.name} has no reference semantics")
+
+    def attr_loc(self, key: str) -> Location:
+        """Where an attribute was written, else the op's own location."""
+        if self.attr_locs and key in self.attr_locs:
+            return self.attr_locs[key]
+        return self.loc
+
+    def producer(self, i: int) -> "Operation | None":
+        """The operation defining operand i (None for a graph argument)."""
+        return self.operands[i].owner
+
+    def set_operand(self, i: int, v: Value) -> None:
+        old = self.operands[i]
+        old.uses.remove(self)
+        self.operands[i] = v
+        v.uses.append(self)
+
+    def drop_operand_uses(self) -> None:
+        """Forget this op's uses of its operands (before erasing it)."""
+        for v in self.operands:
+            try:
+                v.uses.remove(self)
+            except ValueError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<{self.name} at {self.loc}>"
+
+
+@attrs.define(eq=False)
+class Graph:
+    """`ge.graph @name(args) -> results { ops }`; the last op is `ge.return`.
+
+    Insertions and erasures are recorded and applied in one linear pass the next time the op
+    list is read, so rewriting many ops in a large graph stays linear.
+    """
+
+    name: str
+    args: list[Value]
+    result_types: list[TensorType]
+    _ops: list[Operation] = attrs.field(factory=list, alias="ops")
+    attributes: dict[str, Any] = attrs.field(factory=dict)
+    loc: Location = UNKNOWN
+    _inserts: dict[int, list[Operation]] = attrs.field(factory=dict, alias="_inserts", repr=False)
+    _dirty: bool = attrs.field(default=False, alias="_dirty", repr=False)
+
+    @property
+    def ops(self) -> list[Operation]:
+        if self._dirty:
+            self._compact()
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: list[Operation]) -> None:
+        self._ops = ops
+        self._inserts.clear()
+        self._dirty = False
+
+    def append(self, op: Operation) -> None:
+        self.ops.append(op)
+
+    def insert_before(self, anchor: Operation, op: Operation) -> None:
+        """Place `op` just before `anchor` (applied lazily)."""
+        self._inserts.setdefault(id(anchor), []).append(op)
+        self._dirty = True
+
+    def erase(self, op: Operation) -> None:
+        """Remove an op whose results are unused (applied lazily)."""
+        assert not any(r.uses for r in op.results), f"erasing {op} whose results are still used"
+        op.drop_operand_uses()
+        op.erased = True
+        self._dirty = True
+
+    def _compact(self) -> None:
+        out: list[Operation] = []
+        inserts = self._inserts
+
+        def place(op: Operation) -> None:
+            for new in inserts.pop(id(op), ()):
+                place(new)
+            if not op.erased:
+                out.append(op)
+
+        for op in self._ops:
+            place(op)
+        self._ops = out
+        self._dirty = False
+
+    def walk(self, name: str | None = None) -> Iterator[Operation]:
+        """The live ops in order, optionally only those called `name`."""
+        for op in list(self.ops):
+            if not op.erased and (name is None or op.name == name):
+                yield op
+
+    @property
+    def terminator(self) -> Operation:
+        return self.ops[-1]
+
+
+@attrs.define(eq=False)
+class Module:
+    """A parsed file: its graphs, and the weights archive that `dense_resource` refers to."""
+
+    graphs: list[Graph] = attrs.field(factory=list)
+    file: str = "<stdin>"
+    resources: dict[str, Any] = attrs.field(factory=dict)
+
+    def graph(self, name: str | None = None) -> Graph:
+        """The graph tools run: `name`, else `@main`, else the only graph (KeyError if ambiguous)."""
+        by_name = {g.name: g for g in self.graphs}
+        if name is not None:
+            return by_name[name]
+        if "main" in by_name:
+            return by_name["main"]
+        if len(self.graphs) == 1:
+            return self.graphs[0]
+        raise KeyError("main")

@@ -1,0 +1,166 @@
+"""Defining op kinds: the registry, typed attribute fields, operand accessors and generic checks.
+
+An op kind is one class:
+
+    @op("ge.softmax")
+    class Softmax(Operation):
+        OPERAND_NAMES = ("x",)
+        axis = Attr(int, default=-1)
+        def verify(self): ...
+        def infer(self, x): ...
+        def compute(self, x): ...
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+from geir.attributes import DenseAttr, DenseResourceAttr
+from geir.ir import Operation
+from geir.types import DType
+
+REQUIRED = object()
+
+# The registry of op kinds by name ("ge.add" -> class). Filled by importing geir.ops.
+OPS: dict[str, type[Operation]] = {}
+
+# Attributes that passes may put on any op (they are not errors where an op does not declare them).
+PASS_ATTRIBUTES = {"mem_offset", "tiling"}
+
+
+class ShapeError(ValueError):
+    """Operand types an op cannot accept; the message is shown at the op."""
+
+
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    DType: "a dtype",
+    "ints": "a list of integers",
+    dict: "a dictionary",
+    "dense": "a dense literal",
+    "any": "a value",
+}
+
+
+class Attr:
+    """A typed attribute field of an op kind; reads as the attribute's value on an op."""
+
+    def __init__(self, kind: Any, default: Any = REQUIRED, choices: tuple | None = None):
+        self.kind = kind
+        self.default = default
+        self.choices = choices
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, op: Operation | None, owner: type) -> Any:
+        if op is None:
+            return self
+        return op.attributes.get(self.name, self.default_value)
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    @property
+    def default_value(self) -> Any:
+        return None if self.default is REQUIRED else self.default
+
+    def check(self, value: Any) -> str | None:
+        """Why `value` is not acceptable for this attribute, or None."""
+        ok = _kind_ok(self.kind, value)
+        if not ok:
+            return f"attribute '{self.name}' must be {_KIND_NAMES[self.kind]}, not {describe_value(value)}"
+        if self.choices is not None and value not in self.choices:
+            options = " or ".join(_show(c) for c in self.choices)
+            return f"attribute '{self.name}' must be {options}, not {_show(value)}"
+        return None
+
+
+def _show(v: Any) -> str:
+    return f'"{v}"' if isinstance(v, str) else str(v)
+
+
+def _kind_ok(kind: Any, value: Any) -> bool:
+    if kind == "any":
+        return True
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "ints":
+        return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    if kind == "dense":
+        return isinstance(value, (DenseAttr, DenseResourceAttr))
+    return isinstance(value, kind)
+
+
+def describe_value(value: Any) -> str:
+    """A few words for the kind of an attribute value, for error messages."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f'the string "{value}"'
+    if isinstance(value, DType):
+        return f"the dtype {value}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a dictionary"
+    return "a dense literal"
+
+
+T = TypeVar("T", bound=type[Operation])
+
+
+def op(name: str) -> Callable[[T], T]:
+    """Register an op kind under `name` and give it accessors for its operands and attributes."""
+
+    def register(cls: T) -> T:
+        cls.ATTRS = {k: v for base in reversed(cls.__mro__) for k, v in vars(base).items() if isinstance(v, Attr)}
+        for i, operand in enumerate(cls.OPERAND_NAMES):
+            setattr(cls, operand.rstrip("*+?"), _operand_accessor(i, operand))
+        cls.NAME = name
+        OPS[name] = cls
+        return cls
+
+    return register
+
+
+def _operand_accessor(i: int, spec: str) -> property:
+    if spec.endswith(("*", "+")):
+        return property(lambda self: self.operands[i:], doc=f"operands {i}...")
+    if spec.endswith("?"):
+        return property(lambda self: self.operands[i] if i < len(self.operands) else None, doc=f"operand {i}, if present")
+    return property(lambda self: self.operands[i], doc=f"operand {i}")
+
+
+def lookup(name: str) -> type[Operation] | None:
+    """The class registered for an op name, or None."""
+    if not OPS:
+        import geir.ops  # noqa: F401  (registers the ge dialect)
+    return OPS.get(name)
+
+
+def operand_count_error(cls: type[Operation], count: int) -> str | None:
+    """Why `count` operands do not suit this op kind, or None."""
+    names = cls.OPERAND_NAMES
+    least = sum(1 for n in names if not n.endswith(("?", "*")))
+    most = None if any(n.endswith(("*", "+")) for n in names) else len(names)
+    if count >= least and (most is None or count <= most):
+        return None
+    if most is None:
+        return f"expects at least {least} operand{'s' * (least != 1)}, got {count}"
+    want = str(least) if least == most else f"{least} or {most}"
+    listed = ", ".join(n.rstrip("?") for n in names)
+    return f"expects {want} operand{'s' * (most != 1)} ({listed}), got {count}"

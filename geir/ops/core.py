@@ -1,0 +1,50 @@
+"""Structural ops: constants and the graph terminator."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geir.attributes import DenseAttr, DenseResourceAttr
+from geir.ir import Operation
+from geir.opdef import Attr, op
+
+
+@op("ge.const")
+class Const(Operation):
+    """A constant: `dense<...>` literal or `dense_resource<"key">` from the weights archive."""
+
+    value = Attr("dense")
+
+    def verify(self) -> str | None:
+        t = self.results[0].type
+        if t is None:
+            return "a constant needs its result type, e.g. `: tensor<4xf32>`"
+        if isinstance(self.value, DenseAttr):
+            return self.value.check_against(t)
+        return None
+
+    def infer(self):
+        return self.results[0].type
+
+    def compute(self, resources: dict | None = None) -> np.ndarray:
+        """The constant's array; `resources` resolves `dense_resource` keys."""
+        t = self.results[0].type
+        if isinstance(self.value, DenseResourceAttr):
+            if resources is None or self.value.key not in resources:
+                raise KeyError(self.value.key)
+            return np.asarray(resources[self.value.key]).astype(t.dtype.np, copy=False)
+        return self.value.to_array(t)
+
+
+@op("ge.return")
+class Return(Operation):
+    """The graph's results."""
+
+    OPERAND_NAMES = ("x*",)
+    NUM_RESULTS = 0
+
+    def infer(self, *types):
+        return ()
+
+    def compute(self, *xs):
+        return ()

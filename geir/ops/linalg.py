@@ -1,0 +1,112 @@
+"""Cube ops: matmul and flash_attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from geir.ir import Operation
+from geir.opdef import Attr, ShapeError, op
+from geir.ops.numerics import broadcast_dims, require_float, same_dtype, softmax, work
+from geir.types import DType, TensorType
+
+
+@op("ge.matmul")
+class Matmul(Operation):
+    """`np.matmul` with batch broadcasting and optional transposes of the last two axes."""
+
+    OPERAND_NAMES = ("a", "b")
+    transpose_a = Attr(bool, default=False)
+    transpose_b = Attr(bool, default=False)
+
+    def infer(self, a: TensorType, b: TensorType) -> TensorType:
+        dtype = same_dtype(self.name, a, b)
+        if a.rank < 2 or b.rank < 2:
+            raise ShapeError(f"matmul operands need rank 2 or more, got {a} and {b}")
+        m, ka = (a.shape[-1], a.shape[-2]) if self.transpose_a else (a.shape[-2], a.shape[-1])
+        kb, n = (b.shape[-1], b.shape[-2]) if self.transpose_b else (b.shape[-2], b.shape[-1])
+        if ka is not None and kb is not None and ka != kb:
+            raise ShapeError(f"matmul contraction dims differ: {ka} vs {kb}")
+        batch = broadcast_dims(a.shape[:-2], b.shape[:-2])
+        return TensorType(batch + (m, n), dtype)
+
+    def compute(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a, b = work(a), work(b)  # f16/bf16 accumulate in f32, as the cube does
+        if self.transpose_a:
+            a = np.swapaxes(a, -1, -2)
+        if self.transpose_b:
+            b = np.swapaxes(b, -1, -2)
+        return np.matmul(a, b)
+
+
+@op("ge.flash_attention")
+class FlashAttention(Operation):
+    """softmax(scale * q @ k^T + mask) @ v with grouped-query heads and an optional causal mask."""
+
+    OPERAND_NAMES = ("q", "k", "v", "mask?")
+    scale = Attr(float, default=None)  # None: 1/sqrt(head dim)
+    causal = Attr(bool, default=False)
+    layout = Attr(str, default="BNSD", choices=("BNSD", "BSND"))
+
+    # rows of q processed at once, so the reference needs O(block * Skv) memory, not O(Sq * Skv)
+    REFERENCE_ROW_BLOCK = 1024
+
+    def _bnsd(self, t: TensorType) -> tuple:
+        s = t.shape
+        return s if self.layout == "BNSD" else (s[0], s[2], s[1], s[3])
+
+    def infer(self, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None = None) -> TensorType:
+        dtype = same_dtype(self.name, q, k, v)
+        require_float(q, "q")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.rank != 4:
+                raise ShapeError(f"{name} must have rank 4 ({self.layout}), got {t}")
+        (b, n, sq, d), (bk, nk, skv, dk), (bv, nv, sv, dv) = self._bnsd(q), self._bnsd(k), self._bnsd(v)
+        for what, x, y in (("batch", b, bk), ("batch", b, bv), ("head dim of q and k", d, dk),
+                           ("key and value sequence", skv, sv), ("key and value heads", nk, nv)):
+            if x is not None and y is not None and x != y:
+                raise ShapeError(f"flash_attention {what} differ: {x} vs {y}")
+        if n is not None and nk is not None and (nk == 0 or n % nk):
+            raise ShapeError(f"query heads {n} are not a multiple of key/value heads {nk}")
+        if mask is not None:
+            if not (mask.dtype == DType.i1 or mask.dtype.is_float):
+                raise ShapeError(f"mask must be i1 or floating-point, not {mask}")
+            try:
+                full = broadcast_dims(mask.shape, (b, n, sq, skv))
+            except ShapeError:
+                full = None
+            if full is None or len(full) != 4 or any(
+                x is not None and y is not None and x != y for x, y in zip(full, (b, n, sq, skv))
+            ):
+                raise ShapeError(f"mask {mask} does not broadcast to [B, N, Sq, Skv] = [{b}, {n}, {sq}, {skv}]")
+        out = (b, n, sq, dv) if self.layout == "BNSD" else (b, sq, n, dv)
+        return TensorType(out, dtype)
+
+    def effective_scale(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def compute(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        if self.layout == "BSND":
+            q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
+        q, k, v = work(q), work(k), work(v)
+        b, n, sq, d = q.shape
+        group = n // k.shape[1]
+        if group > 1:
+            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        skv = k.shape[2]
+        if mask is not None:
+            mask = np.broadcast_to(mask if mask.dtype == np.bool_ else work(mask), (b, n, sq, skv))
+        scale = q.dtype.type(self.effective_scale(d))
+        out = np.empty((b, n, sq, v.shape[-1]), dtype=q.dtype)
+        cols = np.arange(skv)
+        for r0 in range(0, sq, self.REFERENCE_ROW_BLOCK):
+            r1 = min(r0 + self.REFERENCE_ROW_BLOCK, sq)
+            s = np.matmul(q[:, :, r0:r1], np.swapaxes(k, -1, -2)) * scale
+            if mask is not None:
+                m = mask[:, :, r0:r1]
+                s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m
+            if self.causal:
+                s = np.where(cols[None, :] > np.arange(r0, r1)[:, None], -np.inf, s)
+            out[:, :, r0:r1] = np.matmul(softmax(s, -1), v)
+        return np.swapaxes(out, 1, 2) if self.layout == "BSND" else out

@@ -1,0 +1,93 @@
+"""Shared helpers for op shape rules and numpy semantics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from geir.opdef import ShapeError
+from geir.types import Dim, DType, TensorType
+
+_F32 = np.dtype(np.float32)
+_HALF = (DType.f16.np, DType.bf16.np)
+
+
+def work(x: np.ndarray) -> np.ndarray:
+    """The array in the precision arithmetic runs at: f16 and bf16 compute in f32, as the vector unit does."""
+    if x.dtype in _HALF:
+        return x.astype(_F32)
+    return x
+
+
+def broadcast_dims(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
+    """numpy broadcasting of two shapes where None is `?`; raises ShapeError when they clash."""
+    out: list[Dim] = []
+    n = max(len(a), len(b))
+    pa = (1,) * (n - len(a)) + tuple(a)
+    pb = (1,) * (n - len(b)) + tuple(b)
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        if x == 1:
+            out.append(y)
+        elif y == 1:
+            out.append(x)
+        elif x is None:
+            out.append(y)
+        elif y is None or x == y:
+            out.append(x)
+        else:
+            raise ShapeError(
+                f"shapes {shape_text(a)} and {shape_text(b)} do not broadcast: dimension {i - n} is {x} vs {y}"
+            )
+    return tuple(out)
+
+
+def shape_text(shape: tuple[Dim, ...]) -> str:
+    """A shape as the IR spells its dims: `8x?x64`, or `scalar`."""
+    return "x".join("?" if d is None else str(d) for d in shape) or "scalar"
+
+
+def same_dtype(op_name: str, *types: TensorType) -> DType:
+    """The common dtype of some operands; raises ShapeError when they differ."""
+    first = types[0].dtype
+    for t in types[1:]:
+        if t.dtype != first:
+            raise ShapeError(f"operand dtypes differ: {first} vs {t.dtype}")
+    return first
+
+
+def require_float(t: TensorType, what: str = "operand") -> None:
+    if not t.dtype.is_float:
+        raise ShapeError(f"{what} must be a floating-point tensor, not {t}")
+
+
+def normalize_axis(axis: int, rank: int, what: str = "axis") -> int:
+    """axis in [-rank, rank) made non-negative; raises ShapeError when out of range."""
+    if not -rank <= axis < rank:
+        raise ShapeError(f"{what} {axis} is out of range for rank {rank}")
+    return axis % rank
+
+
+def multiply_dims(dims: list[Dim]) -> Dim:
+    n = 1
+    for d in dims:
+        if d is None:
+            return None
+        n *= d
+    return n
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function, exact to double precision (math.erf elementwise)."""
+    return _erf(x).astype(x.dtype) if x.size else x.copy()
+
+
+def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """Numerically stable softmax; a row of all -inf gives NaN, as torch does."""
+    m = np.max(x, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - m)
+        return e / np.sum(e, axis=axis, keepdims=True)

@@ -1,0 +1,162 @@
+"""canonicalize: algebraic identities that make the graph smaller without changing its values."""
+
+from __future__ import annotations
+
+from geir.ir import Module, Operation, Value
+from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.passes.pattern import Match, Pattern, Rewriter, apply_patterns_greedily, constant_splat
+
+
+class _ForwardOperand(Pattern):
+    """`op(x, c)` -> x where the constant c is the op's identity and the result type is x's own."""
+
+    # operand positions that may hold the identity constant (the other operand is forwarded)
+    IDENTITY: int | float = 0
+    SIDES: tuple[int, ...] = (0, 1)
+
+    def match(self, op: Operation) -> Match | None:
+        for side in self.SIDES:
+            other = op.operands[1 - side]
+            if constant_splat(op.operands[side]) == self.IDENTITY and other.type == op.result.type:
+                return Match(op, keep=other)
+        return None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        rw.replace(m.root, [m.keep])
+
+
+class AddZero(_ForwardOperand):
+    """x + 0 -> x"""
+
+    NAME, ROOT, IDENTITY = "add-zero", "ge.add", 0
+
+
+class SubZero(_ForwardOperand):
+    """x - 0 -> x"""
+
+    NAME, ROOT, IDENTITY, SIDES = "sub-zero", "ge.sub", 0, (1,)
+
+
+class MulOne(_ForwardOperand):
+    """x * 1 -> x"""
+
+    NAME, ROOT, IDENTITY = "mul-one", "ge.mul", 1
+
+
+class DivOne(_ForwardOperand):
+    """x / 1 -> x"""
+
+    NAME, ROOT, IDENTITY, SIDES = "div-one", "ge.div", 1, (1,)
+
+
+class NegNeg(Pattern):
+    """-(-x) -> x"""
+
+    NAME, ROOT = "neg-neg", "ge.neg"
+
+    def match(self, op: Operation) -> Match | None:
+        inner = op.operands[0].owner
+        if inner is not None and inner.name == "ge.neg":
+            return Match(op, x=inner.operands[0])
+        return None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        rw.replace(m.root, [m.x])
+
+
+class CastToSame(Pattern):
+    """cast x to its own dtype -> x"""
+
+    NAME, ROOT = "cast-same", "ge.cast"
+
+    def match(self, op: Operation) -> Match | None:
+        x = op.operands[0]
+        return Match(op) if x.type is not None and x.type == op.result.type else None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        rw.replace(m.root, [m.root.operands[0]])
+
+
+class TransposeTranspose(Pattern):
+    """transpose(transpose(x, p), q) -> transpose(x, p∘q), or x when that is the identity."""
+
+    NAME, ROOT = "transpose-transpose", "ge.transpose"
+
+    def match(self, op: Operation) -> Match | None:
+        inner = op.operands[0].owner
+        if inner is None or inner.name != "ge.transpose":
+            return None
+        composed = [inner.perm[p] for p in op.perm]
+        return Match(op, x=inner.operands[0], perm=composed)
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        _replace_with_transpose(m.root, m.x, m.perm, rw)
+
+
+class IdentityTranspose(Pattern):
+    """transpose(x, [0, 1, ...]) -> x"""
+
+    NAME, ROOT = "identity-transpose", "ge.transpose"
+
+    def match(self, op: Operation) -> Match | None:
+        return Match(op) if list(op.perm) == list(range(len(op.perm))) else None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        rw.replace(m.root, [m.root.operands[0]])
+
+
+def _replace_with_transpose(op: Operation, x: Value, perm: list[int], rw: Rewriter) -> None:
+    if perm == list(range(len(perm))):
+        rw.replace(op, [x])
+    else:
+        rw.replace(op, rw.create("ge.transpose", [x], {"perm": perm}, [op.result.type], before=op))
+
+
+class ReshapeReshape(Pattern):
+    """reshape(reshape(x)) -> reshape(x) to the outer shape."""
+
+    NAME, ROOT = "reshape-reshape", "ge.reshape"
+
+    def match(self, op: Operation) -> Match | None:
+        inner = op.operands[0].owner
+        if inner is None or inner.name != "ge.reshape":
+            return None
+        return Match(op, x=inner.operands[0])
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = m.root
+        rw.replace(op, rw.create("ge.reshape", [m.x], {"shape": list(op.shape)}, [op.result.type], before=op))
+
+
+class ReshapeToSame(Pattern):
+    """reshape x to the static shape it already has -> x"""
+
+    NAME, ROOT = "reshape-same", "ge.reshape"
+
+    def match(self, op: Operation) -> Match | None:
+        x = op.operands[0]
+        t = op.result.type
+        if x.type is not None and t is not None and x.type.is_static and x.type == t:
+            return Match(op)
+        return None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        rw.replace(m.root, [m.root.operands[0]])
+
+
+CANONICAL_PATTERNS: tuple[type[Pattern], ...] = (
+    AddZero, SubZero, MulOne, DivOne, NegNeg, CastToSame,
+    TransposeTranspose, IdentityTranspose, ReshapeReshape, ReshapeToSame,
+)
+
+
+@register_pass("canonicalize")
+class Canonicalize(Pass):
+    """Apply the algebraic identities to a fixpoint and drop what became dead."""
+
+    REQUIRES = ("infer-shapes",)
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        patterns = [p() for p in CANONICAL_PATTERNS]
+        for g in module.graphs:
+            apply_patterns_greedily(g, patterns)

@@ -1,0 +1,52 @@
+"""cse: merge ops that compute the same thing from the same operands."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from geir.ir import Graph, Module, Operation
+from geir.passes.pass_manager import Pass, PassContext, register_pass
+
+
+def _hashable(v: Any) -> Hashable:
+    if isinstance(v, list):
+        return ("list",) + tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return ("dict",) + tuple((k, _hashable(x)) for k, x in v.items())
+    if isinstance(v, float):
+        return ("float", v)  # 1.0 and 1 are different attributes
+    return (type(v).__name__, v)
+
+
+def op_key(op: Operation) -> Hashable:
+    """What makes two ops interchangeable: name, operands, attributes and result types."""
+    attrs = tuple(sorted((k, _hashable(v)) for k, v in op.attributes.items()))
+    return (op.name, tuple(id(v) for v in op.operands), attrs, tuple(r.type for r in op.results))
+
+
+def eliminate_common_subexpressions(graph: Graph) -> int:
+    """Replace each op equal to an earlier one by that one; returns how many were merged."""
+    seen: dict[Hashable, Operation] = {}
+    merged = 0
+    for op in graph.ops:
+        if op.name == "ge.return":
+            continue
+        key = op_key(op)
+        first = seen.get(key)
+        if first is None:
+            seen[key] = op
+            continue
+        for old, new in zip(op.results, first.results):
+            old.replace_all_uses_with(new)
+        graph.erase(op)
+        merged += 1
+    return merged
+
+
+@register_pass("cse")
+class CommonSubexpressionElimination(Pass):
+    """Merge identical pure ops (including equal constants)."""
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        for g in module.graphs:
+            eliminate_common_subexpressions(g)

@@ -1,0 +1,243 @@
+"""Passes by name, their typed options, pipeline strings, and the pass manager that runs them.
+
+A pipeline is MLIR's syntax: `infer-shapes,fuse{rules=flash_attention disable=gelu},plan`.
+A pass lists the passes whose results it needs in REQUIRES; the manager inserts any that have
+not run yet, and `pipeline_text` shows the pipeline actually run.
+"""
+
+from __future__ import annotations
+
+import time
+import typing
+from typing import Any, Callable, ClassVar
+
+import attrs
+
+from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location
+from geir.ir import Module
+from geir.target_npu.target import DEFAULT_TARGET
+from geir.verifier import verify_module
+
+# Registered passes by name. Filled when geir.passes is imported.
+PASSES: dict[str, type["Pass"]] = {}
+
+
+@attrs.define
+class PassContext:
+    """What a pass may use besides the IR: the target, the diagnostics sink, --explain."""
+
+    target: str = DEFAULT_TARGET
+    diagnostics: DiagnosticEngine = attrs.field(factory=lambda: DiagnosticEngine(lambda d: None))
+    explain: bool = False
+
+    def remark(self, message: str, loc: Location) -> None:
+        """An --explain remark (dropped unless --explain is on)."""
+        if self.explain:
+            self.diagnostics.remark(message, loc)
+
+    def error(self, message: str, loc: Location) -> None:
+        self.diagnostics.emit(Diagnostic("error", message, loc))
+
+
+class Pass:
+    """A named transformation of a module; options are the attrs fields of the subclass."""
+
+    NAME: ClassVar[str] = ""
+    # passes whose results this one needs; inserted before it when they have not run yet
+    REQUIRES: ClassVar[tuple[str, ...]] = ()
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        """Options that differ from their defaults."""
+        out = {}
+        for f in attrs.fields(type(self)):
+            value = getattr(self, f.name)
+            default = f.default.factory() if isinstance(f.default, attrs.Factory) else f.default
+            if value != default:
+                out[f.name] = value
+        return out
+
+    def text(self) -> str:
+        """This pass as it would be written in a pipeline."""
+        opts = self.options()
+        if not opts:
+            return self.NAME
+        return self.NAME + "{" + " ".join(f"{k.replace('_', '-')}={_option_text(v)}" for k, v in opts.items()) + "}"
+
+
+def _option_text(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+P = typing.TypeVar("P", bound=type[Pass])
+
+
+def register_pass(name: str) -> Callable[[P], P]:
+    """Register a pass class under `name`; its annotated fields become typed options."""
+
+    def register(cls: P) -> P:
+        if not attrs.has(cls):
+            cls = attrs.define(kw_only=True)(cls)
+        cls.NAME = name
+        PASSES[name] = cls
+        return cls
+
+    return register
+
+
+class PipelineError(Exception):
+    """A bad --passes string: the message and the 0-based column in the pipeline text."""
+
+    def __init__(self, message: str, column: int):
+        super().__init__(message)
+        self.column = column
+
+
+def parse_pipeline(text: str) -> list[Pass]:
+    """`a,b{k=v k2=x,y},c` -> pass instances; raises PipelineError with the column of the mistake."""
+    passes: list[Pass] = []
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i] in " ,":
+            i += 1
+        if i >= n:
+            break
+        start = i
+        while i < n and text[i] not in ",{ ":
+            i += 1
+        name = text[start:i]
+        cls = PASSES.get(name)
+        if cls is None:
+            known = ", ".join(sorted(PASSES))
+            raise PipelineError(f"unknown pass '{name}' (known passes: {known})", start)
+        options: dict[str, tuple[str, int]] = {}
+        if i < n and text[i] == "{":
+            close = text.find("}", i)
+            if close < 0:
+                raise PipelineError("missing '}' after the options", i)
+            j = i + 1
+            body = text[j:close]
+            for m in _option_items(body):
+                key, value, col = m
+                if key in options:
+                    raise PipelineError(f"option '{key}' given twice", j + col)
+                options[key] = (value, j + col)
+            i = close + 1
+        passes.append(_instantiate(cls, options))
+    return passes
+
+
+def _option_items(body: str) -> list[tuple[str, str, int]]:
+    items = []
+    pos = 0
+    for part in body.split(" "):
+        if part:
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise PipelineError(f"option '{key}' needs a value: {key}=...", pos)
+            items.append((key, value, pos))
+        pos += len(part) + 1
+    return items
+
+
+def _instantiate(cls: type[Pass], options: dict[str, tuple[str, int]]) -> Pass:
+    fields = {f.name: f for f in attrs.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, (value, col) in options.items():
+        field = fields.get(key.replace("-", "_"))
+        if field is None:
+            known = ", ".join(f.replace("_", "-") for f in fields) or "none"
+            raise PipelineError(f"pass '{cls.NAME}' has no option '{key}' (its options: {known})", col)
+        try:
+            kwargs[field.name] = _convert(value, hints[field.name])
+        except ValueError as e:
+            raise PipelineError(f"option '{key}' of pass '{cls.NAME}': {e}", col) from None
+    return cls(**kwargs)
+
+
+def _convert(text: str, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(hint)[:1]
+        return [_convert(x, item) for x in text.split(",") if x]
+    if hint is bool:
+        if text in ("true", "1"):
+            return True
+        if text in ("false", "0"):
+            return False
+        raise ValueError(f"expected true or false, got '{text}'")
+    if hint is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got '{text}'") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got '{text}'") from None
+    return text
+
+
+def complete_pipeline(passes: list[Pass]) -> list[Pass]:
+    """The pipeline with every pass's REQUIRES inserted before it, unless already run earlier."""
+    out: list[Pass] = []
+    done: set[str] = set()
+
+    def add(p: Pass) -> None:
+        for req in p.REQUIRES:
+            if req not in done:
+                add(PASSES[req]())
+        out.append(p)
+        done.add(p.NAME)
+
+    for p in passes:
+        add(p)
+    return out
+
+
+def pipeline_text(passes: list[Pass]) -> str:
+    return ",".join(p.text() for p in passes)
+
+
+@attrs.define
+class PassManager:
+    """Runs passes in order, verifying after each, with hooks for IR printing and timing."""
+
+    passes: list[Pass]
+    verify_each: bool = True
+    before: Callable[[Pass, Module], None] | None = None
+    after: Callable[[Pass, Module], None] | None = None
+    timings: dict[str, float] = attrs.field(factory=dict)
+
+    def run(self, module: Module, ctx: PassContext) -> bool:
+        """Run the pipeline; False (with diagnostics emitted) when a pass or verification fails."""
+        for p in self.passes:
+            if self.before:
+                self.before(p, module)
+            errors = ctx.diagnostics.error_count
+            t0 = time.perf_counter()
+            try:
+                p.run(module, ctx)
+            except DiagnosticError as e:
+                for d in e.diagnostics:
+                    ctx.diagnostics.emit(d)
+            ok = ctx.diagnostics.error_count == errors
+            if ok and self.verify_each:
+                ok = verify_module(module, ctx.diagnostics.emit)
+                if not ok:
+                    ctx.diagnostics.emit(Diagnostic("note", f"the IR did not verify after pass '{p.NAME}'",
+                                                    Location(module.file, 0, 0)))
+            self.timings[p.NAME] = self.timings.get(p.NAME, 0.0) + time.perf_counter() - t0
+            if not ok:
+                return False
+            if self.after:
+                self.after(p, module)
+        return True

@@ -1,0 +1,174 @@
+"""MLIR-style pattern rewriting: patterns that rewrite or say why not, and a greedy driver.
+
+A pattern names the op it is rooted at and its benefit. `match` returns a Match (it fires),
+a Miss with a reason (a candidate that did not fit: the reason is what --explain shows), or
+None (not a candidate at all: nothing to say). The driver applies the highest-benefit pattern
+that matches each op, revisits what a rewrite touched, erases dead ops, and stops at a fixpoint.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, ClassVar, Iterable
+
+import attrs
+
+from geir.diagnostics import Location
+from geir.ir import Graph, Operation, Value
+from geir.opdef import ShapeError, lookup
+from geir.ops.core import Const
+from geir.types import TensorType
+
+
+@attrs.frozen
+class Miss:
+    """A candidate that did not match, and why."""
+
+    reason: str
+
+
+class Match:
+    """What a pattern found: the root op and named pieces (`m.q`, `m.scale`, ...)."""
+
+    def __init__(self, root: Operation, **found: Any):
+        self.root = root
+        self.__dict__.update(found)
+
+
+class Pattern:
+    """A rewrite rooted at ops named `ROOT`."""
+
+    NAME: ClassVar[str] = ""
+    ROOT: ClassVar[str] = ""
+    BENEFIT: ClassVar[int] = 1
+    # whether outcomes are --explain remarks (fusion rules); identities stay quiet
+    EXPLAIN: ClassVar[bool] = False
+
+    def match(self, op: Operation) -> Match | Miss | None:
+        raise NotImplementedError
+
+    def rewrite(self, m: Match, rw: "Rewriter") -> None:
+        raise NotImplementedError
+
+
+class Rewriter:
+    """The only way patterns change the graph, so the driver knows what to revisit."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.touched: list[Operation] = []
+
+    def create(self, name: str, operands: list[Value], attributes: dict[str, Any] | None = None,
+               result_types: list[TensorType] | None = None, *, before: Operation,
+               loc: Location | None = None) -> Operation:
+        """Insert a new op before `before`; result types are inferred when not given."""
+        cls = lookup(name)
+        if cls is None:
+            raise KeyError(name)
+        op = cls(name, list(operands), [], dict(attributes or {}), loc or before.loc)
+        for v in op.operands:
+            v.uses.append(op)
+        if result_types is None:
+            inferred = op.infer(*[v.type for v in operands])
+            result_types = list(inferred) if isinstance(inferred, tuple) else [inferred]
+        op.results = [Value(t, None, op, i, op.loc) for i, t in enumerate(result_types)]
+        self.graph.insert_before(before, op)
+        self.touched.append(op)
+        return op
+
+    def replace(self, op: Operation, new: Operation | list[Value]) -> None:
+        """Point every use of `op`'s results at `new`'s and erase `op`."""
+        values = new.results if isinstance(new, Operation) else new
+        assert len(values) == len(op.results), f"replacing {op} with {len(values)} values"
+        for old, v in zip(op.results, values):
+            self.touched.extend(old.users())
+            if v.name is None and old.name is not None and v.owner is not None:
+                v.name = old.name  # keep the user's name on the value that now plays its part
+                old.name = None
+            old.replace_all_uses_with(v)
+        self.erase(op)
+
+    def erase(self, op: Operation) -> None:
+        self.touched.extend(v.owner for v in op.operands if v.owner is not None)
+        self.graph.erase(op)
+
+
+class PatternListener:
+    """Collects, per candidate, whether a pattern fired or why it did not (for --explain)."""
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[Pattern, Location]] = []
+        self.misses: dict[tuple[str, int], tuple[Pattern, Operation, str]] = {}
+
+    def matched(self, p: Pattern, op: Operation) -> None:
+        if p.EXPLAIN:
+            self.fired.append((p, op.loc))
+            self.misses.pop((p.NAME, id(op)), None)
+
+    def missed(self, p: Pattern, op: Operation, reason: str) -> None:
+        if p.EXPLAIN:
+            self.misses[(p.NAME, id(op))] = (p, op, reason)
+
+    def remarks(self) -> list[tuple[str, Location]]:
+        """One remark per candidate, in source order; misses of ops since rewritten away are dropped."""
+        out = [(f"{p.NAME} fused", loc) for p, loc in self.fired]
+        out += [(f"{p.NAME} not fused: {why}", op.loc) for p, op, why in self.misses.values() if not op.erased]
+        return sorted(out, key=lambda r: (r[1].line, r[1].col, r[0]))
+
+
+def is_trivially_dead(op: Operation) -> bool:
+    return op.name != "ge.return" and not any(r.uses for r in op.results)
+
+
+def apply_patterns_greedily(graph: Graph, patterns: Iterable[Pattern], listener: PatternListener | None = None,
+                            max_rewrites: int | None = None) -> bool:
+    """Rewrite to a fixpoint; True when anything changed. Each op is visited once plus once per touch."""
+    by_root: dict[str, list[Pattern]] = {}
+    for p in sorted(patterns, key=lambda p: -p.BENEFIT):
+        by_root.setdefault(p.ROOT, []).append(p)
+    listener = listener or PatternListener()
+    worklist = deque(graph.ops)
+    queued = {id(op) for op in worklist}
+    limit = max_rewrites if max_rewrites is not None else 10 * len(worklist) + 1000
+    changed = False
+    rewrites = 0
+    while worklist:
+        op = worklist.popleft()
+        queued.discard(id(op))
+        if op.erased:
+            continue
+        rw = Rewriter(graph)
+        if is_trivially_dead(op):
+            rw.erase(op)
+            changed = True
+        else:
+            for p in by_root.get(op.name, ()):
+                try:
+                    m = p.match(op)
+                except ShapeError as e:  # a rewrite would build ill-typed IR: treat as a reasoned miss
+                    m = Miss(str(e))
+                if m is None:
+                    continue
+                if isinstance(m, Miss):
+                    listener.missed(p, op, m.reason)
+                    continue
+                listener.matched(p, op)
+                p.rewrite(m, rw)
+                changed = True
+                rewrites += 1
+                break
+        for t in rw.touched:
+            if t is not None and not t.erased and id(t) not in queued:
+                worklist.append(t)
+                queued.add(id(t))
+        if rewrites > limit:
+            break
+    return changed
+
+
+def constant_splat(v: Value) -> float | int | bool | None:
+    """The value of a constant whose elements are all equal, else None."""
+    op = v.owner
+    if isinstance(op, Const) and hasattr(op.value, "splat_value"):
+        return op.value.splat_value()
+    return None

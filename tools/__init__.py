@@ -1,0 +1,1 @@
+"""The command-line programs: geopt (and later gerun, geimport, gedoctor)."""

@@ -1,0 +1,65 @@
+"""What every GEIR command-line tool shares: reading input, printing diagnostics, atomic output."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from geir.diagnostics import Diagnostic, SourceManager
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class ToolError(Exception):
+    """A problem outside any source file (unreadable input, bad flag value) and its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE):
+        super().__init__(message)
+        self.code = code
+
+
+def read_input(path: str) -> tuple[str, bytes]:
+    """(name used in diagnostics, raw bytes) of a file, or of stdin for '-'."""
+    if path == "-":
+        return "<stdin>", sys.stdin.buffer.read()
+    try:
+        return path, Path(path).read_bytes()
+    except OSError as e:
+        raise ToolError(f"cannot read '{path}': {e.strerror or e}") from None
+
+
+def write_atomically(path: str, data: str | bytes) -> None:
+    """Write the whole file or nothing: a temporary file beside it, then a rename."""
+    target = Path(path)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+    except OSError as e:
+        raise ToolError(f"cannot write '{path}': {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class DiagnosticPrinter:
+    """Prints diagnostics to stderr with their source line and caret."""
+
+    def __init__(self, sources: SourceManager, stream=None):
+        self.sources = sources
+        self.stream = stream or sys.stderr
+
+    def __call__(self, diag: Diagnostic) -> None:
+        print(self.sources.render(diag), file=self.stream)
+
+
+def tool_error(tool: str, message: str) -> None:
+    print(f"{tool}: error: {message}", file=sys.stderr)

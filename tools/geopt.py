@@ -1,0 +1,221 @@
+"""geopt: parse, verify, run a pass pipeline over, and print GEIR (mlir-opt for GEIR)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location, SourceManager
+from geir.parser import decode_source, parse
+from geir.passes import (
+    PASSES,
+    PassContext,
+    PassManager,
+    PipelineError,
+    complete_pipeline,
+    parse_pipeline,
+    pipeline_text,
+)
+from geir.printer import print_module
+from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.tools.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    DiagnosticPrinter,
+    ToolError,
+    read_input,
+    tool_error,
+    write_atomically,
+)
+from geir.tools.verify_diagnostics import check_diagnostics, parse_expectations, unmet
+from geir.verifier import verify_module
+
+SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="geopt",
+        description="Parse a GEIR file, run passes over it and print the result.",
+        epilog=f"passes: {', '.join(sorted(PASSES))}",
+    )
+    p.add_argument("input", nargs="?", default="-", help="a .geir file, or - for standard input (default)")
+    p.add_argument("--passes", default="", metavar="PIPELINE",
+                   help="passes to run, e.g. 'cse,canonicalize{...},dce' (default: none, a round trip)")
+    p.add_argument("-o", dest="output", metavar="OUT", help="write the result here (atomically) instead of stdout")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"simulated chip (default {DEFAULT_TARGET})")
+    p.add_argument("--print-pipeline", action="store_true", help="print the pipeline actually run to stderr")
+    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass to stderr")
+    p.add_argument("--print-ir-before", action="append", default=[], metavar="P",
+                   help="print the IR before pass P (repeatable, or comma-separated)")
+    p.add_argument("--print-ir-after", action="append", default=[], metavar="P",
+                   help="print the IR after pass P (repeatable, or comma-separated)")
+    p.add_argument("--timing", action="store_true", help="print a per-pass time table (parse and print included)")
+    p.add_argument("--explain", action="store_true", help="print a remark for every fusion candidate")
+    p.add_argument("--split-input-file", action="store_true", help="process each '// -----' chunk separately")
+    p.add_argument("--verify-diagnostics", action="store_true",
+                   help="check diagnostics against expected-error/warning/remark comments")
+    p.add_argument("--no-verify", action="store_true", help="do not verify the IR after each pass")
+    return p
+
+
+def _pass_names(values: list[str], flag: str) -> set[str]:
+    names = {n for v in values for n in v.split(",") if n}
+    unknown = sorted(names - set(PASSES))
+    if unknown:
+        raise ToolError(f"{flag}: unknown pass '{unknown[0]}' (known passes: {', '.join(sorted(PASSES))})", EXIT_USAGE)
+    return names
+
+
+def split_chunks(text: str, split: bool) -> list[tuple[str, int]]:
+    """(chunk text, number of lines before it) for each `// -----` chunk, or the whole text."""
+    if not split:
+        return [(text, 0)]
+    chunks = []
+    start, line = 0, 0
+    for m in SPLIT_MARKER.finditer(text):
+        chunks.append((text[start:m.start()], line))
+        line += text.count("\n", start, m.end()) + 1
+        start = m.end() + 1
+    chunks.append((text[start:], line))
+    return chunks
+
+
+class Timer:
+    """Accumulates wall time by name in first-seen order (parse, verify, each pass, print)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
+    def report(self) -> str:
+        total = sum(self.times.values()) or 1e-12
+        bar = "===" + "-" * 73 + "==="
+        lines = [bar, "... Execution time report ...".center(79).rstrip(), bar,
+                 f"  Total Execution Time: {total:.4f} seconds", "", "  ----Wall Time----  ----Name----"]
+        for name, t in self.times.items():
+            lines.append(f"  {t:9.4f} ({100 * t / total:5.1f}%)  {name}")
+        lines.append(f"  {total:9.4f} (100.0%)  Total")
+        return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ToolError as e:
+        tool_error("geopt", str(e))
+        return e.code
+    except BrokenPipeError:
+        return EXIT_FAILURE
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        load_target(args.target)
+    except KeyError:
+        raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})", EXIT_USAGE)
+    sources = SourceManager()
+    try:
+        pipeline = complete_pipeline(parse_pipeline(args.passes))
+    except PipelineError as e:
+        sources.add("--passes", args.passes)
+        print(sources.render(Diagnostic("error", str(e), Location("--passes", 1, e.column + 1))), file=sys.stderr)
+        return EXIT_USAGE
+    before = _pass_names(args.print_ir_before, "--print-ir-before")
+    after = _pass_names(args.print_ir_after, "--print-ir-after")
+    if args.print_pipeline:
+        print(pipeline_text(pipeline), file=sys.stderr)
+
+    name, data = read_input(args.input)
+    printer = DiagnosticPrinter(sources)
+    try:
+        text = decode_source(data, name)
+    except DiagnosticError as e:
+        sources.add(name, data.decode("utf-8", errors="replace"))
+        for d in e.diagnostics:
+            printer(d)
+        return EXIT_FAILURE
+    sources.add(name, text)
+    timer = Timer()
+
+    def dump(when: str, p, module) -> None:
+        print(f"// -----// IR Dump {when} {p.NAME} //----- //", file=sys.stderr)
+        print(print_module(module), file=sys.stderr, end="")
+
+    def dump_before(p, module) -> None:
+        if p.NAME in before:
+            dump("Before", p, module)
+
+    def dump_after(p, module) -> None:
+        if args.print_ir_after_all or p.NAME in after:
+            dump("After", p, module)
+
+    pm = PassManager(pipeline, verify_each=not args.no_verify, before=dump_before, after=dump_after)
+
+    outputs: list[str] = []
+    failed = False
+    for chunk, offset in split_chunks(text, args.split_input_file):
+        produced: list[Diagnostic] = []
+        engine = DiagnosticEngine(produced.append if args.verify_diagnostics else printer)
+        out = _process_chunk(chunk, name, offset, engine, pm, args, timer)
+        if out is not None:
+            outputs.append(out)
+        if args.verify_diagnostics:
+            expected = parse_expectations(chunk, name, offset)
+            problems = check_diagnostics(expected, produced) + unmet(expected)
+            for d in problems:
+                printer(d)
+            failed |= bool(problems)
+        else:
+            failed |= out is None or engine.error_count > 0
+
+    result = "// -----\n".join(outputs)
+    if args.output:
+        if not failed:
+            write_atomically(args.output, result)
+    else:
+        sys.stdout.write(result)
+        sys.stdout.flush()
+    if args.timing:
+        print(timer.report(), file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _process_chunk(source: str, name: str, offset: int, engine: DiagnosticEngine, pm: PassManager,
+                   args: argparse.Namespace, timer: Timer) -> str | None:
+    """Parse, verify, run the pipeline and print one chunk; None when it failed (diagnostics emitted)."""
+    t0 = time.perf_counter()
+    try:
+        module = parse(source, name, offset)
+    except DiagnosticError as e:
+        for d in e.diagnostics:
+            engine.emit(d)
+        return None
+    finally:
+        timer.add("parse", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    ok = verify_module(module, engine.emit)
+    timer.add("verify", time.perf_counter() - t0)
+    if not ok:
+        return None
+    ctx = PassContext(target=args.target, diagnostics=engine, explain=args.explain)
+    pm.timings = {}
+    ok = pm.run(module, ctx)
+    for pass_name, seconds in pm.timings.items():
+        timer.add(pass_name, seconds)
+    if not ok:
+        return None
+    t0 = time.perf_counter()
+    text = print_module(module)
+    timer.add("print", time.perf_counter() - t0)
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
