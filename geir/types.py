@@ -6,7 +6,6 @@ import enum
 from functools import lru_cache
 
 import attrs
-import ml_dtypes
 import numpy as np
 
 
@@ -27,12 +26,14 @@ class DType(enum.Enum):
     @property
     def np(self) -> np.dtype:
         """The numpy dtype that stores elements of this type."""
+        if self is DType.bf16 and self not in _NUMPY:
+            _load_bfloat16()
         return _NUMPY[self]
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return _NUMPY[self].itemsize
+        return 2 if self is DType.bf16 else _NUMPY[self].itemsize
 
     @property
     def is_float(self) -> bool:
@@ -45,12 +46,20 @@ class DType(enum.Enum):
     @classmethod
     def from_numpy(cls, dtype: np.dtype) -> "DType":
         """The GEIR dtype for a numpy dtype (KeyError if there is none)."""
+        if np.dtype(dtype).name == "bfloat16":
+            return DType.bf16
         return _FROM_NUMPY[np.dtype(dtype)]
+
+
+def _load_bfloat16() -> None:
+    # ml_dtypes costs a noticeable part of every tool's start-up, so it loads on first use of bf16
+    import ml_dtypes
+
+    _NUMPY[DType.bf16] = np.dtype(ml_dtypes.bfloat16)
 
 
 _NUMPY = {
     DType.f16: np.dtype(np.float16),
-    DType.bf16: np.dtype(ml_dtypes.bfloat16),
     DType.f32: np.dtype(np.float32),
     DType.i8: np.dtype(np.int8),
     DType.i32: np.dtype(np.int32),

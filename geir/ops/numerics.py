@@ -10,12 +10,12 @@ from geir.opdef import ShapeError
 from geir.types import Dim, DType, TensorType
 
 _F32 = np.dtype(np.float32)
-_HALF = (DType.f16.np, DType.bf16.np)
+_HALF = ("float16", "bfloat16")
 
 
 def work(x: np.ndarray) -> np.ndarray:
     """The array in the precision arithmetic runs at: f16 and bf16 compute in f32, as the vector unit does."""
-    if x.dtype in _HALF:
+    if x.dtype.name in _HALF:
         return x.astype(_F32)
     return x
 
