@@ -19,6 +19,12 @@ class NestedList(list):
     depth: int = 1
 
 
+class NestedDict(dict):
+    """A dictionary literal from the parser that remembers how deeply it nests, lists included."""
+
+    depth: int = 1
+
+
 @attrs.frozen(eq=False)
 class DenseAttr:
     """`dense<...>`: a constant array; `values` holds the literal, a 0-d array when it is a splat."""
@@ -57,10 +63,17 @@ class DenseAttr:
             return f"a {_KIND_WORDS[kind]} literal cannot initialise {type}"
         if kind == "b" and type.dtype != DType.i1:
             return f"a boolean literal cannot initialise {type}"
+        if kind in "iu" and self.values.size and not type.dtype.is_float:
+            # the element type must hold every integer: no silent wrap-around when it is stored
+            lo, hi = (0, 1) if type.dtype == DType.i1 else (np.iinfo(type.dtype.np).min, np.iinfo(type.dtype.np).max)
+            bad = self.values[(self.values < lo) | (self.values > hi)]
+            if bad.size:
+                return f"integer {bad.flat[0]} is out of range for {type.dtype} (from {lo} to {hi})"
+        if not type.is_static:
+            what = "a splat" if self.values.ndim == 0 else f"a dense literal of shape {_shape_text(self.values.shape)}"
+            return f"{what} needs a static result type, not {type}"
         if self.values.ndim == 0:
             return None
-        if not type.is_static:
-            return f"a dense literal of shape {_shape_text(self.values.shape)} needs a static result type, not {type}"
         if tuple(self.values.shape) != type.shape:
             return f"dense literal has shape {_shape_text(self.values.shape)} but the result type is {type}"
         return None

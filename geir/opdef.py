@@ -40,6 +40,7 @@ _KIND_NAMES = {
     DType: "a dtype",
     "ints": "a list of integers",
     dict: "a dictionary",
+    list: "a list",
     "dense": "a dense literal",
     "any": "a value",
 }

@@ -18,7 +18,7 @@ import lark
 from lark import Lark, Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from geir.attributes import DenseAttr, DenseResourceAttr, NestedList, literal_to_array
+from geir.attributes import DenseAttr, DenseResourceAttr, NestedDict, NestedList, literal_to_array
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, error
 from geir.ir import Graph, Module, Operation, Value
 from geir.opdef import lookup
@@ -182,7 +182,7 @@ class _Builder(lark.Transformer):
 
     # --- attributes ------------------------------------------------------------------------
     def attr_dict(self, children: list) -> tuple[dict[str, Any], dict[str, Location]]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = NestedDict()
         locs: dict[str, Location] = {}
         for entry in children:
             if entry is None:
@@ -193,6 +193,11 @@ class _Builder(lark.Transformer):
                 raise error(f"attribute '{key}' is given twice", self.loc(key_tok))
             out[key] = value
             locs[key] = self.loc(key_tok)
+        # lists and dictionaries count alike: the printer and passes recurse through both
+        depth = 1 + max((v.depth for v in out.values() if isinstance(v, (NestedList, NestedDict))), default=0)
+        if depth > MAX_NESTING:
+            raise error(f"dictionaries nest more than {MAX_NESTING} deep", self.loc(children[0][0]))
+        out.depth = depth
         return out, locs
 
     def attr_entry(self, children: list) -> tuple[Token, Any]:
@@ -227,7 +232,7 @@ class _Builder(lark.Transformer):
     def list_value(self, children: list) -> NestedList:
         bracket, *elements = children
         items = NestedList(x[0] if isinstance(x, tuple) else x for x in elements if x is not None)
-        depth = 1 + max((x.depth for x in items if isinstance(x, NestedList)), default=0)
+        depth = 1 + max((x.depth for x in items if isinstance(x, (NestedList, NestedDict))), default=0)
         if depth > MAX_NESTING:
             raise error(f"lists nest more than {MAX_NESTING} deep", self.loc(bracket))
         items.depth = depth
@@ -253,9 +258,14 @@ def _holds_only_scalars(x: Any) -> bool:
 
 def _string(tok: Token, builder: _Builder) -> str:
     try:
-        return json.loads(str(tok))
+        s = json.loads(str(tok))
     except ValueError:
         raise error("bad escape in string", builder.loc(tok)) from None
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape: no UTF-8 text can hold it
+        raise error("string holds an unpaired surrogate escape", builder.loc(tok)) from None
+    return s
 
 
 def _unknown_op_message(name: str) -> str:
@@ -319,7 +329,8 @@ def decode_source(data: bytes, file: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        # in characters, like every other column (the bytes before e.start on its line are valid UTF-8)
+        col = len(data[data.rfind(b"\n", 0, e.start) + 1:e.start].decode("utf-8")) + 1
         raise error(f"input is not valid UTF-8 (byte 0x{data[e.start]:02x})", Location(file, line, col)) from None
 
 

@@ -121,10 +121,17 @@ def format_dense(values: np.ndarray) -> str:
     fmt = _element_formatter(values.dtype)
     if values.ndim == 0:
         return fmt(values[()])
-    if values.size and np.array_equal(values, np.broadcast_to(values.flat[0], values.shape),
-                                      equal_nan=values.dtype.kind == "f"):
+    if values.size and _all_equal(values):
         return fmt(values.flat[0])
     return _nested(values, fmt)
+
+
+def _all_equal(values: np.ndarray) -> bool:
+    if values.dtype.kind in "biu":
+        return bool(np.all(values == values.flat[0]))
+    # floats by bit pattern: 0.0 and -0.0 are different constants, and equal NaNs are one splat
+    bits = values.view(f"u{values.dtype.itemsize}")
+    return bool(np.all(bits == bits.flat[0]))
 
 
 def _nested(values: np.ndarray, fmt) -> str:
@@ -148,7 +155,7 @@ def _element_formatter(dtype: np.dtype):
         if not np.isfinite(f):
             return format_float(f)
         if f.is_integer() and abs(f) < 1e16:
-            return f"{int(f)}.0"
+            return f"{f:.1f}"  # keeps the sign of -0.0
         with np.errstate(over="ignore"):
             for digits in range(1, 10):
                 s = f"{f:.{digits}g}"

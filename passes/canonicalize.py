@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from geir.attributes import DenseAttr
 from geir.ir import Module, Operation, Value
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Match, Pattern, Rewriter, apply_patterns_greedily, constant_splat
@@ -144,9 +147,34 @@ class ReshapeToSame(Pattern):
         rw.replace(m.root, [m.root.operands[0]])
 
 
+class SplatToScalar(Pattern):
+    """A constant operand whose elements are all equal becomes a scalar when broadcasting keeps the result shape."""
+
+    NAME, ROOT = "splat-to-scalar", tuple(f"ge.{n}" for n in ("add", "sub", "mul", "div", "max", "min", "pow"))
+
+    def match(self, op: Operation) -> Match | None:
+        for side in (0, 1):
+            v = op.operands[side]
+            value = constant_splat(v)
+            other = op.operands[1 - side]
+            if value is not None and v.type.rank > 0 and other.type is not None \
+                    and other.type.shape == op.result.type.shape:
+                return Match(op, side=side, value=value)
+        return None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = m.root
+        v = op.operands[m.side]
+        scalar = rw.create("ge.const", [], {"value": DenseAttr(np.array(m.value, dtype=v.type.dtype.np))},
+                           [v.type.with_shape(())], before=op)
+        operands = list(op.operands)
+        operands[m.side] = scalar.result
+        rw.replace(op, rw.create(op.name, operands, dict(op.attributes), [op.result.type], before=op))
+
+
 CANONICAL_PATTERNS: tuple[type[Pattern], ...] = (
     AddZero, SubZero, MulOne, DivOne, NegNeg, CastToSame,
-    TransposeTranspose, IdentityTranspose, ReshapeReshape, ReshapeToSame,
+    TransposeTranspose, IdentityTranspose, ReshapeReshape, ReshapeToSame, SplatToScalar,
 )
 
 

@@ -123,7 +123,7 @@ def parse_pipeline(text: str) -> list[Pass]:
                 raise PipelineError("missing '}' after the options", i)
             j = i + 1
             body = text[j:close]
-            for m in _option_items(body):
+            for m in _option_items(body, j):
                 key, value, col = m
                 if key in options:
                     raise PipelineError(f"option '{key}' given twice", j + col)
@@ -133,14 +133,15 @@ def parse_pipeline(text: str) -> list[Pass]:
     return passes
 
 
-def _option_items(body: str) -> list[tuple[str, str, int]]:
+def _option_items(body: str, base: int) -> list[tuple[str, str, int]]:
+    """`k=v k2=v2` -> (key, value, offset in body) per item; errors carry the pipeline column (body starts at `base`)."""
     items = []
     pos = 0
     for part in body.split(" "):
         if part:
             key, eq, value = part.partition("=")
             if not eq:
-                raise PipelineError(f"option '{key}' needs a value: {key}=...", pos)
+                raise PipelineError(f"option '{key}' needs a value: {key}=...", base + pos)
             items.append((key, value, pos))
         pos += len(part) + 1
     return items
@@ -159,7 +160,11 @@ def _instantiate(cls: type[Pass], options: dict[str, tuple[str, int]]) -> Pass:
             kwargs[field.name] = _convert(value, hints[field.name])
         except ValueError as e:
             raise PipelineError(f"option '{key}' of pass '{cls.NAME}': {e}", col) from None
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # an option validator refused a value
+        col = min((c for _, c in options.values()), default=0)
+        raise PipelineError(f"pass '{cls.NAME}': {e}", col) from None
 
 
 def _convert(text: str, hint: Any) -> Any:

@@ -39,7 +39,8 @@ class Pattern:
     """A rewrite rooted at ops named `ROOT`."""
 
     NAME: ClassVar[str] = ""
-    ROOT: ClassVar[str] = ""
+    # the op name this pattern is rooted at, or a tuple of names
+    ROOT: ClassVar[str | tuple[str, ...]] = ""
     BENEFIT: ClassVar[int] = 1
     # whether outcomes are --explain remarks (fusion rules); identities stay quiet
     EXPLAIN: ClassVar[bool] = False
@@ -110,9 +111,12 @@ class PatternListener:
             self.misses[(p.NAME, id(op))] = (p, op, reason)
 
     def remarks(self) -> list[tuple[str, Location]]:
-        """One remark per candidate, in source order; misses of ops since rewritten away are dropped."""
+        """One remark per candidate, in source order: fused, or the last reason it did not match.
+
+        A miss stays even when another rule later absorbed the op: its reason is still why this rule did not fire.
+        """
         out = [(f"{p.NAME} fused", loc) for p, loc in self.fired]
-        out += [(f"{p.NAME} not fused: {why}", op.loc) for p, op, why in self.misses.values() if not op.erased]
+        out += [(f"{p.NAME} not fused: {why}", op.loc) for p, op, why in self.misses.values()]
         return sorted(out, key=lambda r: (r[1].line, r[1].col, r[0]))
 
 
@@ -125,7 +129,8 @@ def apply_patterns_greedily(graph: Graph, patterns: Iterable[Pattern], listener:
     """Rewrite to a fixpoint; True when anything changed. Each op is visited once plus once per touch."""
     by_root: dict[str, list[Pattern]] = {}
     for p in sorted(patterns, key=lambda p: -p.BENEFIT):
-        by_root.setdefault(p.ROOT, []).append(p)
+        for root in (p.ROOT,) if isinstance(p.ROOT, str) else p.ROOT:
+            by_root.setdefault(root, []).append(p)
     listener = listener or PatternListener()
     worklist = deque(graph.ops)
     queued = {id(op) for op in worklist}

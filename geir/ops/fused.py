@@ -1,0 +1,125 @@
+"""Ops that fusion creates: a chain of elementwise ops as one vector kernel, matmul with an epilogue.
+
+Both reuse the semantics of the ops they stand for (each step runs that op's own `compute`), so
+a fused graph computes what the unfused one did, step for step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from geir.ir import Operation
+from geir.opdef import Attr, ShapeError, lookup, op
+from geir.ops.linalg import Matmul
+from geir.ops.numerics import broadcast_dims, work
+from geir.types import TensorType
+
+# The ops a vector kernel can chain: elementwise, with numpy broadcasting.
+ELEMENTWISE_OPS = frozenset(
+    f"ge.{n}" for n in (
+        "add", "sub", "mul", "div", "max", "min", "pow", "greater", "less", "equal", "select",
+        "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast",
+    )
+)
+
+
+def _step_op(step: dict[str, Any]) -> Operation:
+    """A detached op standing for one step of a fused body (for its shape rule and semantics)."""
+    cls = lookup(step["op"])
+    return cls(step["op"], [], [], dict(step.get("attrs", {})))
+
+
+@op("ge.fused_elementwise")
+class FusedElementwise(Operation):
+    """A chain of elementwise ops run as one vector kernel.
+
+    `body` lists the steps in order: `{op = "ge.mul", args = [0, 1]}`; argument i < #operands is
+    operand i, and #operands + j is the result of step j. The last step is the result.
+    """
+
+    OPERAND_NAMES = ("x+",)
+    body = Attr(list)
+
+    def verify(self) -> str | None:
+        if not self.body:
+            return "fused_elementwise needs at least one step in its body"
+        n = len(self.operands)
+        for j, step in enumerate(self.body):
+            if not isinstance(step, dict) or not isinstance(step.get("op"), str) or not isinstance(step.get("args"), list):
+                return f"body step {j} must be a dictionary {{op = \"ge.NAME\", args = [...]}}"
+            if step["op"] not in ELEMENTWISE_OPS:
+                return f"body step {j}: '{step['op']}' is not an elementwise op"
+            cls = lookup(step["op"])
+            arity = len(cls.OPERAND_NAMES)
+            if len(step["args"]) != arity:
+                return f"body step {j}: {step['op']} takes {arity} argument{'s' * (arity != 1)}, got {len(step['args'])}"
+            for a in step["args"]:
+                if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < n + j:
+                    return f"body step {j}: argument {a} must name an operand or an earlier step (0..{n + j - 1})"
+            attrs = step.get("attrs", {})
+            if not isinstance(attrs, dict):
+                return f"body step {j}: attrs must be a dictionary"
+            for key, spec in cls.ATTRS.items():
+                if key in attrs:
+                    why = spec.check(attrs[key])
+                    if why:
+                        return f"body step {j}: {why}"
+                elif spec.required:
+                    return f"body step {j}: {step['op']} needs attribute '{key}'"
+        return None
+
+    def step_types(self, *types: TensorType) -> list[TensorType]:
+        """The type of every operand and step value, in body numbering."""
+        values = list(types)
+        for step in self.body:
+            t = _step_op(step).infer(*[values[a] for a in step["args"]])
+            values.append(TensorType(t.shape, t.dtype))
+        return values
+
+    def infer(self, *types: TensorType) -> TensorType:
+        return self.step_types(*types)[-1]
+
+    def compute(self, *xs: np.ndarray) -> np.ndarray:
+        # Round each step to its dtype as the unfused graph would, unless the reference runs in
+        # float64 (then every step keeps full precision, as unfused ops do there too).
+        float64 = any(x.dtype == np.float64 for x in xs)
+        types = self.step_types(*[v.type for v in self.operands]) if not float64 else None
+        values = list(xs)
+        for j, step in enumerate(self.body):
+            out = _step_op(step).compute(*[values[a] for a in step["args"]])
+            if types is not None:
+                out = np.asarray(out).astype(types[len(xs) + j].dtype.np, copy=False)
+            values.append(out)
+        return values[-1]
+
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+
+@op("ge.fused_matmul")
+class FusedMatmul(Matmul):
+    """matmul with an epilogue: `act(a @ b + bias)`, the bias and activation applied in f32 before the result is rounded."""
+
+    OPERAND_NAMES = ("a", "b", "bias?")
+    activation = Attr(str, default="none", choices=ACTIVATIONS)
+
+    def infer(self, a: TensorType, b: TensorType, bias: TensorType | None = None) -> TensorType:
+        out = super().infer(a, b)
+        if bias is not None:
+            if bias.dtype != out.dtype:
+                raise ShapeError(f"bias dtype {bias.dtype} differs from the matmul's {out.dtype}")
+            if broadcast_dims(out.shape, bias.shape) != out.shape:
+                raise ShapeError(f"bias {bias} does not broadcast to the matmul result {out}")
+        return out
+
+    def compute(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        y = super().compute(a, b)
+        if bias is not None:
+            y = y + work(bias)
+        act = self.activation
+        if act == "none":
+            return y
+        name, attrs = ("ge.gelu", {"approximate": "tanh"}) if act == "gelu_tanh" else (f"ge.{act}", {})
+        return _step_op({"op": name, "attrs": attrs}).compute(y)

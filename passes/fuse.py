@@ -1,0 +1,62 @@
+"""fuse: pattern fusion with a reason for every candidate that did not fuse (--explain).
+
+Rules run in tiers by benefit: every rule of a higher tier gets the whole graph before any rule
+of a lower one, so specific fusions (softmax, norms, GELU, then attention) are not pre-empted by
+generic ones (matmul epilogues, elementwise chains) that would swallow their pieces. Within a
+tier the greedy driver runs to a fixpoint, so rules compose: a written-out softmax becomes
+`ge.softmax` first, and the attention rule then matches it.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import attrs
+
+from geir.ir import Module
+from geir.passes.fusion.attention import FuseFlashAttention
+from geir.passes.fusion.elementwise import FuseElementwiseChain
+from geir.passes.fusion.epilogue import FuseMatmulEpilogue
+from geir.passes.fusion.gelu import FuseGelu
+from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
+from geir.passes.fusion.softmax import DecomposedSoftmax
+from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.passes.pattern import Pattern, PatternListener, apply_patterns_greedily
+
+# Every fusion rule by name (the names `rules=` and `disable=` take).
+FUSION_RULES: dict[str, type[Pattern]] = {
+    p.NAME: p for p in (
+        DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu,
+        FuseFlashAttention, FuseMatmulEpilogue, FuseElementwiseChain,
+    )
+}
+
+
+def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:
+    unknown = [n for n in names if n not in FUSION_RULES]
+    if unknown:
+        raise ValueError(f"unknown fusion rule '{unknown[0]}' (rules: {', '.join(FUSION_RULES)})")
+
+
+@register_pass("fuse")
+@attrs.define(kw_only=True)
+class Fuse(Pass):
+    """Fuse op patterns into kernels; `rules` picks rules (default all), `disable` drops some."""
+
+    REQUIRES = ("infer-shapes",)
+    rules: list[str] = attrs.field(factory=list, validator=_known_rules)
+    disable: list[str] = attrs.field(factory=list, validator=_known_rules)
+
+    def selected(self) -> list[Pattern]:
+        names = self.rules or list(FUSION_RULES)
+        return [FUSION_RULES[n]() for n in names if n not in self.disable]
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        patterns = sorted(self.selected(), key=lambda p: -p.BENEFIT)
+        tiers = [list(group) for _, group in groupby(patterns, key=lambda p: p.BENEFIT)]
+        for g in module.graphs:
+            listener = PatternListener()
+            for tier in tiers:
+                apply_patterns_greedily(g, tier, listener)
+            for message, loc in listener.remarks():
+                ctx.remark(message, loc)

@@ -1,0 +1,215 @@
+"""Scaled dot-product attention, in its common spellings, becomes one `ge.flash_attention`.
+
+Rooted at the second matmul `P @ V`. Walking up from the softmax it accepts, in any order,
+a scale (`mul` or `div` by a scalar constant, on the scores or on q), an additive mask (an
+argument or a constant; a constant lower-triangular -inf mask becomes `causal = true`) or a
+boolean `select` mask, optional casts to f32 around the softmax, and the first matmul with k
+transposed (`transpose_b = true` or `ge.transpose` of the last two axes). Every other shape of
+graph is a miss with the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geir.ir import Operation, Value
+from geir.opdef import ShapeError
+from geir.ops.linalg import FlashAttention
+from geir.passes.fusion.match import const_array, defining, other_operand, scalar_constant, used_only_by
+from geir.passes.pattern import Match, Miss, Pattern, Rewriter
+from geir.types import DType
+
+# A mask value at or below this is as good as -inf: exp() of it underflows to 0 in every dtype.
+_MASKED = -1e4
+
+
+def _is_masked_fill(v: Value) -> bool:
+    c = scalar_constant(v)
+    return c is not None and c <= _MASKED
+
+
+def causal_pattern(arr: np.ndarray, boolean: bool) -> bool:
+    """True when a constant mask is exactly the top-left-aligned causal mask (key j > query i masked)."""
+    if arr.ndim < 2 or any(d != 1 for d in arr.shape[:-2]):
+        return False
+    sq, skv = arr.shape[-2:]
+    keep = np.tril(np.ones((sq, skv), dtype=bool))
+    m = arr.reshape(sq, skv)
+    if boolean:
+        return bool(np.array_equal(m.astype(bool), keep))
+    with np.errstate(invalid="ignore"):
+        return bool(np.all(m[keep] == 0) and np.all(m[~keep] <= _MASKED))
+
+
+class FuseFlashAttention(Pattern):
+    """softmax(scale * q @ k^T + mask) @ v -> ge.flash_attention."""
+
+    NAME, ROOT, BENEFIT, EXPLAIN = "flash_attention", "ge.matmul", 20, True
+
+    def match(self, pv: Operation) -> Match | Miss | None:
+        p_val = pv.operands[0]
+        cast_out = defining(p_val, "ge.cast")
+        if cast_out is not None and defining(cast_out.operands[0], "ge.softmax"):
+            p_val = cast_out.operands[0]
+        sm = defining(p_val, "ge.softmax")
+        if sm is None:
+            d = defining(p_val, "ge.div")
+            if d is not None and defining(d.operands[0], "ge.exp"):
+                return Miss("the probabilities are a written-out softmax that did not fuse (see the softmax remark)")
+            return None  # an ordinary matmul
+        if pv.transpose_a:
+            return Miss("the second matmul transposes the probabilities")
+        if pv.transpose_b:
+            return Miss("the second matmul transposes v; the fused kernel takes v as [B, N, Skv, D]")
+        rank = sm.result.type.rank
+        if sm.axis % max(rank, 1) != rank - 1:
+            return Miss(f"softmax axis is {sm.axis}, not the last axis")
+        if not used_only_by(sm.result, cast_out or pv) or (cast_out and not used_only_by(cast_out.result, pv)):
+            return Miss("the attention probabilities are also used elsewhere; fusing would drop them")
+
+        found = _walk_scores(sm.operands[0])
+        if isinstance(found, Miss):
+            return found
+        q, k, scale, mask, causal = found
+        v = pv.operands[1]
+        if not (q.type.dtype == k.type.dtype == v.type.dtype):
+            return Miss(f"q, k and v dtypes differ: {q.type.dtype}, {k.type.dtype}, {v.type.dtype}")
+        if q.type.rank != 4 or k.type.rank != 4 or v.type.rank != 4:
+            return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k.type.rank}, {v.type.rank}")
+        d = q.type.shape[-1]
+        if d is not None and d % 16:
+            return Miss(f"head dim {d} is not a multiple of 16")
+        attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
+        operands = [q, k, v] + ([mask] if mask is not None else [])
+        try:
+            t = FlashAttention("ge.flash_attention", [], [], attrs).infer(*[x.type for x in operands])
+        except ShapeError as e:
+            return Miss(f"the fused op would not type-check: {e}")
+        if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:
+            return Miss(f"the fused result {t} differs from the attention's result {pv.result.type}")
+        return Match(pv, operands=operands, attrs=attrs)
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = rw.create("ge.flash_attention", m.operands, m.attrs, [m.root.result.type], before=m.root)
+        rw.replace(m.root, op)
+
+
+def _walk_scores(x: Value):
+    """From the softmax input up to `q @ k^T`: (q, k, scale, mask, causal) or a Miss."""
+    scale = 1.0
+    mask: Value | None = None
+    causal = False
+    seen_scale = False  # walking up, a scale seen before the mask was applied after it
+    mask_before_scale = False
+    chain: list[Operation] = []  # intermediates that must have no other users
+    while True:
+        op = x.owner
+        if op is None:
+            return Miss("the softmax input is a graph argument, not attention scores")
+        if op.name == "ge.cast":
+            chain.append(op)
+            x = op.operands[0]
+            continue
+        if op.name in ("ge.mul", "ge.div"):
+            for side in (1, 0) if op.name == "ge.mul" else (1,):
+                c = scalar_constant(op.operands[side])
+                if c is not None:
+                    break
+            else:
+                if any(const_array(o) is not None for o in op.operands):
+                    return Miss(f"the scale is not a scalar constant ({op.name} by a tensor)")
+                return Miss(f"the scores are scaled by a {op.name} with a non-constant")
+            if op.name == "ge.div" and c == 0:
+                return Miss("the scores are divided by zero")
+            scale *= c if op.name == "ge.mul" else 1.0 / c
+            seen_scale = True
+            chain.append(op)
+            x = op.operands[1 - side]
+            continue
+        if op.name == "ge.add":
+            if mask is not None or causal:
+                return Miss("the scores get two masks added")
+            a, b = op.operands
+            side = _mask_side(a, b)
+            if side is None:
+                return Miss("neither operand of the mask add is a mask (both come from matmuls)")
+            m, x = (a, b) if side == 0 else (b, a)
+            mask_before_scale = seen_scale
+            arr = const_array(m)
+            if arr is not None and causal_pattern(arr, boolean=False):
+                causal = True
+            else:
+                if m.type.dtype == DType.i1 or not m.type.dtype.is_float:
+                    return Miss(f"the additive mask has dtype {m.type.dtype}, not a float")
+                mask = m
+            chain.append(op)
+            continue
+        if op.name == "ge.select":
+            if mask is not None or causal:
+                return Miss("the scores get two masks")
+            cond, keep, fill = op.operands
+            if not _is_masked_fill(fill):
+                if _is_masked_fill(keep):
+                    return Miss("the select keeps -inf where the condition is true; the fused mask means true = keep")
+                return Miss("the select fills masked scores with something other than -inf")
+            arr = const_array(cond)
+            if arr is not None and causal_pattern(arr, boolean=True):
+                causal = True
+            else:
+                mask = cond
+            chain.append(op)
+            x = keep
+            continue
+        if op.name == "ge.matmul":
+            break
+        return Miss(f"the scores come from {op.name}, not from q @ k^T")
+    if mask is not None and mask_before_scale and mask.type.dtype != DType.i1:
+        return Miss("the additive mask is added before the scale; the fused kernel adds it after scaling")
+    for inner in chain:
+        if len(inner.result.users()) != 1:
+            return Miss(f"the intermediate {inner.name} result is also used elsewhere; fusing would drop it")
+    qk = op
+    if qk.transpose_a:
+        return Miss("the first matmul transposes q")
+    if len(qk.result.users()) != 1:
+        return Miss("the scores q @ k^T are also used elsewhere; fusing would drop them")
+    q, kt = qk.operands
+    if qk.transpose_b:
+        k = kt
+    else:
+        t = defining(kt, "ge.transpose")
+        if t is None:
+            return Miss("the first matmul's right operand is not k transposed (no ge.transpose, transpose_b = false)")
+        rank = len(t.perm)
+        want = list(range(rank - 2)) + [rank - 1, rank - 2]
+        if list(t.perm) != want:
+            return Miss(f"k is transposed with perm {t.perm}, not a swap of the last two axes")
+        k = t.operands[0]
+    # a scale applied to q before the matmul is the same scale
+    qs = defining(q, "ge.mul", "ge.div")
+    if qs is not None and len(q.users()) == 1:
+        for side in (1, 0) if qs.name == "ge.mul" else (1,):
+            c = scalar_constant(qs.operands[side])
+            if c is not None and c != 0:
+                scale *= c if qs.name == "ge.mul" else 1.0 / c
+                q = qs.operands[1 - side]
+                break
+    return q, k, float(scale), mask, causal
+
+
+def _mask_side(a: Value, b: Value) -> int | None:
+    """Which operand of `scores + mask` is the mask: the one that does not come from the scores path."""
+    def from_scores(v: Value) -> bool:
+        op = v.owner
+        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast"):
+            inner = [o for o in op.operands if scalar_constant(o) is None]
+            if len(inner) != 1:
+                return False
+            op = inner[0].owner
+        return op is not None and op.name == "ge.matmul"
+
+    if from_scores(b) and not from_scores(a):
+        return 0
+    if from_scores(a) and not from_scores(b):
+        return 1
+    return None

@@ -1,0 +1,53 @@
+"""Small matchers the fusion rules share: who defines a value, who uses it, constant values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from geir.attributes import DenseAttr
+from geir.ir import Operation, Value
+from geir.ops.core import Const
+
+
+def defining(v: Value | None, *names: str) -> Operation | None:
+    """The op that defines `v` when it is one of `names`, else None."""
+    op = v.owner if v is not None else None
+    return op if op is not None and op.name in names else None
+
+
+def used_only_by(v: Value, *ops: Operation) -> bool:
+    """Every use of `v` is by one of `ops`."""
+    return all(any(u is o for o in ops) for u in v.uses)
+
+
+def const_array(v: Value) -> np.ndarray | None:
+    """The value of a `dense<...>` constant (in its own dtype), else None."""
+    op = v.owner
+    if isinstance(op, Const) and isinstance(op.value, DenseAttr) and v.type is not None:
+        return op.value.to_array(v.type)
+    return None
+
+
+def scalar_constant(v: Value) -> float | None:
+    """The number held by a constant with a single element (any rank of ones, or a splat of one element)."""
+    arr = const_array(v)
+    if arr is None or arr.size != 1:
+        return None
+    return float(np.asarray(arr, dtype=np.float64).reshape(()))
+
+
+def close(a: float | None, b: float, rel: float = 2e-3) -> bool:
+    """Equal up to the rounding a half-precision constant suffers."""
+    return a is not None and math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def is_last_axis(axes: list[int], rank: int) -> bool:
+    return len(axes) == 1 and rank > 0 and axes[0] % rank == rank - 1
+
+
+def other_operand(op: Operation, v: Value) -> Value:
+    """The operand of a binary op that is not `v`."""
+    a, b = op.operands
+    return b if a is v else a
