@@ -172,9 +172,34 @@ class SplatToScalar(Pattern):
         rw.replace(op, rw.create(op.name, operands, dict(op.attributes), [op.result.type], before=op))
 
 
+class TransDataPair(Pattern):
+    """trans_data(trans_data(x)) -> trans_data(x), or x when it is already in the final format."""
+
+    NAME, ROOT = "trans-data-pair", "ge.trans_data"
+
+    def match(self, op: Operation) -> Match | None:
+        x = op.operands[0]
+        inner = x.owner
+        if x.type is not None and x.type.format == op.dst_format:
+            return Match(op, value=x)
+        if inner is not None and inner.name == "ge.trans_data":
+            source = inner.operands[0]
+            if source.type is not None and source.type.format == op.dst_format:
+                return Match(op, value=source)
+            return Match(op, value=None, source=source)
+        return None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = m.root
+        if m.value is not None:
+            rw.replace(op, [m.value])
+        else:
+            rw.replace(op, rw.create("ge.trans_data", [m.source], dict(op.attributes), [op.result.type], before=op))
+
+
 CANONICAL_PATTERNS: tuple[type[Pattern], ...] = (
     AddZero, SubZero, MulOne, DivOne, NegNeg, CastToSame,
-    TransposeTranspose, IdentityTranspose, ReshapeReshape, ReshapeToSame, SplatToScalar,
+    TransposeTranspose, IdentityTranspose, ReshapeReshape, ReshapeToSame, SplatToScalar, TransDataPair,
 )
 
 

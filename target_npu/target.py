@@ -52,3 +52,12 @@ def load_target(name_or_path: str = DEFAULT_TARGET) -> Target:
             raise KeyError(name_or_path)
     data = tomllib.loads(path.read_text())
     return Target(data.get("name", path.stem), data)
+
+
+def check_target(instance: object, attribute: object, name: str) -> None:
+    """attrs validator for a pass's `target` option: empty (use --target), a bundled name, or a TOML path."""
+    if name:
+        try:
+            load_target(name)
+        except KeyError:
+            raise ValueError(f"unknown target '{name}' (available: {', '.join(available_targets())})") from None
