@@ -1,0 +1,202 @@
+"""plan: the device-memory plan of a graph, one arena with an offset for every intermediate result.
+
+Where tensors live:
+- Graph inputs are the caller's buffers (the Runtime binds them); they are not in the arena and
+  the graph never writes into them, so no result takes an input's place.
+- Constants live in the Runtime's read-only constant store, uploaded once and shared by every
+  run and every re-plan; they are not in the arena either and carry no `mem_offset`.
+- Every other op result lives in the arena, from the op that produces it to its last use. Graph
+  outputs are used by `ge.return`, so they stay live to the end of the graph and nothing
+  overwrites them once produced; the Runtime copies them out after the run. An output that is
+  an input or a constant is served from there.
+
+Each tensor takes its byte size rounded up to `alignment` (512, the HBM block), at an offset that
+is a multiple of it. An elementwise op's result may take the slot of an operand in place when they
+have the same element count, element size and format and the operand dies at that op (it is
+neither a graph input nor a constant, and nothing later reads it). Offsets are chosen greedily by
+size (largest first, each into the best-fitting gap among the placed tensors whose lifetimes
+overlap its own), as TensorFlow Lite's arena planner does.
+
+`arena_lower_bound` is the most bytes, at aligned sizes, that the arena holds live at any one op
+(a tensor in place of its operand counts once), so no plan of these tensors with this alignment
+can be smaller and `arena_size / arena_lower_bound` measures the placement alone.
+
+A graph whose arena would hold a tensor with a `?` dimension is not planned: the pass leaves it
+without plan attributes and says so in an --explain remark; the Runtime plans it per input shape.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from geir.diagnostics import Location
+from geir.ir import Graph, Module, Value
+from geir.passes.pass_manager import Pass, PassContext, register_pass
+
+# Ops whose result element i depends only on element i of each same-sized operand.
+ELEMENTWISE = frozenset(
+    f"ge.{n}" for n in (
+        "add", "sub", "mul", "div", "max", "min", "pow", "greater", "less", "equal", "select",
+        "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast",
+        "fused_elementwise",
+    )
+)
+
+
+class UnplannableError(ValueError):
+    """A tensor the arena would hold has no static size; `value` is the first such tensor."""
+
+    def __init__(self, value: Value):
+        super().__init__(f"%{value.name or '?'} has a dynamic shape ({value.type})")
+        self.value = value
+
+
+@attrs.frozen
+class MemoryPlan:
+    """Arena offsets, aligned sizes and [first, last] op-index lifetimes of the arena's tensors."""
+
+    offsets: dict[Value, int]
+    sizes: dict[Value, int]
+    lifetimes: dict[Value, tuple[int, int]]
+    inplace: dict[Value, Value]  # result -> the operand whose slot it took
+    arena_size: int
+    arena_lower_bound: int
+    alignment: int
+
+    @property
+    def ratio(self) -> float:
+        """arena_size / arena_lower_bound (1.0 for an empty arena)."""
+        return self.arena_size / self.arena_lower_bound if self.arena_lower_bound else 1.0
+
+
+def align(nbytes: int, alignment: int) -> int:
+    """`nbytes` rounded up to a multiple of `alignment`."""
+    return -(-nbytes // alignment) * alignment
+
+
+def _can_take_slot(op_name: str, x: Value, r: Value) -> bool:
+    """Whether result `r` of an elementwise op may overwrite its operand `x` element by element."""
+    a, b = x.type, r.type
+    return (op_name in ELEMENTWISE and a.num_elements == b.num_elements
+            and a.dtype.itemsize == b.dtype.itemsize and a.format == b.format)
+
+
+def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> MemoryPlan:
+    """Plan the arena of `graph` (types inferred); raises UnplannableError on a dynamic-shape tensor."""
+    if alignment <= 0:
+        raise ValueError(f"alignment must be positive, not {alignment}")
+    ops = graph.ops
+    index = {id(op): i for i, op in enumerate(ops)}
+    lifetimes: dict[Value, tuple[int, int]] = {}
+    sizes: dict[Value, int] = {}
+    slot: dict[Value, int] = {}  # value -> buffer number
+    buf_values: list[list[Value]] = []
+    buf_start: list[int] = []
+    buf_end: list[int] = []
+    inplace_of: dict[Value, Value] = {}
+    for i, op in enumerate(ops):
+        if op.name == "ge.const":
+            continue
+        for r in op.results:
+            if r.type is None or not r.type.is_static:
+                raise UnplannableError(r)
+            end = max((index[id(u)] for u in r.uses), default=i)
+            lifetimes[r] = (i, end)
+            sizes[r] = align(r.type.nbytes, alignment)
+            taken = None
+            if inplace and len(op.results) == 1:
+                taken = next((x for x in op.operands
+                              if x in slot and lifetimes[x][1] == i and _can_take_slot(op.name, x, r)), None)
+            if taken is None:
+                slot[r] = len(buf_values)
+                buf_values.append([r])
+                buf_start.append(i)
+                buf_end.append(end)
+            else:
+                b = slot[r] = slot[taken]
+                del slot[taken]  # the slot now belongs to r: nothing else may take it from `taken`
+                buf_values[b].append(r)
+                buf_end[b] = end
+                inplace_of[r] = taken
+    buf_size = [sizes[vs[0]] for vs in buf_values]
+    buf_offset = assign_offsets(buf_size, buf_start, buf_end)
+    offsets = {v: buf_offset[b] for b, vs in enumerate(buf_values) for v in vs}
+    arena = max((o + s for o, s in zip(buf_offset, buf_size)), default=0)
+    return MemoryPlan(offsets, sizes, lifetimes, inplace_of, arena,
+                      live_bytes_peak(buf_size, buf_start, buf_end), alignment)
+
+
+def live_bytes_peak(sizes: list[int], starts: list[int], ends: list[int]) -> int:
+    """The most bytes live at one time step; buffer i lives over steps starts[i]..ends[i] inclusive."""
+    if not sizes:
+        return 0
+    delta = np.zeros(max(ends) + 2, dtype=np.int64)
+    np.add.at(delta, np.asarray(starts), np.asarray(sizes, dtype=np.int64))
+    np.add.at(delta, np.asarray(ends) + 1, -np.asarray(sizes, dtype=np.int64))
+    return int(np.cumsum(delta).max())
+
+
+def assign_offsets(sizes: list[int], starts: list[int], ends: list[int], width: int = 16) -> list[int]:
+    """Greedy by size, best fit: buffers whose lifetimes overlap get disjoint [offset, offset + size).
+
+    Placed buffers are indexed by `width`-step buckets of time, so finding the ones that overlap
+    a buffer costs about its overlaps: O(n log n) plus the overlapping pairs, not O(n^2).
+    """
+    offsets = [0] * len(sizes)
+    buckets: dict[int, list[int]] = {}
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], starts[i], -ends[i])):
+        size, s, e = sizes[i], starts[i], ends[i]
+        if size == 0:
+            continue
+        spanned = range(s // width, e // width + 1)
+        near = {j for b in spanned for j in buckets.get(b, ())}
+        busy = sorted((offsets[j], offsets[j] + sizes[j]) for j in near if starts[j] <= e and ends[j] >= s)
+        best, best_gap, reach = None, 0, 0  # reach: where everything placed below has ended
+        for lo, hi in busy:
+            gap = lo - reach
+            if gap >= size and (best is None or gap < best_gap):
+                best, best_gap = reach, gap
+            reach = max(reach, hi)
+        offsets[i] = reach if best is None else best
+        for b in spanned:
+            buckets.setdefault(b, []).append(i)
+    return offsets
+
+
+def _clear(graph: Graph) -> None:
+    """Drop a previous plan's attributes."""
+    graph.attributes.pop("arena_size", None)
+    graph.attributes.pop("arena_lower_bound", None)
+    for op in graph.ops:
+        op.attributes.pop("mem_offset", None)
+
+
+@register_pass("plan")
+class Plan(Pass):
+    """Plan device memory: liveness, in-place reuse, best-fit offsets; prints `mem_offset` and the arena size."""
+
+    REQUIRES = ("infer-shapes",)
+    alignment: int = 512
+    inplace: bool = True
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        if self.alignment <= 0:
+            ctx.error(f"plan: alignment must be a positive number of bytes, not {self.alignment}",
+                      Location(module.file, 0, 0))
+            return
+        for g in module.graphs:
+            _clear(g)
+            try:
+                plan = plan_memory(g, self.alignment, self.inplace)
+            except UnplannableError as e:
+                ctx.remark(f"plan: not planned: {e}; the Runtime plans this graph once the input shapes are known",
+                           e.value.loc)
+                continue
+            for op in g.ops:
+                if op.results and op.name != "ge.const":
+                    op.attributes["mem_offset"] = [plan.offsets[r] for r in op.results]
+            g.attributes["arena_size"] = plan.arena_size
+            g.attributes["arena_lower_bound"] = plan.arena_lower_bound
+            ctx.remark(f"plan: arena {plan.ratio:.2f}x the lower bound (arena_size {plan.arena_size} B, "
+                       f"arena_lower_bound {plan.arena_lower_bound} B, {len(plan.inplace)} in place)", g.loc)
