@@ -52,6 +52,8 @@ class DenseAttr:
             arr = arr.astype(type.dtype.np)
         if arr.ndim == 0 and type.shape != ():
             arr = np.broadcast_to(arr, type.shape)
+        elif arr.size == 0 and arr.shape != type.shape:
+            arr = arr.reshape(type.shape)  # `dense<[]>` stands for any empty tensor
         return arr
 
     def check_against(self, type: TensorType) -> str | None:
@@ -74,6 +76,8 @@ class DenseAttr:
             return f"{what} needs a static result type, not {type}"
         if self.values.ndim == 0:
             return None
+        if self.values.size == 0 and type.num_elements == 0:
+            return None  # `[]` is the only way to write an empty tensor of rank 2 or more
         if tuple(self.values.shape) != type.shape:
             return f"dense literal has shape {_shape_text(self.values.shape)} but the result type is {type}"
         return None

@@ -129,6 +129,8 @@ def parse_pipeline(text: str) -> list[Pass]:
                     raise PipelineError(f"option '{key}' given twice", j + col)
                 options[key] = (value, j + col)
             i = close + 1
+            if i < n and text[i] not in ", ":
+                raise PipelineError(f"expected ',' after the options of '{name}'", i)
         passes.append(_instantiate(cls, options))
     return passes
 
