@@ -71,26 +71,35 @@ class FuseFlashAttention(Pattern):
         if isinstance(found, Miss):
             return found
         q, k, scale, mask, causal = found
+        k_perm = None
+        if isinstance(k, tuple):
+            k, k_perm = k
+        k_type = k.type if k_perm is None else k.type.with_shape(tuple(k.type.shape[p] for p in k_perm))
         v = pv.operands[1]
-        if not (q.type.dtype == k.type.dtype == v.type.dtype):
-            return Miss(f"q, k and v dtypes differ: {q.type.dtype}, {k.type.dtype}, {v.type.dtype}")
-        if q.type.rank != 4 or k.type.rank != 4 or v.type.rank != 4:
-            return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k.type.rank}, {v.type.rank}")
+        if not (q.type.dtype == k_type.dtype == v.type.dtype):
+            return Miss(f"q, k and v dtypes differ: {q.type.dtype}, {k_type.dtype}, {v.type.dtype}")
+        if q.type.rank != 4 or k_type.rank != 4 or v.type.rank != 4:
+            return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k_type.rank}, {v.type.rank}")
         d = q.type.shape[-1]
         if d is not None and d % 16:
             return Miss(f"head dim {d} is not a multiple of 16")
         attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
         operands = [q, k, v] + ([mask] if mask is not None else [])
         try:
-            t = FlashAttention("ge.flash_attention", [], [], attrs).infer(*[x.type for x in operands])
+            types = [x.type for x in operands]
+            types[1] = k_type
+            t = FlashAttention("ge.flash_attention", [], [], attrs).infer(*types)
         except ShapeError as e:
             return Miss(f"the fused op would not type-check: {e}")
         if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:
             return Miss(f"the fused result {t} differs from the attention's result {pv.result.type}")
-        return Match(pv, operands=operands, attrs=attrs)
+        return Match(pv, operands=operands, attrs=attrs, k_perm=k_perm)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
-        op = rw.create("ge.flash_attention", m.operands, m.attrs, [m.root.result.type], before=m.root)
+        operands = list(m.operands)
+        if m.k_perm is not None:
+            operands[1] = rw.create("ge.transpose", [operands[1]], {"perm": m.k_perm}, before=m.root).result
+        op = rw.create("ge.flash_attention", operands, m.attrs, [m.root.result.type], before=m.root)
         rw.replace(m.root, op)
 
 
@@ -182,9 +191,12 @@ def _walk_scores(x: Value):
             return Miss("the first matmul's right operand is not k transposed (no ge.transpose, transpose_b = false)")
         rank = len(t.perm)
         want = list(range(rank - 2)) + [rank - 1, rank - 2]
-        if list(t.perm) != want:
-            return Miss(f"k is transposed with perm {t.perm}, not a swap of the last two axes")
         k = t.operands[0]
+        if list(t.perm) != want:
+            # k^T = transpose(x, p) (say a head split merged into the transpose by canonicalize):
+            # k itself is transpose(x, p with its last two entries swapped), which the rewrite builds
+            k_perm = list(t.perm[:-2]) + [t.perm[-1], t.perm[-2]]
+            k = (k, k_perm)
     # a scale applied to q before the matmul is the same scale
     qs = defining(q, "ge.mul", "ge.div")
     if qs is not None and len(q.users()) == 1:
