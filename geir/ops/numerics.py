@@ -82,7 +82,7 @@ _erf = np.frompyfunc(math.erf, 1, 1)
 
 def erf(x: np.ndarray) -> np.ndarray:
     """The error function, exact to double precision (math.erf elementwise)."""
-    return _erf(x).astype(x.dtype) if x.size else x.copy()
+    return np.asarray(_erf(x)).astype(x.dtype) if x.size else x.copy()  # a 0-d input gives a Python float
 
 
 def softmax(x: np.ndarray, axis: int) -> np.ndarray:
