@@ -1,7 +1,7 @@
 """layout: choose ND or NZ storage for cube operands and results, with ge.trans_data where formats meet.
 
-The cube reads and writes matrices in the fractal NZ layout. Constants (weights) are always
-stored in NZ: converting them costs nothing at run time (const-fold folds the trans_data away).
+The cube reads and writes matrices in the fractal NZ layout. Constants (weights) used only by
+cube ops are stored in NZ: they are converted once, when the weights are prepared, not per run.
 Activations are stored in NZ only on targets whose load path cannot convert ND to NZ on the fly;
 there a chain of matmuls keeps its intermediates in NZ, and only ND consumers get a conversion.
 Conversions that cancel out are removed. Values never change: trans_data is a storage change.
@@ -36,15 +36,29 @@ def wanted_input_format(op: Operation, i: int, nd2nz_on_load: bool) -> str | Non
 
 
 def produced_format(op: Operation, nd2nz_on_load: bool) -> str:
+    """The storage format `op` writes its results in."""
     if op.name == "ge.trans_data":
         return op.dst_format
+    if isinstance(op, Const):
+        return op.result.type.format  # weights keep the format _retag_weights gave them
     if op.name in CUBE_OPS and not nd2nz_on_load and _nz_capable(op.result):
         return "NZ"
     return "ND"
 
 
+def _retag_weights(graph: Graph, nd2nz_on_load: bool) -> None:
+    """Constants whose every user wants NZ are stored in NZ: converted once, offline, not per run."""
+    for op in graph.ops:
+        if isinstance(op, Const) and op.result.uses and op.result.type.format != "NZ":
+            wants = {wanted_input_format(u, i, nd2nz_on_load)
+                     for u in op.result.users() for i, v in enumerate(u.operands) if v is op.result}
+            if wants == {"NZ"}:
+                op.result.type = attrs.evolve(op.result.type, format="NZ")
+
+
 def assign_layouts(graph: Graph, nd2nz_on_load: bool) -> int:
     """Set every cube operand's and result's format and insert the conversions; returns how many were inserted."""
+    _retag_weights(graph, nd2nz_on_load)
     rw = Rewriter(graph)
     converted: dict[tuple[int, str], Value] = {}
     inserted = 0
