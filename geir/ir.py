@@ -145,7 +145,7 @@ class Operation:
 
 @attrs.define(eq=False)
 class Graph:
-    """`ge.graph @name(args) -> results { ops }`; the last op is `ge.return`.
+    """`ge.graph @name(args) -> results { ops }`; the last op is `ge.return` (`rt.return` in an rt.program).
 
     Insertions and erasures are recorded and applied in one linear pass the next time the op
     list is read, so rewriting many ops in a large graph stays linear.
@@ -157,6 +157,8 @@ class Graph:
     _ops: list[Operation] = attrs.field(factory=list, alias="ops")
     attributes: dict[str, Any] = attrs.field(factory=dict)
     loc: Location = UNKNOWN
+    # "ge.graph", or "rt.program" for a lowered task-stream program
+    kind: str = attrs.field(default="ge.graph", kw_only=True)
     _inserts: dict[int, list[Operation]] = attrs.field(factory=dict, alias="_inserts", repr=False)
     _dirty: bool = attrs.field(default=False, alias="_dirty", repr=False)
 
@@ -211,6 +213,11 @@ class Graph:
     @property
     def terminator(self) -> Operation:
         return self.ops[-1]
+
+    @property
+    def terminator_name(self) -> str:
+        """The op that must end this graph: ge.return, or rt.return in a task-stream program."""
+        return "rt.return" if self.kind == "rt.program" else "ge.return"
 
 
 @attrs.define(eq=False)

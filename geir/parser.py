@@ -37,7 +37,7 @@ _TERMINAL_WORDS = {
     "FLOAT": "a number",
     "SPECIAL_FLOAT": "a number",
     "STRING": 'a string like "text"',
-    "_GRAPH": "'ge.graph'",
+    "GRAPH_KIND": "a graph (ge.graph or rt.program)",
     "_ATTRIBUTES": "'attributes'",
     "_ARROW": "'->'",
     "LSQB": "'['",
@@ -72,7 +72,7 @@ class _Builder(lark.Transformer):
         return self.module
 
     def graph_head(self, children: list) -> Graph:
-        sym, *args, sig, attr_dict = children
+        kind, sym, *args, sig, attr_dict = children
         name = str(sym)[1:]
         if name in self.graphs:
             raise error(f"redefinition of graph '@{name}'", self.loc(sym),
@@ -88,7 +88,7 @@ class _Builder(lark.Transformer):
             self.scope[v.name] = v
             values.append(v)
         attributes = attr_dict[0] if attr_dict is not None else {}
-        g = Graph(name, values, sig, [], attributes, self.loc(sym))
+        g = Graph(name, values, sig, [], attributes, self.loc(sym), kind=str(kind))
         self.graphs[name] = g
         self.current = g
         return g

@@ -30,7 +30,7 @@ def print_graph(graph: Graph) -> str:
     else:
         sig = "(" + ", ".join(format_type(t) for t in results) + ")"
     attrs = f" attributes {format_attr_dict(graph.attributes)}" if graph.attributes else ""
-    lines = [f"ge.graph @{graph.name}({args}) -> {sig}{attrs} {{"]
+    lines = [f"{graph.kind} @{graph.name}({args}) -> {sig}{attrs} {{"]
     for op in graph.ops:
         lines.append("  " + print_op(op, names))
     lines.append("}")
@@ -47,7 +47,7 @@ def print_op(op: Operation, names: "_Namer | None" = None) -> str:
     if op.operands:
         parts.append(" " + ", ".join("%" + name_of(v) for v in op.operands))
     attributes = op.attributes
-    if op.name == "ge.const" and "value" in attributes:
+    if op.name in ("ge.const", "rt.const") and "value" in attributes:
         parts.append(" " + format_attr(attributes["value"]))
         attributes = {k: v for k, v in attributes.items() if k != "value"}
     if attributes:

@@ -45,11 +45,16 @@ def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = Fals
         return v.type if v.type is not None else known.get(id(v))
 
     ops = graph.ops
-    if not ops or ops[-1].name != "ge.return":
-        report(f"graph '@{graph.name}' must end with ge.return", (ops[-1].loc if ops else graph.loc))
+    end = graph.terminator_name
+    if not ops or ops[-1].name != end:
+        report(f"graph '@{graph.name}' must end with {end}", (ops[-1].loc if ops else graph.loc))
+    dialect = graph.kind.split(".")[0] + "."
     for op in ops:
-        if op.name == "ge.return" and op is not ops[-1]:
-            report("ge.return must be the last op of its graph", op.loc)
+        if op.name == end and op is not ops[-1]:
+            report(f"{end} must be the last op of its graph", op.loc)
+        if not op.name.startswith(dialect):
+            report(f"{op.name} cannot appear in a {graph.kind} (only {dialect} ops)", op.loc)
+            continue
         problem = _structure_problem(op)
         if problem is not None:
             message, loc = problem
@@ -63,7 +68,7 @@ def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = Fals
         except ShapeError as e:
             report(str(e), op.loc)
             continue
-        if op.name == "ge.return":
+        if op.name == end:
             _check_return(graph, op, types, report)
             continue
         inferred = list(inferred) if isinstance(inferred, tuple) else [inferred]
@@ -114,7 +119,7 @@ def _structure_problem(op: Operation) -> tuple[str, Location] | None:
 def _check_return(graph: Graph, op: Operation, types: list[TensorType], report) -> None:
     want = graph.result_types
     if len(types) != len(want):
-        report(f"ge.return gives {len(types)} value{'s' * (len(types) != 1)} but graph '@{graph.name}' "
+        report(f"{op.name} gives {len(types)} value{'s' * (len(types) != 1)} but graph '@{graph.name}' "
                f"returns {len(want)}", op.loc)
         return
     for i, (got, expected) in enumerate(zip(types, want)):

@@ -1,1 +1,6 @@
-"""Tiled numpy kernels that run on the simulated NPU, FlashAttention first (issue 4)."""
+"""Tiled numpy kernels that run on the simulated NPU, FlashAttention first; KERNELS maps op names to them."""
+
+from geir.kernels.base import KERNELS, Kernel, KernelStats, LaunchContext, register_kernel
+from geir.kernels import flash_attention  # noqa: F401,E402  (registers the kernel)
+
+__all__ = ["KERNELS", "Kernel", "KernelStats", "LaunchContext", "register_kernel"]

@@ -1,1 +1,1 @@
-"""The Runtime: task streams, events, device memory and the task-stream interpreter (issue 4)."""
+"""The Runtime: task streams, events, device memory and the interpreter of lowered rt.programs."""

@@ -412,7 +412,7 @@ def test_syntax_error_in_the_graph_head():
 
 def test_stray_closing_brace():
     msg, ln, col, _ = diag(HEAD + "  ge.return %x\n} }")
-    assert msg == "expected the end of the input or 'ge.graph', found '}'" and (ln, col) == (3, 3)
+    assert msg == "expected a graph (ge.graph or rt.program) or the end of the input, found '}'" and (ln, col) == (3, 3)
 
 
 def test_unexpected_end_of_input():

@@ -1,0 +1,109 @@
+"""What every kernel shares: the launch context it runs in, its statistics, and the registry by op name.
+
+A kernel computes real numbers with numpy, tile by tile, on arrays standing for the chip's
+buffers, and describes its work as instructions on the cores' pipes (geir.target_npu.sim);
+the timing follows the same schedule as the numbers. It never decides *when* anything runs
+relative to other tasks: the Runtime orders launches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import attrs
+import numpy as np
+
+from geir.ir import Operation
+from geir.target_npu.sim import PIPES, Cores, GlobalMemory
+from geir.target_npu.target import Target
+
+
+@attrs.define
+class LaunchContext:
+    """The chip state a kernel launch runs on: its target, the cores' pipes and global memory."""
+
+    target: Target
+    cores: Cores
+    gm: GlobalMemory
+    # names of the operands and results in global memory (for L2 residency and byte counts)
+    operand_names: list[str] = attrs.field(factory=list)
+    result_names: list[str] = attrs.field(factory=list)
+    # a fault the Runtime injects into this launch ("ub_overflow"), or None
+    fault: str | None = None
+
+
+@attrs.define
+class KernelStats:
+    """What one launch did: when, on how many cores, each pipe's busy cycles, bytes and FLOPs."""
+
+    name: str
+    tiling: dict[str, Any]
+    start: float
+    end: float
+    cores: int
+    busy: dict[str, float]
+    gm_read_bytes: int
+    gm_write_bytes: int
+    hbm_read_bytes: int
+    hbm_write_bytes: int
+    flops: float
+
+    @property
+    def cycles(self) -> float:
+        return self.end - self.start
+
+
+class Kernel:
+    """One op family's tiled implementation."""
+
+    OPS: ClassVar[tuple[str, ...]] = ()
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        raise NotImplementedError
+
+
+KERNELS: dict[str, Kernel] = {}
+
+
+def register_kernel(cls: type[Kernel]) -> type[Kernel]:
+    """Make a kernel class the implementation of the ops it lists."""
+    instance = cls()
+    for name in cls.OPS:
+        KERNELS[name] = instance
+    return cls
+
+
+def measure(ctx: LaunchContext, name: str, tiling: dict[str, Any], flops: float,
+            body: Callable[[], list[np.ndarray]]) -> tuple[list[np.ndarray], KernelStats]:
+    """Run a kernel body and collect its statistics from the change in the chip's counters.
+
+    The Runtime has synchronised every pipe to the launch time, so the launch starts at `cores.finish`.
+    """
+    cores, gm = ctx.cores, ctx.gm
+    start = cores.finish
+    busy0 = cores.busy.copy()
+    counters0 = (gm.gm_read_bytes, gm.gm_write_bytes, gm.hbm_read_bytes, gm.hbm_write_bytes)
+    outputs = body()
+    busy = cores.busy - busy0
+    counters = (gm.gm_read_bytes, gm.gm_write_bytes, gm.hbm_read_bytes, gm.hbm_write_bytes)
+    delta = [b - a for a, b in zip(counters0, counters)]
+    used = int(np.count_nonzero(busy.sum(axis=0)))
+    stats = KernelStats(name, tiling, start, cores.finish, used, dict(zip(PIPES, busy.sum(axis=1).tolist())),
+                        *delta, flops)
+    return outputs, stats
+
+
+def flops_of(op: Operation) -> float:
+    """Floating-point operations an op performs (2 per multiply-add on the cube; one per element otherwise)."""
+    out = op.results[0].type if op.results else None
+    if op.name in ("ge.matmul", "ge.fused_matmul"):
+        a = op.operands[0].type
+        k = a.shape[-2] if op.attr("transpose_a") else a.shape[-1]
+        return 2.0 * (out.num_elements or 0) * k
+    if op.name == "ge.flash_attention":
+        q, kv = op.operands[0].type, op.operands[1].type
+        b, n, sq, d = q.shape if op.attr("layout") == "BNSD" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        skv = kv.shape[2] if op.attr("layout") == "BNSD" else kv.shape[1]
+        pairs = sq * skv if not op.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
+        return 4.0 * b * n * pairs * d
+    return float(out.num_elements or 0) if out is not None else 0.0

@@ -1,0 +1,279 @@
+"""FlashAttention forward on the simulated NPU: FlashAttention-2 loop order, tiled by the `tile` pass.
+
+Work units are (batch, head, query row block [, key segment]) dealt round-robin to the cores; a
+wave runs one unit per core, all of them in one batched numpy step per key block. Per block:
+
+    MTE2  load K_t, V_t into an L1 slot (slot t % buffers: with 2 buffers the next load overlaps compute)
+    MTE1  K_t to L0B          CUBE  S_t = Q K_t^T (f32 accumulate)      FIXP  S_t to UB
+    VECTOR online softmax: scale, mask, running max and sum in f32, P_t = exp(S_t - m)
+    MTE3  P_t to L1 (on-chip)  CUBE  P_t V_t                              FIXP  to UB
+    VECTOR rescale and accumulate O
+
+and the cube runs the first matmul of block t before the second matmul of block t-1, so it works
+on S_t while the vector units compute the softmax of block t-1 (ops-transformer's cross-pipe
+software pipeline). Causal masking skips blocks that lie wholly above the diagonal. When the tile
+pass split the keys into segments, each segment is its own work unit and the partial results are
+combined by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.target_npu.sim import CapacityError, buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
+
+# vector passes over the score tile per block: scale, mask, row max, subtract, exp, row sum, cast to P
+SOFTMAX_PASSES = 7
+# vector passes over the O tile per block: rescale by exp(m_old - m_new), add P V
+ACCUMULATE_PASSES = 2
+_F32 = np.float32
+
+
+def _bytes(dtype: np.dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def check_fits(target, s1: int, s2: int, d: int, itemsize: int, buffers: int, has_mask: bool) -> None:
+    """Allocate one core's buffers for this tiling; CapacityError names the buffer that overflows."""
+    buf = buffers_of(target)
+    vec = target.data["cores"].get("vector_per_cube", 1)
+    rows = -(-s1 // vec)  # each vector unit of the core handles its share of the rows
+    buf["L1"].alloc(s1 * d * itemsize, "the Q block")
+    for _ in range(buffers):
+        buf["L1"].alloc(2 * s2 * d * itemsize, "a K and a V block")
+        buf["L1"].alloc(s1 * s2 * itemsize, "a P block")
+    buf["L0A"].alloc(max(s1 * d, s1 * s2) * itemsize, "the left matmul operand (Q or P)")
+    buf["L0B"].alloc(s2 * d * itemsize, "the right matmul operand (K or V block)")
+    buf["L0C"].alloc(max(s1 * s2, s1 * d) * 4, "the f32 accumulator of S or P V")
+    for _ in range(buffers):
+        buf["UB"].alloc(rows * s2 * 4, "the f32 score tile")
+        buf["UB"].alloc(rows * s2 * itemsize, "the P tile")
+        if has_mask:
+            buf["UB"].alloc(rows * s2 * 4, "the mask tile")
+    buf["UB"].alloc(2 * rows * d * 4, "the f32 output accumulator and P V block")
+    buf["UB"].alloc(3 * rows * 4, "the running max, sum and rescale vectors")
+
+
+@register_kernel
+class FlashAttentionKernel(Kernel):
+    """softmax(scale * q k^T + mask) v, tile by tile."""
+
+    OPS = ("ge.flash_attention",)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        q, k, v = inputs[:3]
+        mask = inputs[3] if len(inputs) > 3 else None
+        bsnd = op.layout == "BSND"
+        if bsnd:
+            q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
+            if mask is not None and mask.ndim == 4:
+                mask = np.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[2]))
+        tiling = op.attributes.get("tiling")
+        if not tiling:
+            raise ValueError("flash_attention has no tiling: run the tile pass before lowering")
+        out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx)
+        return [np.swapaxes(out, 1, 2) if bsnd else out]
+
+
+def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
+                            scale: float, tiling: dict, ctx: LaunchContext) -> np.ndarray:
+    """The kernel proper on BNSD arrays; timing goes to ctx.cores and ctx.gm."""
+    target, cores, gm = ctx.target, ctx.cores, ctx.gm
+    B, N, Sq, D = q.shape
+    Nkv, Skv = k.shape[1], k.shape[2]
+    group = N // Nkv
+    dt = q.dtype
+    isz = _bytes(dt)
+    half = isz < 4
+    s1, s2 = int(tiling["s1"]), int(tiling["s2"])
+    nbuf = int(tiling.get("buffers", 2))
+    segments = max(int(tiling.get("segments", 1)), 1)
+    if ctx.fault == "ub_overflow":
+        raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
+                            "the injected fault's score tile")
+    check_fits(target, s1, s2, D, isz, nbuf, mask is not None)
+    dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
+
+    nq, nk = -(-Sq // s1), -(-Skv // s2)
+    per_seg = -(-nk // segments)
+    # padded copies cut into blocks: [B, N, nq, s1, D] and [B, Nkv, nk, s2, D]
+    q5 = _blocks(q, nq * s1).reshape(B, N, nq, s1, D)
+    k5 = _blocks(k, nk * s2).reshape(B, Nkv, nk, s2, D)
+    v5 = _blocks(v, nk * s2).reshape(B, Nkv, nk, s2, D)
+    if mask is not None:
+        mask = np.broadcast_to(mask, (B, N, Sq, Skv))
+    qname, kname, vname = ctx.operand_names[:3]
+    mname = ctx.operand_names[3] if mask is not None else None
+    oname = ctx.result_names[0]
+    for name, blocks in ((qname, B * N * nq), (kname, B * Nkv * nk), (vname, B * Nkv * nk),
+                         (mname, B * N * nq * nk), (oname, B * N * nq * segments)):
+        if name is not None:
+            gm.ensure(name, blocks)
+
+    units = B * N * nq * segments
+    acc_all = np.zeros((units, s1, D), dtype=_F32)
+    m_all = np.full((units, s1), -np.inf, dtype=_F32)
+    l_all = np.zeros((units, s1), dtype=_F32)
+    rows_local = np.arange(s1)
+    cols_local = np.arange(s2)
+    scale32 = _F32(scale)
+    q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
+
+    for wave in spread(units, cores.count):
+        L = len(wave)
+        lanes = np.arange(L)
+        seg = wave % segments
+        rest = wave // segments
+        qi = rest % nq
+        bn = rest // nq
+        b, n = bn // N, bn % N
+        nkv = n // group
+        t0 = seg * per_seg
+        t1 = np.minimum(t0 + per_seg, nk)
+        if causal:  # blocks wholly above the diagonal are skipped
+            t1 = np.minimum(t1, -(-((qi + 1) * s1) // s2))
+        trips = np.maximum(t1 - t0, 0)
+        rows = qi[:, None] * s1 + rows_local[None, :]  # [L, s1] global query rows
+
+        # Q block: GM -> L1 -> L0A once per unit
+        q_blk = q5[b, n, qi].astype(_F32)
+        q_ready = cores.issue("MTE2", lanes, gm.read(qname, bn * nq + qi, q_bytes), name="load Q")
+        q_ready = cores.issue("MTE1", lanes, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
+        m = m_all[wave]
+        l = l_all[wave]
+        acc = acc_all[wave]
+        k_free = [np.zeros(L) for _ in range(nbuf)]         # K slots: free once K is in L0B
+        slot_free = [np.zeros(L) for _ in range(nbuf)]      # V and P slots: free after their P V
+        score_free = [np.zeros(L) for _ in range(nbuf)]     # UB score slots: free after their softmax
+        pending = None  # the previous block's (active lanes, P event, V event, softmax event)
+
+        for step in range(int(trips.max(initial=0))):
+            act = np.nonzero(step < trips)[0]
+            t = t0[act] + step
+            slot = step % nbuf
+            # each load waits until its slot's previous block is done with it: K once it is in L0B,
+            # V (and P) once the second matmul has read them
+            kv_block = (b[act] * Nkv + nkv[act]) * nk + t
+            k_ready = cores.issue("MTE2", act, gm.read(kname, kv_block, kv_bytes), [k_free[slot][act]], name="load K")
+            kv_ready = cores.issue("MTE2", act, gm.read(vname, kv_block, kv_bytes), [slot_free[slot][act]],
+                                   name="load V")
+            if mname is not None:
+                mtile = cores.issue("MTE2", act, gm.read(mname, ((bn[act] * nq) + qi[act]) * nk + t,
+                                                         s1 * s2 * _bytes(mask.dtype)), name="load mask")
+                k_ready = np.maximum(k_ready, mtile)
+            k_l0 = cores.issue("MTE1", act, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
+            k_free[slot][act] = k_l0
+            s_done = cores.issue("CUBE", act, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
+                                 name="S = Q K^T")
+            s_ub = cores.issue("FIXP", act, local_copy_cycles(target, s1 * s2 * 4), [s_done, score_free[slot][act]],
+                               name="S to UB")
+            sm_done = cores.issue("VECTOR", act, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
+                                  name="online softmax")
+            score_free[slot][act] = sm_done
+            p_l1 = cores.issue("MTE3", act, local_copy_cycles(target, p_bytes), [sm_done, slot_free[slot][act]],
+                               name="P to L1")
+            # with two buffers the second matmul of the previous block follows this block's first on the
+            # cube, and runs while the vector units work on this block's softmax; with one buffer the
+            # next load needs this block's slot back, so its second matmul runs now
+            if pending is not None:
+                _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
+                pending = None
+
+            # the numbers of this block, for the active lanes
+            kb = k5[b[act], nkv[act], t].astype(_F32)
+            vb = v5[b[act], nkv[act], t].astype(_F32)
+            s = np.matmul(q_blk[act], np.swapaxes(kb, 1, 2)) * scale32
+            cols = t[:, None] * s2 + cols_local[None, :]
+            keep = np.broadcast_to(cols[:, None, :] < Skv, s.shape)
+            if causal:
+                keep = keep & (cols[:, None, :] <= rows[act][:, :, None])
+            if mask is not None:
+                mt = _mask_tile(mask, b[act], n[act], rows[act], cols, Sq, Skv)
+                if mt.dtype == np.bool_:
+                    keep = keep & mt
+                else:
+                    s = s + mt
+            s = np.where(keep, s, -np.inf)
+            m_old = m[act]
+            m_new = np.maximum(m_old, s.max(axis=-1))
+            m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(_F32)
+            p = np.exp(s - m_safe[:, :, None])
+            alpha = np.exp(m_old - m_safe)
+            l[act] = l[act] * alpha + p.sum(axis=-1)
+            p_in = p.astype(dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
+            acc[act] = acc[act] * alpha[:, :, None] + np.matmul(p_in, vb)
+            m[act] = m_new
+            pending = (act, p_l1, kv_ready, sm_done, slot)
+            if nbuf == 1:
+                _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
+                pending = None
+        if pending is not None:
+            _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
+        m_all[wave], l_all[wave], acc_all[wave] = m, l, acc
+        if segments == 1:
+            cores.issue("VECTOR", lanes, vector_cycles(target, s1 * D * 4, 1), name="O / l")
+            cores.issue("MTE3", lanes, gm.write(oname, bn * nq + qi, s1 * D * isz), name="store O")
+        else:  # partial O, max and sum go to a workspace for the combine
+            cores.issue("MTE3", lanes, gm.write(oname, wave, s1 * (D + 2) * 4), name="store partial O")
+
+    if segments > 1:
+        out_blocks = _combine_segments(acc_all, m_all, l_all, segments, ctx, oname, s1, D, isz)
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out_blocks = acc_all / l_all[:, :, None]
+    out = out_blocks.reshape(B, N, nq * s1, D)[:, :, :Sq]
+    return out.astype(dt)
+
+
+def _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
+    """Timing of the second matmul of a block and the accumulation that follows it."""
+    act, p_l1, kv_ready, sm_done, slot = pending
+    p_l0 = cores.issue("MTE1", act, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
+    pv = cores.issue("CUBE", act, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
+    slot_free[slot][act] = pv
+    o_ub = cores.issue("FIXP", act, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
+    cores.issue("VECTOR", act, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
+                name="rescale and accumulate O")
+
+
+def _blocks(x: np.ndarray, padded: int) -> np.ndarray:
+    """x with its sequence axis (2) zero-padded to `padded` rows."""
+    extra = padded - x.shape[2]
+    if extra == 0:
+        return x
+    pad = np.zeros(x.shape[:2] + (extra,) + x.shape[3:], dtype=x.dtype)
+    return np.concatenate([x, pad], axis=2)
+
+
+def _mask_tile(mask: np.ndarray, b: np.ndarray, n: np.ndarray, rows: np.ndarray, cols: np.ndarray,
+               sq: int, skv: int) -> np.ndarray:
+    """The [lanes, s1, s2] tile of a (broadcast) mask, reading no element past the ends."""
+    r = np.minimum(rows, sq - 1)[:, :, None]
+    c = np.minimum(cols, skv - 1)[:, None, :]
+    tile = mask[b[:, None, None], n[:, None, None], r, c]
+    return tile if tile.dtype == np.bool_ else tile.astype(_F32)
+
+
+def _combine_segments(acc, m, l, segments, ctx, oname, s1, D, isz) -> np.ndarray:
+    """Merge the key segments of each row block by log-sum-exp (a vector pass over the partials)."""
+    units = acc.shape[0] // segments
+    acc = acc.reshape(units, segments, s1, D)
+    m = m.reshape(units, segments, s1)
+    l = l.reshape(units, segments, s1)
+    top = m.max(axis=1, keepdims=True)
+    top = np.where(np.isneginf(top), 0, top)
+    w = np.exp(m - top)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (acc * w[..., None]).sum(axis=1) / (l * w).sum(axis=1)[..., None]
+    cores, gm = ctx.cores, ctx.gm
+    for wave in spread(units, cores.count):
+        lanes = np.arange(len(wave))
+        read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
+        ready = cores.issue("MTE2", lanes, read, name="load partials")
+        done = cores.issue("VECTOR", lanes, vector_cycles(target=ctx.target, nbytes=segments * s1 * D * 4,
+                                                          instructions=3), [ready], name="combine segments")
+        cores.issue("MTE3", lanes, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
+    return out
+

@@ -1,0 +1,173 @@
+"""lower: a tiled, planned graph becomes an `rt.program` the Runtime runs (task-stream IR).
+
+Device memory is one address space in three regions, each 512-byte aligned:
+
+    [ inputs | constants | arena ]
+
+Inputs are copied in by `rt.h2d` on the copy stream (0) each run; constants are uploaded once
+when the program is loaded (`rt.const`); every other value lives in the arena at the offset the
+`plan` pass chose. Kernels go on compute streams: an op continues the stream of the first op it
+depends on unless another op has already continued it (a fork), in which case it opens a new
+stream, so independent branches run on separate streams. Every dependency that crosses streams
+becomes an `rt.record` after the producer and an `rt.wait` before the consumer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from geir.diagnostics import error
+from geir.ir import Graph, Module, Operation, Value
+from geir.ops.core import Const
+from geir.passes.pass_manager import Pass, PassContext, register_pass
+
+ALIGN = 512
+COPY_STREAM = 0
+MAX_COMPUTE_STREAMS = 4
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@attrs.define
+class _Builder:
+    """Accumulates the rt program's ops and the bookkeeping of streams and events."""
+
+    program: Graph
+    value_map: dict[int, Value] = attrs.field(factory=dict)   # graph value -> program value
+    stream_of: dict[int, int] = attrs.field(factory=dict)     # producing op -> stream
+    continued: set[int] = attrs.field(factory=set)            # ops whose stream someone continued
+    event_of: dict[int, int] = attrs.field(factory=dict)      # producing op/value -> recorded event
+    waited: set[tuple[int, int]] = attrs.field(factory=set)   # (event, stream) pairs already waited
+    next_stream: int = 1
+    next_event: int = 0
+
+    def emit(self, name: str, operands: list[Value], attributes: dict[str, Any], result_types: list,
+             loc, result_names: list | None = None) -> Operation:
+        from geir.opdef import lookup
+
+        op = lookup(name)(name, list(operands), [], attributes, loc)
+        for v in op.operands:
+            v.uses.append(op)
+        op.results = [Value(t, n, op, i, loc) for i, (t, n) in enumerate(zip(result_types, result_names or
+                                                                               [None] * len(result_types)))]
+        self.program.append(op)
+        return op
+
+    def event_after(self, key: int, stream: int, loc) -> int:
+        """The event recorded after the producer `key` on its stream (recorded once)."""
+        if key not in self.event_of:
+            self.event_of[key] = self.next_event
+            self.emit("rt.record", [], {"event": self.next_event, "stream": stream}, [], loc)
+            self.next_event += 1
+        return self.event_of[key]
+
+    def wait(self, event: int, stream: int, loc) -> None:
+        if (event, stream) not in self.waited:
+            self.waited.add((event, stream))
+            self.emit("rt.wait", [], {"event": event, "stream": stream}, [], loc)
+
+
+def lower_graph(graph: Graph) -> Graph:
+    """The rt.program for a graph that has been tiled and planned (static shapes)."""
+    for v in graph.args:
+        if not v.type.is_static:
+            raise error(f"lower needs static shapes, but %{v.name} is {v.type}; the Runtime specialises dynamic "
+                        f"graphs per shape", v.loc)
+    if "arena_size" not in graph.attributes:
+        raise error("lower needs the memory plan: run the plan pass first", graph.loc)
+    args = [Value(a.type, a.name, None, i, a.loc) for i, a in enumerate(graph.args)]
+    program = Graph(graph.name, args, list(graph.result_types), [], {}, graph.loc, kind="rt.program")
+    b = _Builder(program)
+
+    # inputs, then constants, then the arena
+    offset = 0
+    for a, pa in zip(graph.args, args):
+        op = b.emit("rt.h2d", [pa], {"offset": offset, "stream": COPY_STREAM}, [a.type], a.loc, [f"{a.name}.dev"])
+        b.value_map[id(a)] = op.result
+        b.stream_of[id(op)] = COPY_STREAM
+        b.event_after(id(a), COPY_STREAM, a.loc)
+        offset += _aligned(a.type.nbytes)
+    inputs_size = offset
+    for op in graph.ops:
+        if isinstance(op, Const):
+            r = op.result
+            c = b.emit("rt.const", [], {"value": op.value, "offset": offset}, [r.type], op.loc, [r.name])
+            b.value_map[id(r)] = c.result
+            offset += _aligned(r.type.nbytes)
+    constants_size = offset - inputs_size
+    arena_base = offset
+
+    for op in graph.ops:
+        if isinstance(op, Const) or op.name == "ge.return":
+            continue
+        if "mem_offset" not in op.attributes:
+            raise error(f"{op.name} has no mem_offset: run the plan pass before lower", op.loc)
+        stream = _choose_stream(op, b)
+        for v in op.operands:
+            _wait_for(v, stream, b, op.loc)
+        attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset")}
+        launch_attrs: dict[str, Any] = {"kernel": op.name, "offsets": [arena_base + o for o in op.attributes["mem_offset"]],
+                                        "stream": stream}
+        if attrs_:
+            launch_attrs["attrs"] = attrs_
+        if "tiling" in op.attributes:
+            launch_attrs["tiling"] = op.attributes["tiling"]
+        launch = b.emit("rt.launch", [b.value_map[id(v)] for v in op.operands], launch_attrs,
+                        [r.type for r in op.results], op.loc, [r.name for r in op.results])
+        b.stream_of[id(op)] = stream
+        for r, pr in zip(op.results, launch.results):
+            b.value_map[id(r)] = pr
+
+    ret = graph.ops[-1]
+    outs = []
+    for v in ret.operands:
+        _wait_for(v, COPY_STREAM, b, ret.loc)
+        h = b.emit("rt.d2h", [b.value_map[id(v)]], {"stream": COPY_STREAM}, [v.type], ret.loc)
+        outs.append(h.result)
+    b.emit("rt.return", outs, {}, [], ret.loc)
+    program.attributes = {
+        "memory": {"inputs": inputs_size, "constants": constants_size, "arena": graph.attributes["arena_size"]},
+        "streams": b.next_stream,
+    }
+    return program
+
+
+def _choose_stream(op: Operation, b: _Builder) -> int:
+    """Continue the stream of the first producing kernel, unless it was continued already (a fork)."""
+    for v in op.operands:
+        p = v.owner
+        if p is not None and id(p) in b.stream_of and not isinstance(p, Const):
+            if id(p) not in b.continued:
+                b.continued.add(id(p))
+                return b.stream_of[id(p)]
+            break
+    stream = b.next_stream if b.next_stream <= MAX_COMPUTE_STREAMS else 1 + (b.next_stream - 1) % MAX_COMPUTE_STREAMS
+    b.next_stream = min(b.next_stream + 1, MAX_COMPUTE_STREAMS + 1)
+    return stream
+
+
+def _wait_for(v: Value, stream: int, b: _Builder, loc) -> None:
+    """Make `stream` wait for the producer of `v` when it runs on another stream."""
+    p = v.owner
+    if p is None:  # a graph input: its copy-in on the copy stream
+        key, src = id(v), COPY_STREAM
+    elif isinstance(p, Const):
+        return  # uploaded at load time
+    else:
+        key, src = id(p), b.stream_of[id(p)]
+    if src != stream:
+        b.wait(b.event_after(key, src, loc), stream, loc)
+
+
+@register_pass("lower")
+class Lower(Pass):
+    """Turn each tiled, planned graph into an rt.program of copies, launches and events."""
+
+    REQUIRES = ("infer-shapes", "tile", "plan")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        module.graphs = [lower_graph(g) if g.kind == "ge.graph" else g for g in module.graphs]

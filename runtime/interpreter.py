@@ -1,0 +1,176 @@
+"""The Runtime: interprets an rt.program, scheduling its copies and kernel launches on streams.
+
+It is the only place tasks are ordered. Each stream is a queue; `rt.record` / `rt.wait` order
+streams against each other. Host-device copies run on the copy engine over the host link;
+kernels run on the AI cores, one launch at a time, and each kernel times its own tiles on the
+cores' pipes. Every task and (when asked) every pipe interval is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from geir.ir import Graph, Operation, Value
+from geir.kernels import KERNELS
+from geir.kernels.base import KernelStats, LaunchContext, flops_of, measure
+from geir.opdef import lookup
+from geir.runtime.device import DeviceFault, DeviceMemory
+from geir.target_npu.sim import Cores, GlobalMemory
+from geir.target_npu.target import Target
+from geir.types import TensorType
+
+
+class RuntimeFailure(RuntimeError):
+    """A program the Runtime cannot run (a missing input, a device fault, a kernel that cannot fit)."""
+
+
+@attrs.define
+class Task:
+    """One task as the Runtime ran it, in microseconds of simulated time."""
+
+    kind: str  # "h2d", "d2h", "kernel"
+    name: str
+    stream: int
+    start_us: float
+    end_us: float
+
+
+@attrs.define
+class RunResult:
+    """What a run produced: the outputs, every task, every kernel's statistics, the chip's counters."""
+
+    outputs: list[np.ndarray]
+    tasks: list[Task]
+    kernels: list[KernelStats]
+    cores: Cores
+    gm: GlobalMemory
+    target: Target
+    load_us: float = 0.0
+
+
+class Runtime:
+    """Runs rt.programs on one simulated chip."""
+
+    def __init__(self, target: Target, record_pipes: bool = False):
+        self.target = target
+        self.record_pipes = record_pipes
+        host = target.data.get("host", {})
+        self.link_bytes_per_us = host.get("pcie_gb_per_s", 32) * 1e3
+        self.copy_latency_us = host.get("copy_latency_us", 0.0)
+        self.cycles_per_us = target.clock_hz / 1e6
+
+    def run(self, program: Graph, inputs: Mapping[str, np.ndarray],
+            resources: Mapping[str, np.ndarray] | None = None) -> RunResult:
+        """Load the program's constants, copy the inputs in, run every task, copy the results out."""
+        if program.kind != "rt.program":
+            raise RuntimeFailure(f"@{program.name} is a {program.kind}, not a lowered rt.program")
+        mem = program.attributes["memory"]
+        device = DeviceMemory(mem["inputs"] + mem["constants"] + mem["arena"])
+        cores = Cores(self.target.cube_cores, record=self.record_pipes)
+        gm = GlobalMemory(self.target)
+        host: dict[int, np.ndarray] = {}
+        where: dict[int, int] = {}  # device value -> offset
+        streams: dict[int, float] = {}
+        events: dict[int, float] = {}
+        copy_free = 0.0
+        tasks: list[Task] = []
+        kernels: list[KernelStats] = []
+        outputs: list[np.ndarray] = []
+        load_us = 0.0
+
+        for arg in program.args:
+            if arg.name not in inputs:
+                raise RuntimeFailure(f"no input given for argument '%{arg.name}'")
+            host[id(arg)] = _checked_input(arg, inputs[arg.name])
+
+        try:
+            for op in program.ops:
+                name = op.name
+                if name == "rt.const":
+                    array = op.compute(dict(resources or {}))
+                    device.write(op.offset, op.result.type, array)
+                    where[id(op.result)] = op.offset
+                    load_us += self._copy_us(op.result.type.nbytes)  # once, when the program loads
+                elif name == "rt.h2d":
+                    t = op.result.type
+                    device.write(op.offset, t, host[id(op.operands[0])])
+                    where[id(op.result)] = op.offset
+                    gm.forget(_gm_name(op.offset))
+                    start = max(streams.get(op.stream, 0.0), copy_free)
+                    copy_free = streams[op.stream] = start + self._copy_us(t.nbytes)
+                    tasks.append(Task("h2d", f"copy %{op.operands[0].name} in", op.stream, start, copy_free))
+                elif name == "rt.d2h":
+                    t = op.result.type
+                    host[id(op.result)] = device.read(where[id(op.operands[0])], t)
+                    start = max(streams.get(op.stream, 0.0), copy_free)
+                    copy_free = streams[op.stream] = start + self._copy_us(t.nbytes)
+                    tasks.append(Task("d2h", "copy out", op.stream, start, copy_free))
+                elif name == "rt.record":
+                    events[op.event] = streams.get(op.stream, 0.0)
+                elif name == "rt.wait":
+                    if op.event not in events:
+                        raise RuntimeFailure(f"{op.loc}: wait for event {op.event}, which nothing recorded before")
+                    streams[op.stream] = max(streams.get(op.stream, 0.0), events[op.event])
+                elif name == "rt.launch":
+                    stats = self._launch(op, device, where, cores, gm, streams)
+                    kernels.append(stats)
+                    tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
+                                      stats.end / self.cycles_per_us))
+                elif name == "rt.return":
+                    outputs = [host[id(v)] for v in op.operands]
+                else:
+                    raise RuntimeFailure(f"{op.loc}: the Runtime cannot run {name}")
+        except DeviceFault as e:
+            raise RuntimeFailure(f"{op.loc}: device fault: {e}") from None
+        return RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us)
+
+    def _copy_us(self, nbytes: int) -> float:
+        return self.copy_latency_us + nbytes / self.link_bytes_per_us
+
+    def _launch(self, op: Operation, device: DeviceMemory, where: dict[int, int], cores: Cores, gm: GlobalMemory,
+                streams: dict[int, float]) -> KernelStats:
+        kernel_op = detached_op(op)
+        kernel = KERNELS.get(op.kernel)
+        if kernel is None:
+            raise RuntimeFailure(f"{op.loc}: no kernel implements {op.kernel}")
+        args = [device.view(where[id(v)], v.type) for v in op.operands]
+        start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
+        cores.sync_to(start_cycles)
+        ctx = LaunchContext(self.target, cores, gm, [_gm_name(where[id(v)]) for v in op.operands],
+                            [_gm_name(o) for o in op.offsets])
+        outs, stats = measure(ctx, op.kernel, dict(op.tiling), flops_of(kernel_op),
+                              lambda: kernel.run(kernel_op, args, ctx))
+        # results are stored only now: with an in-place plan they may overwrite an operand the kernel read
+        for r, offset, array in zip(op.results, op.offsets, outs):
+            device.write(offset, r.type, array)
+            where[id(r)] = offset
+        streams[op.stream] = stats.end / self.cycles_per_us
+        return stats
+
+
+def detached_op(launch: Operation) -> Operation:
+    """The ge op a launch runs, rebuilt with typed operands and results so its kernel and semantics apply."""
+    cls = lookup(launch.kernel)
+    attributes = dict(launch.attrs)
+    if launch.tiling:
+        attributes["tiling"] = dict(launch.tiling)
+    operands = [Value(v.type, v.name) for v in launch.operands]
+    op = cls(launch.kernel, operands, [], attributes, launch.loc)
+    op.results = [Value(r.type, r.name, op, i) for i, r in enumerate(launch.results)]
+    return op
+
+
+def _gm_name(offset: int) -> str:
+    # residency in L2 follows the memory location: a tensor written where another was is new data
+    return f"@{offset}"
+
+
+def _checked_input(arg: Value, array: Any) -> np.ndarray:
+    a = np.asarray(array)
+    t: TensorType = arg.type
+    if a.shape != t.shape:
+        raise RuntimeFailure(f"input '%{arg.name}' has shape {list(a.shape)}, but the program takes {t}")
+    return a.astype(t.dtype.np, copy=False)

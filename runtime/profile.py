@@ -1,0 +1,133 @@
+"""Profile figures of a run, named as msprof names them, and the Chrome trace of its tasks and pipes.
+
+Definitions (per kernel, then over the run weighted by kernel time):
+- `<pipe>_ratio`: the pipe's busy cycles / (the kernel's cycles x the cores it used), msprof's aic_*_ratio.
+- `overlap_ratio`: how much of the shorter of data movement (MTE2) and compute (max of cube and
+  vector) was hidden under the other: (mte2 + compute - elapsed) / min(mte2, compute), per core,
+  clipped to [0, 1]; 0 when they ran one after the other, 1 when one was wholly hidden.
+- `memory_bound`: mte2 time / max(cube time, vector time), as msprof defines it.
+- `tflops` and `cube_peak_fraction`: FLOPs over kernel time, against the chip's f16 cube peak.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from geir.kernels.base import KernelStats
+from geir.runtime.interpreter import RunResult
+from geir.target_npu.sim import PIPE_INDEX
+from geir.target_npu.target import Target
+
+PROFILE_KEYS = (
+    "simulated_time_us", "mte2_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio", "overlap_ratio",
+    "memory_bound", "gm_read_bytes", "gm_write_bytes", "hbm_read_bytes", "hbm_write_bytes", "tflops",
+    "cube_peak_fraction", "kernels", "plan_cache", "faults",
+)
+_RATIO_PIPES = {"mte2_ratio": "MTE2", "cube_ratio": "CUBE", "vec_ratio": "VECTOR", "mte3_ratio": "MTE3",
+                "fixp_ratio": "FIXP"}
+
+
+def cube_peak_flops(target: Target) -> float:
+    """FLOP/s of every cube core at the f16 rate (2 FLOPs per multiply-add)."""
+    m, k, n = target.data["cube"]["f16"]
+    return target.cube_cores * m * k * n * 2 * target.clock_hz
+
+
+def _figures(busy: dict[str, float], core_cycles: float, elapsed_per_core: float, cores: int, flops: float,
+             seconds: float, target: Target) -> dict[str, Any]:
+    out: dict[str, Any] = {key: (busy[pipe] / core_cycles if core_cycles else 0.0) for key, pipe in _RATIO_PIPES.items()}
+    mte2 = busy["MTE2"] / max(cores, 1)
+    compute = max(busy["CUBE"], busy["VECTOR"]) / max(cores, 1)
+    shorter = min(mte2, compute)
+    out["overlap_ratio"] = min(max((mte2 + compute - elapsed_per_core) / shorter, 0.0), 1.0) if shorter > 0 else 0.0
+    heavier = max(busy["CUBE"], busy["VECTOR"])
+    out["memory_bound"] = busy["MTE2"] / heavier if heavier else 0.0
+    out["tflops"] = flops / seconds / 1e12 if seconds > 0 else 0.0
+    out["cube_peak_fraction"] = flops / seconds / cube_peak_flops(target) if seconds > 0 else 0.0
+    return out
+
+
+def kernel_profile(k: KernelStats, target: Target) -> dict[str, Any]:
+    """One kernel's figures."""
+    seconds = k.cycles / target.clock_hz
+    entry: dict[str, Any] = {"name": k.name, "tiling": k.tiling, "time_us": seconds * 1e6, "cores": k.cores}
+    entry.update(_figures(k.busy, k.cycles * k.cores, k.cycles, k.cores, k.flops, seconds, target))
+    entry.update(gm_read_bytes=k.gm_read_bytes, gm_write_bytes=k.gm_write_bytes,
+                 hbm_read_bytes=k.hbm_read_bytes, hbm_write_bytes=k.hbm_write_bytes)
+    return entry
+
+
+def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
+            faults: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The spec's profile of one run (the keys of --profile-json, in order)."""
+    target = result.target
+    kernels = result.kernels
+    busy = {p: sum(k.busy[p] for k in kernels) for p in PIPE_INDEX}
+    core_cycles = sum(k.cycles * k.cores for k in kernels)
+    kernel_cycles = sum(k.cycles for k in kernels)
+    mean_cores = core_cycles / kernel_cycles if kernel_cycles else 0.0
+    flops = sum(k.flops for k in kernels)
+    end = max((t.end_us for t in result.tasks), default=0.0)
+    figures = _figures(busy, core_cycles, kernel_cycles, mean_cores, flops, kernel_cycles / target.clock_hz, target)
+    gm = result.gm
+    out: dict[str, Any] = {"simulated_time_us": end}
+    out.update({key: figures[key] for key in ("mte2_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio",
+                                              "overlap_ratio", "memory_bound")})
+    out.update(gm_read_bytes=gm.gm_read_bytes, gm_write_bytes=gm.gm_write_bytes, hbm_read_bytes=gm.hbm_read_bytes,
+               hbm_write_bytes=gm.hbm_write_bytes, tflops=figures["tflops"],
+               cube_peak_fraction=figures["cube_peak_fraction"])
+    out["kernels"] = [kernel_profile(k, target) for k in kernels]
+    out["plan_cache"] = plan_cache or {"hits": 0, "misses": 1, "replan_ms": 0.0}
+    out["faults"] = faults or []
+    return out
+
+
+def format_profile(p: dict[str, Any]) -> str:
+    """The --profile table: the run's figures, then one line per kernel (msprof's column names)."""
+    lines = [
+        f"simulated time      {p['simulated_time_us']:12.2f} us",
+        f"achieved            {p['tflops']:12.2f} TFLOP/s   ({100 * p['cube_peak_fraction']:.1f} % of cube peak)",
+        f"overlap_ratio       {p['overlap_ratio']:12.2f}   (DMA hidden under compute)",
+        f"memory_bound        {p['memory_bound']:12.2f}   (mte2 / max(cube, vector))",
+        "pipes               " + "  ".join(f"{k} {p[k]:.2f}" for k in _RATIO_PIPES),
+        f"global memory       read {p['gm_read_bytes'] / 2**20:10.2f} MiB   write {p['gm_write_bytes'] / 2**20:10.2f} MiB",
+        f"HBM (past L2)       read {p['hbm_read_bytes'] / 2**20:10.2f} MiB   write {p['hbm_write_bytes'] / 2**20:10.2f} MiB",
+        "",
+        f"{'kernel':<24}{'time_us':>10}{'cores':>6}{'mte2':>7}{'cube':>7}{'vec':>7}{'mte3':>7}{'fixp':>7}"
+        f"{'overlap':>8}{'mem_bnd':>8}{'TFLOP/s':>9}{'peak%':>7}",
+    ]
+    for k in p["kernels"]:
+        lines.append(f"{k['name']:<24}{k['time_us']:>10.2f}{k['cores']:>6}{k['mte2_ratio']:>7.2f}{k['cube_ratio']:>7.2f}"
+                     f"{k['vec_ratio']:>7.2f}{k['mte3_ratio']:>7.2f}{k['fixp_ratio']:>7.2f}{k['overlap_ratio']:>8.2f}"
+                     f"{k['memory_bound']:>8.2f}{k['tflops']:>9.2f}{100 * k['cube_peak_fraction']:>7.1f}")
+    return "\n".join(lines)
+
+
+def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | None = None) -> str:
+    """Chrome trace-event JSON: host GE and Runtime tracks, then one track per core and pipe."""
+    events: list[dict[str, Any]] = []
+    us = 1e6 / result.target.clock_hz
+
+    def meta(pid: int, tid: int, name: str, process: str) -> None:
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": tid, "args": {"name": process}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+
+    meta(0, 0, "GE", "host")
+    meta(0, 1, "Runtime", "host")
+    for name, start, end in ge_events or []:
+        events.append({"ph": "X", "name": name, "pid": 0, "tid": 0, "ts": start, "dur": max(end - start, 0.0)})
+    for t in result.tasks:
+        events.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": 0, "tid": 1, "ts": t.start_us,
+                       "dur": max(t.end_us - t.start_us, 0.0), "args": {"stream": t.stream}})
+    pipes = list(PIPE_INDEX)
+    seen: set[tuple[int, int]] = set()
+    for iv in result.cores.intervals:
+        for core, start, end in zip(iv.cores.tolist(), iv.start.tolist(), iv.end.tolist()):
+            pid, tid = 1 + core, iv.pipe
+            if (pid, tid) not in seen:
+                seen.add((pid, tid))
+                meta(pid, tid, pipes[iv.pipe], f"core {core}")
+            events.append({"ph": "X", "name": iv.name, "pid": pid, "tid": tid, "ts": start * us,
+                           "dur": (end - start) * us})
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})

@@ -1,0 +1,205 @@
+"""The simulated chip: per-core pipes timed in parallel, on-chip buffers with real capacities, and
+global memory as HBM behind a shared L2.
+
+Kernels describe work as instructions on named pipes; `Cores.issue` times one instruction on
+many cores at once (one numpy lane per core), so a kernel runs the same tile step of every
+core as one batched operation while every core and pipe still gets its own start and end
+times. An instruction starts when its pipe is free and every event it waits for has happened
+(the set/wait flags of Ascend C are the end-time arrays passed in `after`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from geir.target_npu.target import Target
+
+PIPES = ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "SCALAR")
+PIPE_INDEX = {name: i for i, name in enumerate(PIPES)}
+
+
+class CapacityError(RuntimeError):
+    """A tile that does not fit an on-chip buffer: names the buffer, the request and the capacity."""
+
+    def __init__(self, buffer: str, requested: int, capacity: int, used: int, what: str):
+        super().__init__(f"{buffer} overflow: {what} needs {requested} bytes, but {buffer} holds {capacity} bytes"
+                         f" and {used} are already taken")
+        self.buffer, self.requested, self.capacity, self.used = buffer, requested, capacity, used
+
+
+@attrs.define
+class Buffer:
+    """One on-chip buffer of a core (UB, L1, L0A, L0B, L0C): allocations must fit its capacity."""
+
+    name: str
+    capacity: int
+    used: int = 0
+    peak: int = 0
+
+    def alloc(self, nbytes: int, what: str) -> int:
+        """Reserve `nbytes` (32-byte aligned) and return the offset; CapacityError past the capacity."""
+        nbytes = -(-nbytes // 32) * 32
+        if self.used + nbytes > self.capacity:
+            raise CapacityError(self.name, nbytes, self.capacity, self.used, what)
+        offset = self.used
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return offset
+
+    def reset(self) -> None:
+        self.used = 0
+
+
+@attrs.define
+class PipeInterval:
+    """What one instruction did on one pipe of several cores (for the trace)."""
+
+    pipe: int
+    name: str
+    cores: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+class Cores:
+    """Timing state of every core's pipes, in cycles; instructions are issued for many cores at once."""
+
+    def __init__(self, count: int, record: bool = False):
+        self.count = count
+        self.free = np.zeros((len(PIPES), count))
+        self.busy = np.zeros((len(PIPES), count))
+        self.record = record
+        self.intervals: list[PipeInterval] = []
+
+    def issue(self, pipe: str, cores: np.ndarray, cost: np.ndarray | float, after: Iterable[np.ndarray] = (),
+              name: str = "") -> np.ndarray:
+        """Run one instruction on `pipe` of each core in `cores`; returns its end times (an event to wait on)."""
+        p = PIPE_INDEX[pipe]
+        start = self.free[p, cores]
+        for event in after:
+            start = np.maximum(start, event)
+        end = start + cost
+        self.free[p, cores] = end
+        self.busy[p, cores] += cost
+        if self.record:
+            self.intervals.append(PipeInterval(p, name, cores, start, end))
+        return end
+
+    def now(self, cores: np.ndarray) -> np.ndarray:
+        """When every pipe of these cores is idle."""
+        return self.free[:, cores].max(axis=0)
+
+    def sync_to(self, t: float) -> None:
+        """No pipe starts before `t` (a kernel launch after the previous one finished)."""
+        np.maximum(self.free, t, out=self.free)
+
+    @property
+    def finish(self) -> float:
+        return float(self.free.max()) if self.count else 0.0
+
+
+class GlobalMemory:
+    """HBM behind the shared L2, tracked per block of each tensor.
+
+    A block is served from L2 when fewer bytes than the L2's capacity have moved since it was
+    last touched (its reuse distance: exact for LRU when every byte moved is distinct, and never
+    optimistic otherwise). Misses are read at the HBM rate, which the cores missing together share.
+    """
+
+    def __init__(self, target: Target):
+        mem = target.data["memory"]
+        self.l2_bytes = mem["l2_mib"] * 2**20
+        self.l2_rate = mem["gm_read_bytes_per_cycle_l2"]
+        self.hbm_rate = mem["gm_read_bytes_per_cycle_hbm"]
+        self.chip_hbm_rate = mem["hbm_tb_per_s"] * 1e12 / target.clock_hz  # bytes per cycle, whole chip
+        self.latency = mem.get("dma_latency_cycles", 0)
+        self.clock = 0  # bytes moved so far: the reuse-distance clock
+        self.last_touch: dict[str, np.ndarray] = {}
+        self.tensor_clock: dict[str, int] = {}  # when each tensor was last touched, whatever its blocks
+        self.gm_read_bytes = 0
+        self.gm_write_bytes = 0
+        self.hbm_read_bytes = 0
+        self.hbm_write_bytes = 0
+
+    def tensor(self, name: str, blocks: int, resident: bool = False) -> None:
+        """Register a fresh tensor cut into `blocks` blocks; `resident` when it was just written to L2."""
+        self.last_touch[name] = np.full(blocks, self.clock if resident else -np.inf)
+        self.tensor_clock[name] = self.clock if resident else -np.inf
+
+    def forget(self, name: str) -> None:
+        """New contents arrived from outside the chip (a host copy): none of it is in L2."""
+        self.last_touch.pop(name, None)
+        self.tensor_clock[name] = -np.inf
+
+    def ensure(self, name: str, blocks: int) -> None:
+        """Register a tensor cut into `blocks` blocks, keeping what is known of its residency.
+
+        Kernels cut tensors into blocks of their own; between kernels residency is kept per tensor
+        (when it was last written or read), so the next kernel starts from that.
+        """
+        known = self.last_touch.get(name)
+        if known is None or len(known) != blocks:
+            self.last_touch[name] = np.full(blocks, self.tensor_clock.get(name, -np.inf))
+
+    def read(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
+        """Cycles for each core to read one block each (block ids per core); counts GM and HBM bytes."""
+        last = self.last_touch[name]
+        nbytes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
+        hit = (self.clock - last[blocks]) < self.l2_bytes
+        # cores reading the same block together: the first brings it into L2, the others hit
+        _, first = np.unique(blocks, return_index=True)
+        repeat = np.ones(blocks.shape, dtype=bool)
+        repeat[first] = False
+        hit |= repeat
+        missing = int(np.count_nonzero(~hit))
+        hbm_rate = min(self.hbm_rate, self.chip_hbm_rate / max(missing, 1))
+        cost = self.latency + nbytes / np.where(hit, self.l2_rate, hbm_rate)
+        total = int(nbytes.sum())
+        self.gm_read_bytes += total
+        self.hbm_read_bytes += int(nbytes[~hit].sum())
+        self.clock += total
+        last[blocks] = self.clock
+        self.tensor_clock[name] = self.clock
+        return cost
+
+    def write(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
+        """Cycles for each core to write one block each; written data stays in L2 and is written back to HBM."""
+        nbytes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
+        total = int(nbytes.sum())
+        self.gm_write_bytes += total
+        self.hbm_write_bytes += total
+        self.clock += total
+        if name in self.last_touch:
+            self.last_touch[name][blocks] = self.clock
+        self.tensor_clock[name] = self.clock
+        return self.latency + nbytes / self.l2_rate
+
+
+def cube_cycles(target: Target, dtype: str, m: int, k: int, n: int) -> float:
+    """Cycles of one core's cube for an m x k by k x n matmul: fractal count at the dtype's MACs per cycle."""
+    fm, fk, fn = target.data["cube"][dtype]
+    return float(-(-m // fm) * -(-k // fk) * -(-n // fn))
+
+
+def vector_cycles(target: Target, nbytes: int | np.ndarray, instructions: int = 1) -> np.ndarray | float:
+    """Cycles of one core's vector units for `instructions` passes over `nbytes` of operands."""
+    per_cycle = target.data["vector"]["bytes_per_cycle"] * target.data["cores"].get("vector_per_cube", 1)
+    return instructions * np.ceil(np.asarray(nbytes) / per_cycle)
+
+
+def local_copy_cycles(target: Target, nbytes: int) -> float:
+    """Cycles to move data between on-chip buffers (MTE1, FIXP): the on-chip rate from the target data."""
+    return float(np.ceil(nbytes / target.data["memory"].get("onchip_bytes_per_cycle", 256)))
+
+
+def buffers_of(target: Target) -> dict[str, Buffer]:
+    """Fresh buffers of one core with the target's capacities."""
+    return {name.upper(): Buffer(name.upper(), target.buffer_bytes(name)) for name in ("ub", "l1", "l0a", "l0b", "l0c")}
+
+
+def spread(units: int, cores: int) -> Sequence[np.ndarray]:
+    """Work units dealt round-robin to cores, as waves: wave w runs units w*cores ... on cores 0..."""
+    return [np.arange(w, min(w + cores, units)) for w in range(0, units, cores)]
