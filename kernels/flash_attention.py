@@ -22,6 +22,8 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.passes.tiling import flash_budget
+from geir.types import DType
 from geir.target_npu.sim import CapacityError, buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
 
 # vector passes over the score tile per block: scale, mask, row max, subtract, exp, row sum, cast to P
@@ -35,25 +37,18 @@ def _bytes(dtype: np.dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-def check_fits(target, s1: int, s2: int, d: int, itemsize: int, buffers: int, has_mask: bool) -> None:
-    """Allocate one core's buffers for this tiling; CapacityError names the buffer that overflows."""
+def check_fits(target, s1: int, s2: int, d: int, dtype: np.dtype, buffers: int, causal: bool,
+               mask_itemsize: int) -> None:
+    """Allocate one core's buffers for this tiling; CapacityError names the buffer that overflows.
+
+    What a work unit keeps on chip is the tile pass's budget (geir.passes.tiling.flash_budget):
+    one model of the kernel's buffers serves both the choice of blocks and the kernel.
+    """
+    budget = flash_budget(s1, s2, d, DType.from_numpy(dtype), buffers, target, causal=causal,
+                          mask_itemsize=mask_itemsize)
     buf = buffers_of(target)
-    vec = target.data["cores"].get("vector_per_cube", 1)
-    rows = -(-s1 // vec)  # each vector unit of the core handles its share of the rows
-    buf["L1"].alloc(s1 * d * itemsize, "the Q block")
-    for _ in range(buffers):
-        buf["L1"].alloc(2 * s2 * d * itemsize, "a K and a V block")
-        buf["L1"].alloc(s1 * s2 * itemsize, "a P block")
-    buf["L0A"].alloc(max(s1 * d, s1 * s2) * itemsize, "the left matmul operand (Q or P)")
-    buf["L0B"].alloc(s2 * d * itemsize, "the right matmul operand (K or V block)")
-    buf["L0C"].alloc(max(s1 * s2, s1 * d) * 4, "the f32 accumulator of S or P V")
-    for _ in range(buffers):
-        buf["UB"].alloc(rows * s2 * 4, "the f32 score tile")
-        buf["UB"].alloc(rows * s2 * itemsize, "the P tile")
-        if has_mask:
-            buf["UB"].alloc(rows * s2 * 4, "the mask tile")
-    buf["UB"].alloc(2 * rows * d * 4, "the f32 output accumulator and P V block")
-    buf["UB"].alloc(3 * rows * 4, "the running max, sum and rescale vectors")
+    for name in ("ub", "l1", "l0a", "l0b", "l0c"):
+        buf[name.upper()].alloc(getattr(budget, name), f"the {s1} x {s2} FlashAttention tile (d = {d})")
 
 
 @register_kernel
@@ -93,7 +88,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     if ctx.fault == "ub_overflow":
         raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
                             "the injected fault's score tile")
-    check_fits(target, s1, s2, D, isz, nbuf, mask is not None)
+    check_fits(target, s1, s2, D, dt, nbuf, causal, _bytes(mask.dtype) if mask is not None else 0)
     dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
 
     nq, nk = -(-Sq // s1), -(-Skv // s2)
@@ -121,9 +116,12 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     scale32 = _F32(scale)
     q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
 
-    for wave in spread(units, cores.count):
+    # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
+    k_free = [np.zeros(cores.count) for _ in range(nbuf)]      # K slots: free once K is in L0B
+    slot_free = [np.zeros(cores.count) for _ in range(nbuf)]   # V and P slots: free after their P V
+    score_free = [np.zeros(cores.count) for _ in range(nbuf)]  # UB score slots: free after their softmax
+    for wave, on in spread(units, cores.count):
         L = len(wave)
-        lanes = np.arange(L)
         seg = wave % segments
         rest = wave // segments
         qi = rest % nq
@@ -139,40 +137,38 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
 
         # Q block: GM -> L1 -> L0A once per unit
         q_blk = q5[b, n, qi].astype(_F32)
-        q_ready = cores.issue("MTE2", lanes, gm.read(qname, bn * nq + qi, q_bytes), name="load Q")
-        q_ready = cores.issue("MTE1", lanes, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
+        q_ready = cores.issue("MTE2", on, gm.read(qname, bn * nq + qi, q_bytes), name="load Q")
+        q_ready = cores.issue("MTE1", on, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
         m = m_all[wave]
         l = l_all[wave]
         acc = acc_all[wave]
-        k_free = [np.zeros(L) for _ in range(nbuf)]         # K slots: free once K is in L0B
-        slot_free = [np.zeros(L) for _ in range(nbuf)]      # V and P slots: free after their P V
-        score_free = [np.zeros(L) for _ in range(nbuf)]     # UB score slots: free after their softmax
         pending = None  # the previous block's (active lanes, P event, V event, softmax event)
 
         for step in range(int(trips.max(initial=0))):
-            act = np.nonzero(step < trips)[0]
+            act = np.nonzero(step < trips)[0]  # lanes (positions in this wave) with a block to do
+            core = on[act]
             t = t0[act] + step
             slot = step % nbuf
             # each load waits until its slot's previous block is done with it: K once it is in L0B,
             # V (and P) once the second matmul has read them
             kv_block = (b[act] * Nkv + nkv[act]) * nk + t
-            k_ready = cores.issue("MTE2", act, gm.read(kname, kv_block, kv_bytes), [k_free[slot][act]], name="load K")
-            kv_ready = cores.issue("MTE2", act, gm.read(vname, kv_block, kv_bytes), [slot_free[slot][act]],
+            k_ready = cores.issue("MTE2", core, gm.read(kname, kv_block, kv_bytes), [k_free[slot][core]], name="load K")
+            kv_ready = cores.issue("MTE2", core, gm.read(vname, kv_block, kv_bytes), [slot_free[slot][core]],
                                    name="load V")
             if mname is not None:
-                mtile = cores.issue("MTE2", act, gm.read(mname, ((bn[act] * nq) + qi[act]) * nk + t,
+                mtile = cores.issue("MTE2", core, gm.read(mname, ((bn[act] * nq) + qi[act]) * nk + t,
                                                          s1 * s2 * _bytes(mask.dtype)), name="load mask")
                 k_ready = np.maximum(k_ready, mtile)
-            k_l0 = cores.issue("MTE1", act, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
-            k_free[slot][act] = k_l0
-            s_done = cores.issue("CUBE", act, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
+            k_l0 = cores.issue("MTE1", core, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
+            k_free[slot][core] = k_l0
+            s_done = cores.issue("CUBE", core, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
                                  name="S = Q K^T")
-            s_ub = cores.issue("FIXP", act, local_copy_cycles(target, s1 * s2 * 4), [s_done, score_free[slot][act]],
+            s_ub = cores.issue("FIXP", core, local_copy_cycles(target, s1 * s2 * 4), [s_done, score_free[slot][core]],
                                name="S to UB")
-            sm_done = cores.issue("VECTOR", act, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
+            sm_done = cores.issue("VECTOR", core, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
                                   name="online softmax")
-            score_free[slot][act] = sm_done
-            p_l1 = cores.issue("MTE3", act, local_copy_cycles(target, p_bytes), [sm_done, slot_free[slot][act]],
+            score_free[slot][core] = sm_done
+            p_l1 = cores.issue("MTE3", core, local_copy_cycles(target, p_bytes), [sm_done, slot_free[slot][core]],
                                name="P to L1")
             # with two buffers the second matmul of the previous block follows this block's first on the
             # cube, and runs while the vector units work on this block's softmax; with one buffer the
@@ -205,7 +201,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
             p_in = p.astype(dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
             acc[act] = acc[act] * alpha[:, :, None] + np.matmul(p_in, vb)
             m[act] = m_new
-            pending = (act, p_l1, kv_ready, sm_done, slot)
+            pending = (core, p_l1, kv_ready, sm_done, slot)
             if nbuf == 1:
                 _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
                 pending = None
@@ -213,10 +209,10 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
             _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
         m_all[wave], l_all[wave], acc_all[wave] = m, l, acc
         if segments == 1:
-            cores.issue("VECTOR", lanes, vector_cycles(target, s1 * D * 4, 1), name="O / l")
-            cores.issue("MTE3", lanes, gm.write(oname, bn * nq + qi, s1 * D * isz), name="store O")
+            cores.issue("VECTOR", on, vector_cycles(target, s1 * D * 4, 1), name="O / l")
+            cores.issue("MTE3", on, gm.write(oname, bn * nq + qi, s1 * D * isz), name="store O")
         else:  # partial O, max and sum go to a workspace for the combine
-            cores.issue("MTE3", lanes, gm.write(oname, wave, s1 * (D + 2) * 4), name="store partial O")
+            cores.issue("MTE3", on, gm.write(oname, wave, s1 * (D + 2) * 4), name="store partial O")
 
     if segments > 1:
         out_blocks = _combine_segments(acc_all, m_all, l_all, segments, ctx, oname, s1, D, isz)
@@ -229,12 +225,12 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
 
 def _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
     """Timing of the second matmul of a block and the accumulation that follows it."""
-    act, p_l1, kv_ready, sm_done, slot = pending
-    p_l0 = cores.issue("MTE1", act, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
-    pv = cores.issue("CUBE", act, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
-    slot_free[slot][act] = pv
-    o_ub = cores.issue("FIXP", act, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
-    cores.issue("VECTOR", act, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
+    core, p_l1, kv_ready, sm_done, slot = pending
+    p_l0 = cores.issue("MTE1", core, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
+    pv = cores.issue("CUBE", core, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
+    slot_free[slot][core] = pv
+    o_ub = cores.issue("FIXP", core, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
+    cores.issue("VECTOR", core, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
                 name="rescale and accumulate O")
 
 
@@ -268,12 +264,11 @@ def _combine_segments(acc, m, l, segments, ctx, oname, s1, D, isz) -> np.ndarray
     with np.errstate(invalid="ignore", divide="ignore"):
         out = (acc * w[..., None]).sum(axis=1) / (l * w).sum(axis=1)[..., None]
     cores, gm = ctx.cores, ctx.gm
-    for wave in spread(units, cores.count):
-        lanes = np.arange(len(wave))
+    for wave, on in spread(units, cores.count):
         read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
-        ready = cores.issue("MTE2", lanes, read, name="load partials")
-        done = cores.issue("VECTOR", lanes, vector_cycles(target=ctx.target, nbytes=segments * s1 * D * 4,
-                                                          instructions=3), [ready], name="combine segments")
-        cores.issue("MTE3", lanes, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
+        ready = cores.issue("MTE2", on, read, name="load partials")
+        done = cores.issue("VECTOR", on, vector_cycles(target=ctx.target, nbytes=segments * s1 * D * 4,
+                                                       instructions=3), [ready], name="combine segments")
+        cores.issue("MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
     return out
 

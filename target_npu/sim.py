@@ -200,6 +200,15 @@ def buffers_of(target: Target) -> dict[str, Buffer]:
     return {name.upper(): Buffer(name.upper(), target.buffer_bytes(name)) for name in ("ub", "l1", "l0a", "l0b", "l0c")}
 
 
-def spread(units: int, cores: int) -> Sequence[np.ndarray]:
-    """Work units dealt round-robin to cores, as waves: wave w runs units w*cores ... on cores 0..."""
-    return [np.arange(w, min(w + cores, units)) for w in range(0, units, cores)]
+def spread(units: int, cores: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Work units dealt to cores in waves of one unit per core: (unit ids, core ids) per wave.
+
+    Waves alternate direction (a snake), so units that cost more at one end of a wave (the long
+    rows of a causal attention) do not all land on the same cores.
+    """
+    waves = []
+    for w, first in enumerate(range(0, units, cores)):
+        ids = np.arange(first, min(first + cores, units))
+        on = np.arange(len(ids)) if w % 2 == 0 else np.arange(cores - 1, cores - 1 - len(ids), -1)
+        waves.append((ids, on))
+    return waves

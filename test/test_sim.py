@@ -63,7 +63,8 @@ def test_cube_cycles_count_fractals_and_f32_halves_the_rate() -> None:
     assert cube_cycles(t, "f32", 128, 64, 128) == 2 * cube_cycles(t, "f16", 128, 64, 128)
 
 
-def test_units_are_dealt_round_robin_in_waves() -> None:
+def test_units_are_dealt_in_waves_that_snake_across_the_cores() -> None:
     waves = spread(50, 24)
-    assert [len(w) for w in waves] == [24, 24, 2]
-    assert list(waves[2]) == [48, 49]
+    assert [len(units) for units, _ in waves] == [24, 24, 2]
+    assert list(waves[0][1][:2]) == [0, 1] and list(waves[1][1][:2]) == [23, 22]
+    assert list(waves[2][0]) == [48, 49] and list(waves[2][1]) == [0, 1]
