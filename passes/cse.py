@@ -4,11 +4,27 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
+import numpy as np
+
+from geir.attributes import DenseAttr
 from geir.ir import Graph, Module, Operation
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 
 
+def _dense_key(values: np.ndarray) -> Hashable:
+    """A literal as the printer shows it: one whose elements are all equal (bit for bit) is a splat,
+    so `dense<[1.0, 1.0]>` and `dense<1.0>` of one type merge, as they would once printed and parsed."""
+    flat = values.reshape(-1)
+    if values.ndim and flat.size:
+        bits = flat.view(f"u{flat.dtype.itemsize}") if flat.dtype.kind == "f" else flat
+        if np.all(bits == bits[0]):
+            return ("dense", values.dtype.str, (), flat[:1].tobytes())
+    return ("dense", values.dtype.str, values.shape, values.tobytes())
+
+
 def _hashable(v: Any) -> Hashable:
+    if isinstance(v, DenseAttr):
+        return _dense_key(v.values)
     if isinstance(v, list):
         return ("list",) + tuple(_hashable(x) for x in v)
     if isinstance(v, dict):

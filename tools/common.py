@@ -39,14 +39,16 @@ def write_atomically(path: str, data: str | bytes) -> None:
     except OSError as e:
         raise ToolError(f"cannot write '{path}': {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, mode) as f:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             f.write(data)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):  # e.g. OUT is a directory: a diagnostic, not a traceback
+            raise ToolError(f"cannot write '{path}': {e.strerror or e}") from None
         raise
 
 
