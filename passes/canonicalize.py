@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from geir.attributes import DenseAttr
@@ -20,18 +22,26 @@ class _ForwardOperand(Pattern):
     def match(self, op: Operation) -> Match | None:
         for side in self.SIDES:
             other = op.operands[1 - side]
-            if constant_splat(op.operands[side]) == self.IDENTITY and other.type == op.result.type:
+            if self.is_identity(constant_splat(op.operands[side]), op) and other.type == op.result.type:
                 return Match(op, keep=other)
         return None
+
+    def is_identity(self, value, op: Operation) -> bool:
+        return value is not None and value == self.IDENTITY
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         rw.replace(m.root, [m.keep])
 
 
 class AddZero(_ForwardOperand):
-    """x + 0 -> x"""
+    """x + 0 -> x for integers, x + (-0.0) -> x for floats (x + 0.0 turns -0.0 into +0.0, so it stays)."""
 
     NAME, ROOT, IDENTITY = "add-zero", "ge.add", 0
+
+    def is_identity(self, value, op: Operation) -> bool:
+        if value is None or value != 0:
+            return False
+        return not op.result.type.dtype.is_float or math.copysign(1.0, value) < 0
 
 
 class SubZero(_ForwardOperand):

@@ -348,8 +348,9 @@ def test_dce_on_an_all_dead_graph():
     "body, args, results, remaining",
     [
         # identities
-        ("%c = ge.const dense<0.0> : tensor<f32>\n%y = ge.add %x, %c", "%x: tensor<4xf32>", "tensor<4xf32>", []),
-        ("%c = ge.const dense<0.0> : tensor<4xf32>\n%y = ge.add %c, %x", "%x: tensor<4xf32>", "tensor<4xf32>", []),
+        ("%c = ge.const dense<-0.0> : tensor<f32>\n%y = ge.add %x, %c", "%x: tensor<4xf32>", "tensor<4xf32>", []),
+        ("%c = ge.const dense<-0.0> : tensor<4xf32>\n%y = ge.add %c, %x", "%x: tensor<4xf32>", "tensor<4xf32>", []),
+        ("%c = ge.const dense<0> : tensor<i32>\n%y = ge.add %c, %x", "%x: tensor<4xi32>", "tensor<4xi32>", []),
         ("%c = ge.const dense<0> : tensor<i32>\n%y = ge.sub %x, %c", "%x: tensor<4xi32>", "tensor<4xi32>", []),
         ("%c = ge.const dense<[1.0, 1.0]> : tensor<2xf16>\n%y = ge.mul %c, %x", "%x: tensor<3x2xf16>",
          "tensor<3x2xf16>", []),
@@ -375,6 +376,9 @@ def test_dce_on_an_all_dead_graph():
         ("%c = ge.const dense<1.0> : tensor<f32>\n%y = ge.div %c, %x", "%x: tensor<4xf32>", "tensor<4xf32>",
          ["ge.const", "ge.div"]),
         ("%c = ge.const dense<[0.0, 1.0]> : tensor<2xf32>\n%y = ge.add %x, %c", "%x: tensor<2xf32>", "tensor<2xf32>",
+         ["ge.const", "ge.add"]),
+        # x + 0.0 is not x for floats: -0.0 + 0.0 is +0.0
+        ("%c = ge.const dense<0.0> : tensor<f32>\n%y = ge.add %x, %c", "%x: tensor<4xf32>", "tensor<4xf32>",
          ["ge.const", "ge.add"]),
         # x + 0 where the zero broadcasts x to a bigger shape is not x
         ("%c = ge.const dense<0.0> : tensor<3x4xf32>\n%y = ge.add %x, %c", "%x: tensor<4xf32>", "tensor<3x4xf32>",
@@ -723,7 +727,7 @@ def test_many_lazy_edits_stay_fast():
 def test_canonicalize_via_geopt_style_pipeline_on_random_graphs():
     # a chain mixing every canonical identity, checked numerically on several seeds
     text = graph_text(
-        "  %z = ge.const dense<0.0> : tensor<f32>\n"
+        "  %z = ge.const dense<-0.0> : tensor<f32>\n"
         "  %o = ge.const dense<1.0> : tensor<f32>\n"
         "  %a = ge.add %x, %z\n"
         "  %b = ge.mul %o, %a\n"
