@@ -760,16 +760,18 @@ def test_flash_attention_bsnd(mode, rng):
 
 
 @pytest.mark.parametrize("mode", ["f32", "f16", "f64"])
-def test_flash_attention_long_query_covers_the_row_blocks(mode, rng):
-    sq = FlashAttention.REFERENCE_ROW_BLOCK + 76  # more than one block, not a multiple of it
-    skv = sq - 30
+def test_flash_attention_long_query_covers_the_row_blocks(mode, rng, monkeypatch):
+    # blocks of 64 query rows: 1100 rows are more than one block and not a multiple of it
+    sq, skv = 1100, 1070
+    monkeypatch.setattr(FlashAttention, "REFERENCE_SCORE_ELEMENTS", 2 * skv * 64)
     mask = rng.standard_normal((sq, skv))
     got, q, k, v, m = attention(mode, (1, 2, sq, 8), (1, 1, skv, 8), (1, 1, skv, 8), rng, "causal = true", mask)
     check(got, naive_attention(q, k, v, mask=m, causal=True), mode)
 
 
-def test_flash_attention_long_query_boolean_mask(rng):
-    sq = 2 * FlashAttention.REFERENCE_ROW_BLOCK + 5
+def test_flash_attention_long_query_boolean_mask(rng, monkeypatch):
+    monkeypatch.setattr(FlashAttention, "REFERENCE_SCORE_ELEMENTS", 40 * 100)  # blocks of 100 rows
+    sq = 2053
     mask = rng.random((1, 1, sq, 40)) < 0.5
     mask[..., 7] = True
     got, q, k, v, m = attention("f32", (1, 1, sq, 4), (1, 1, 40, 4), (1, 1, 40, 4), rng, "", mask)

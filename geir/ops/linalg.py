@@ -49,8 +49,9 @@ class FlashAttention(Operation):
     causal = Attr(bool, default=False)
     layout = Attr(str, default="BNSD", choices=("BNSD", "BSND"))
 
-    # rows of q processed at once, so the reference needs O(block * Skv) memory, not O(Sq * Skv)
-    REFERENCE_ROW_BLOCK = 1024
+    # score elements the reference holds at once: rows of q are taken in blocks so that memory stays
+    # O(Sq + Skv) for long sequences instead of O(Sq * Skv)
+    REFERENCE_SCORE_ELEMENTS = 1 << 24
 
     def _bnsd(self, t: TensorType) -> tuple:
         s = t.shape
@@ -100,8 +101,9 @@ class FlashAttention(Operation):
         scale = q.dtype.type(self.effective_scale(d))
         out = np.empty((b, n, sq, v.shape[-1]), dtype=q.dtype)
         cols = np.arange(skv)
-        for r0 in range(0, sq, self.REFERENCE_ROW_BLOCK):
-            r1 = min(r0 + self.REFERENCE_ROW_BLOCK, sq)
+        rows = max(1, self.REFERENCE_SCORE_ELEMENTS // max(b * n * skv, 1))
+        for r0 in range(0, sq, rows):
+            r1 = min(r0 + rows, sq)
             s = np.matmul(q[:, :, r0:r1], np.swapaxes(k, -1, -2)) * scale
             if mask is not None:
                 m = mask[:, :, r0:r1]
