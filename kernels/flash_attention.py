@@ -74,31 +74,107 @@ class FlashAttentionKernel(Kernel):
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
                             scale: float, tiling: dict, ctx: LaunchContext) -> np.ndarray:
-    """The kernel proper on BNSD arrays; timing goes to ctx.cores and ctx.gm."""
-    target, cores, gm = ctx.target, ctx.cores, ctx.gm
+    """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm."""
+    target = ctx.target
     B, N, Sq, D = q.shape
-    Nkv, Skv = k.shape[1], k.shape[2]
-    group = N // Nkv
-    dt = q.dtype
-    isz = _bytes(dt)
-    half = isz < 4
+    Skv = k.shape[2]
     s1, s2 = int(tiling["s1"]), int(tiling["s2"])
     nbuf = int(tiling.get("buffers", 2))
     segments = max(int(tiling.get("segments", 1)), 1)
     if ctx.fault == "ub_overflow":
         raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
                             "the injected fault's score tile")
-    check_fits(target, s1, s2, D, dt, nbuf, causal, _bytes(mask.dtype) if mask is not None else 0)
-    dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
-
-    nq, nk = -(-Sq // s1), -(-Skv // s2)
-    per_seg = -(-nk // segments)
-    # padded copies cut into blocks: [B, N, nq, s1, D] and [B, Nkv, nk, s2, D]
-    q5 = _blocks(q, nq * s1).reshape(B, N, nq, s1, D)
-    k5 = _blocks(k, nk * s2).reshape(B, Nkv, nk, s2, D)
-    v5 = _blocks(v, nk * s2).reshape(B, Nkv, nk, s2, D)
+    check_fits(target, s1, s2, D, q.dtype, nbuf, causal, _bytes(mask.dtype) if mask is not None else 0)
     if mask is not None:
         mask = np.broadcast_to(mask, (B, N, Sq, Skv))
+    _time_tiles(q.shape, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx)
+    return _compute(q, k, v, mask, causal, scale, s1, s2, segments)
+
+
+def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segments: int) -> np.ndarray:
+    """The kernel's arithmetic, FlashAttention-2 style, for every work unit at once.
+
+    Work units are independent, so one key-block step of all of them (every core's tile of that
+    step, and every wave's) runs as one batched numpy operation; each row sees exactly the
+    sequence of key blocks, online-softmax updates and roundings it sees on its core: S in f32,
+    running max and sum in f32, P rounded to the inputs' dtype for the cube, O accumulated in f32.
+    """
+    B, N, Sq, D = q.shape
+    Nkv, Skv = k.shape[1], k.shape[2]
+    group = N // Nkv
+    dt = q.dtype
+    half = _bytes(dt) < 4
+    nk = -(-Skv // s2)
+    per_seg = -(-nk // segments)
+    scale32 = _F32(scale)
+    # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]
+    qg = q.astype(_F32).reshape(B, Nkv, group * Sq, D)
+    rows = np.tile(np.arange(Sq), group)
+    partials = []
+    for seg in range(segments):
+        m = np.full((B, Nkv, group * Sq), -np.inf, dtype=_F32)
+        l = np.zeros((B, Nkv, group * Sq), dtype=_F32)
+        acc = np.zeros((B, Nkv, group * Sq, D), dtype=_F32)
+        for t in range(seg * per_seg, min((seg + 1) * per_seg, nk)):
+            c0, c1 = t * s2, min((t + 1) * s2, Skv)
+            # causal: query row blocks that lie wholly above this key block skip it (as their units do)
+            r0 = (c0 // s1) * s1 if causal else 0
+            sel = rows >= r0 if causal else slice(None)
+            kb = k[:, :, c0:c1].astype(_F32)
+            vb = v[:, :, c0:c1].astype(_F32)
+            qs = qg[:, :, sel] if causal else qg
+            sc = np.matmul(qs, np.swapaxes(kb, -1, -2)) * scale32
+            keep = None
+            if causal:
+                keep = np.arange(c0, c1)[None, :] <= rows[sel][:, None]
+            if mask is not None:
+                mt = mask[:, :, :, c0:c1].reshape(B, Nkv, group * Sq, c1 - c0)
+                mt = mt[:, :, sel] if causal else mt
+                if mt.dtype == np.bool_:
+                    keep = mt if keep is None else keep & mt
+                else:
+                    sc = sc + mt.astype(_F32)
+            if keep is not None:
+                sc = np.where(keep, sc, -np.inf)
+            m_old = m[:, :, sel]
+            m_new = np.maximum(m_old, sc.max(axis=-1))
+            m_safe = np.where(np.isneginf(m_new), _F32(0), m_new)
+            p = np.exp(sc - m_safe[..., None])
+            alpha = np.exp(m_old - m_safe)
+            p_in = p.astype(dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
+            if causal:
+                l[:, :, sel] = l[:, :, sel] * alpha + p.sum(axis=-1)
+                acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + np.matmul(p_in, vb)
+                m[:, :, sel] = m_new
+            else:
+                l = l * alpha + p.sum(axis=-1)
+                acc = acc * alpha[..., None] + np.matmul(p_in, vb)
+                m = m_new
+        partials.append((acc, m, l))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if segments == 1:
+            acc, _, l = partials[0]
+            out = acc / l[..., None]
+        else:  # log-sum-exp combine of the key segments
+            top = np.max([m for _, m, _ in partials], axis=0)
+            top = np.where(np.isneginf(top), _F32(0), top)
+            num = sum(acc * np.exp(m - top)[..., None] for acc, m, _ in partials)
+            den = sum(l * np.exp(m - top) for _, m, l in partials)
+            out = num / den[..., None]
+    return out.reshape(B, N, Sq, D).astype(dt)
+
+
+def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
+                ctx: LaunchContext) -> None:
+    """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing)."""
+    target, cores, gm = ctx.target, ctx.cores, ctx.gm
+    B, N, Sq, D = q_shape
+    Nkv, Skv = k_shape[1], k_shape[2]
+    group = N // Nkv
+    isz = _bytes(dt)
+    dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
+    nq, nk = -(-Sq // s1), -(-Skv // s2)
+    per_seg = -(-nk // segments)
     qname, kname, vname = ctx.operand_names[:3]
     mname = ctx.operand_names[3] if mask is not None else None
     oname = ctx.result_names[0]
@@ -106,14 +182,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
                          (mname, B * N * nq * nk), (oname, B * N * nq * segments)):
         if name is not None:
             gm.ensure(name, blocks)
-
     units = B * N * nq * segments
-    acc_all = np.zeros((units, s1, D), dtype=_F32)
-    m_all = np.full((units, s1), -np.inf, dtype=_F32)
-    l_all = np.zeros((units, s1), dtype=_F32)
-    rows_local = np.arange(s1)
-    cols_local = np.arange(s2)
-    scale32 = _F32(scale)
     q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
 
     # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
@@ -121,7 +190,6 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     slot_free = [np.zeros(cores.count) for _ in range(nbuf)]   # V and P slots: free after their P V
     score_free = [np.zeros(cores.count) for _ in range(nbuf)]  # UB score slots: free after their softmax
     for wave, on in spread(units, cores.count):
-        L = len(wave)
         seg = wave % segments
         rest = wave // segments
         qi = rest % nq
@@ -133,16 +201,11 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
         if causal:  # blocks wholly above the diagonal are skipped
             t1 = np.minimum(t1, -(-((qi + 1) * s1) // s2))
         trips = np.maximum(t1 - t0, 0)
-        rows = qi[:, None] * s1 + rows_local[None, :]  # [L, s1] global query rows
 
         # Q block: GM -> L1 -> L0A once per unit
-        q_blk = q5[b, n, qi].astype(_F32)
         q_ready = cores.issue("MTE2", on, gm.read(qname, bn * nq + qi, q_bytes), name="load Q")
         q_ready = cores.issue("MTE1", on, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
-        m = m_all[wave]
-        l = l_all[wave]
-        acc = acc_all[wave]
-        pending = None  # the previous block's (active lanes, P event, V event, softmax event)
+        pending = None  # the previous block's (cores, P event, V event, softmax event, slot)
 
         for step in range(int(trips.max(initial=0))):
             act = np.nonzero(step < trips)[0]  # lanes (positions in this wave) with a block to do
@@ -177,37 +240,12 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
                 _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
                 pending = None
 
-            # the numbers of this block, for the active lanes
-            kb = k5[b[act], nkv[act], t].astype(_F32)
-            vb = v5[b[act], nkv[act], t].astype(_F32)
-            s = np.matmul(q_blk[act], np.swapaxes(kb, 1, 2)) * scale32
-            cols = t[:, None] * s2 + cols_local[None, :]
-            keep = np.broadcast_to(cols[:, None, :] < Skv, s.shape)
-            if causal:
-                keep = keep & (cols[:, None, :] <= rows[act][:, :, None])
-            if mask is not None:
-                mt = _mask_tile(mask, b[act], n[act], rows[act], cols, Sq, Skv)
-                if mt.dtype == np.bool_:
-                    keep = keep & mt
-                else:
-                    s = s + mt
-            s = np.where(keep, s, -np.inf)
-            m_old = m[act]
-            m_new = np.maximum(m_old, s.max(axis=-1))
-            m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(_F32)
-            p = np.exp(s - m_safe[:, :, None])
-            alpha = np.exp(m_old - m_safe)
-            l[act] = l[act] * alpha + p.sum(axis=-1)
-            p_in = p.astype(dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
-            acc[act] = acc[act] * alpha[:, :, None] + np.matmul(p_in, vb)
-            m[act] = m_new
             pending = (core, p_l1, kv_ready, sm_done, slot)
             if nbuf == 1:
                 _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
                 pending = None
         if pending is not None:
             _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
-        m_all[wave], l_all[wave], acc_all[wave] = m, l, acc
         if segments == 1:
             cores.issue("VECTOR", on, vector_cycles(target, s1 * D * 4, 1), name="O / l")
             cores.issue("MTE3", on, gm.write(oname, bn * nq + qi, s1 * D * isz), name="store O")
@@ -215,12 +253,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
             cores.issue("MTE3", on, gm.write(oname, wave, s1 * (D + 2) * 4), name="store partial O")
 
     if segments > 1:
-        out_blocks = _combine_segments(acc_all, m_all, l_all, segments, ctx, oname, s1, D, isz)
-    else:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out_blocks = acc_all / l_all[:, :, None]
-    out = out_blocks.reshape(B, N, nq * s1, D)[:, :, :Sq]
-    return out.astype(dt)
+        _time_combine(ctx, oname, units // segments, segments, s1, D, isz)
 
 
 def _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
@@ -234,41 +267,12 @@ def _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
                 name="rescale and accumulate O")
 
 
-def _blocks(x: np.ndarray, padded: int) -> np.ndarray:
-    """x with its sequence axis (2) zero-padded to `padded` rows."""
-    extra = padded - x.shape[2]
-    if extra == 0:
-        return x
-    pad = np.zeros(x.shape[:2] + (extra,) + x.shape[3:], dtype=x.dtype)
-    return np.concatenate([x, pad], axis=2)
-
-
-def _mask_tile(mask: np.ndarray, b: np.ndarray, n: np.ndarray, rows: np.ndarray, cols: np.ndarray,
-               sq: int, skv: int) -> np.ndarray:
-    """The [lanes, s1, s2] tile of a (broadcast) mask, reading no element past the ends."""
-    r = np.minimum(rows, sq - 1)[:, :, None]
-    c = np.minimum(cols, skv - 1)[:, None, :]
-    tile = mask[b[:, None, None], n[:, None, None], r, c]
-    return tile if tile.dtype == np.bool_ else tile.astype(_F32)
-
-
-def _combine_segments(acc, m, l, segments, ctx, oname, s1, D, isz) -> np.ndarray:
-    """Merge the key segments of each row block by log-sum-exp (a vector pass over the partials)."""
-    units = acc.shape[0] // segments
-    acc = acc.reshape(units, segments, s1, D)
-    m = m.reshape(units, segments, s1)
-    l = l.reshape(units, segments, s1)
-    top = m.max(axis=1, keepdims=True)
-    top = np.where(np.isneginf(top), 0, top)
-    w = np.exp(m - top)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = (acc * w[..., None]).sum(axis=1) / (l * w).sum(axis=1)[..., None]
+def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
+    """Timing of the log-sum-exp combine: each row block's partials in, one vector pass, O out."""
     cores, gm = ctx.cores, ctx.gm
     for wave, on in spread(units, cores.count):
         read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
         ready = cores.issue("MTE2", on, read, name="load partials")
-        done = cores.issue("VECTOR", on, vector_cycles(target=ctx.target, nbytes=segments * s1 * D * 4,
-                                                       instructions=3), [ready], name="combine segments")
+        done = cores.issue("VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
+                           name="combine segments")
         cores.issue("MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
-    return out
-

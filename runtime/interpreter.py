@@ -54,9 +54,11 @@ class RunResult:
 class Runtime:
     """Runs rt.programs on one simulated chip."""
 
-    def __init__(self, target: Target, record_pipes: bool = False):
+    def __init__(self, target: Target, record_pipes: bool = False, faults: Mapping[int, str] | None = None):
         self.target = target
         self.record_pipes = record_pipes
+        # kernel launch index (0-based, per run) -> fault the kernel sees in LaunchContext.fault ("ub_overflow")
+        self.faults = dict(faults or {})
         host = target.data.get("host", {})
         self.link_bytes_per_us = host.get("pcie_gb_per_s", 32) * 1e3
         self.copy_latency_us = host.get("copy_latency_us", 0.0)
@@ -115,7 +117,7 @@ class Runtime:
                         raise RuntimeFailure(f"{op.loc}: wait for event {op.event}, which nothing recorded before")
                     streams[op.stream] = max(streams.get(op.stream, 0.0), events[op.event])
                 elif name == "rt.launch":
-                    stats = self._launch(op, device, where, cores, gm, streams)
+                    stats = self._launch(op, device, where, cores, gm, streams, self.faults.get(len(kernels)))
                     kernels.append(stats)
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
                                       stats.end / self.cycles_per_us))
@@ -131,7 +133,7 @@ class Runtime:
         return self.copy_latency_us + nbytes / self.link_bytes_per_us
 
     def _launch(self, op: Operation, device: DeviceMemory, where: dict[int, int], cores: Cores, gm: GlobalMemory,
-                streams: dict[int, float]) -> KernelStats:
+                streams: dict[int, float], fault: str | None = None) -> KernelStats:
         kernel_op = detached_op(op)
         kernel = KERNELS.get(op.kernel)
         if kernel is None:
@@ -140,7 +142,7 @@ class Runtime:
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
         cores.sync_to(start_cycles)
         ctx = LaunchContext(self.target, cores, gm, [_gm_name(where[id(v)]) for v in op.operands],
-                            [_gm_name(o) for o in op.offsets])
+                            [_gm_name(o) for o in op.offsets], fault)
         outs, stats = measure(ctx, op.kernel, dict(op.tiling), flops_of(kernel_op),
                               lambda: kernel.run(kernel_op, args, ctx))
         # results are stored only now: with an in-place plan they may overwrite an operand the kernel read

@@ -119,6 +119,7 @@ class GlobalMemory:
         self.clock = 0  # bytes moved so far: the reuse-distance clock
         self.last_touch: dict[str, np.ndarray] = {}
         self.tensor_clock: dict[str, int] = {}  # when each tensor was last touched, whatever its blocks
+        self.sizes: dict[str, int] = {}  # bytes of each tensor, where declared
         self.gm_read_bytes = 0
         self.gm_write_bytes = 0
         self.hbm_read_bytes = 0
@@ -144,38 +145,67 @@ class GlobalMemory:
         if known is None or len(known) != blocks:
             self.last_touch[name] = np.full(blocks, self.tensor_clock.get(name, -np.inf))
 
-    def read(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
-        """Cycles for each core to read one block each (block ids per core); counts GM and HBM bytes."""
+    def declare(self, name: str, nbytes: int) -> None:
+        """The size of a tensor in global memory (the Runtime declares each operand and result)."""
+        self.sizes[name] = nbytes
+
+    def read_pieces(self, name: str, blocks: np.ndarray, nbytes: np.ndarray,
+                    key: np.ndarray | None = None) -> np.ndarray:
+        """Cycles for each core to read its pieces: row i lists core i's block ids and bytes (0 = no piece).
+
+        A piece is an L2 hit when fewer bytes than the L2 holds moved since its block was last touched;
+        cores with the same `key` read the same data together: the first brings it in, the others hit.
+        Misses run at the HBM rate, which the cores missing together share.
+        """
         last = self.last_touch[name]
-        nbytes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
+        valid = nbytes > 0
         hit = (self.clock - last[blocks]) < self.l2_bytes
-        # cores reading the same block together: the first brings it into L2, the others hit
-        _, first = np.unique(blocks, return_index=True)
-        repeat = np.ones(blocks.shape, dtype=bool)
-        repeat[first] = False
-        hit |= repeat
-        missing = int(np.count_nonzero(~hit))
-        hbm_rate = min(self.hbm_rate, self.chip_hbm_rate / max(missing, 1))
-        cost = self.latency + nbytes / np.where(hit, self.l2_rate, hbm_rate)
-        total = int(nbytes.sum())
-        self.gm_read_bytes += total
-        self.hbm_read_bytes += int(nbytes[~hit].sum())
-        self.clock += total
-        last[blocks] = self.clock
+        if key is not None and len(key) > 1:
+            _, first = np.unique(key, return_index=True)
+            repeat = np.ones(len(key), dtype=bool)
+            repeat[first] = False
+            hit |= repeat[:, None]
+        miss = np.where(valid & ~hit, nbytes, 0).sum(axis=1)
+        total = nbytes.sum(axis=1)
+        hbm_rate = min(self.hbm_rate, self.chip_hbm_rate / max(int(np.count_nonzero(miss)), 1))
+        cost = np.where(total > 0, self.latency, 0) + (total - miss) / self.l2_rate + miss / hbm_rate
+        moved = int(total.sum())
+        self.gm_read_bytes += moved
+        self.hbm_read_bytes += int(miss.sum())
+        self.clock += moved
+        last[blocks[valid]] = self.clock
         self.tensor_clock[name] = self.clock
         return cost
 
-    def write(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
-        """Cycles for each core to write one block each; written data stays in L2 and is written back to HBM."""
-        nbytes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
-        total = int(nbytes.sum())
-        self.gm_write_bytes += total
-        self.hbm_write_bytes += total
-        self.clock += total
+    def write_pieces(self, name: str, blocks: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Cycles for each core to write its pieces (rows as in read_pieces).
+
+        Writes land in L2 and are written back to HBM. A tensor larger than the L2 cannot stay
+        there: its lines are written back as it streams out, so it is written at the HBM rate,
+        which the writing cores share (L2 is a write-back cache; CANN's L2 cache docs).
+        """
+        total = nbytes.sum(axis=1)
+        moved = int(total.sum())
+        self.gm_write_bytes += moved
+        self.hbm_write_bytes += moved
+        self.clock += moved
         if name in self.last_touch:
-            self.last_touch[name][blocks] = self.clock
+            self.last_touch[name][blocks[nbytes > 0]] = self.clock
         self.tensor_clock[name] = self.clock
-        return self.latency + nbytes / self.l2_rate
+        rate = self.l2_rate
+        if self.sizes.get(name, 0) > self.l2_bytes:
+            rate = min(self.hbm_rate, self.chip_hbm_rate / max(int(np.count_nonzero(total)), 1))
+        return np.where(total > 0, self.latency, 0) + total / rate
+
+    def read(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
+        """Cycles for each core to read one block each (block ids per core); counts GM and HBM bytes."""
+        sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
+        return self.read_pieces(name, blocks[:, None], sizes[:, None], key=blocks)
+
+    def write(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
+        """Cycles for each core to write one block each."""
+        sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
+        return self.write_pieces(name, blocks[:, None], sizes[:, None])
 
 
 def cube_cycles(target: Target, dtype: str, m: int, k: int, n: int) -> float:

@@ -115,7 +115,10 @@ class FusedMatmul(Matmul):
         return out
 
     def compute(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        y = super().compute(a, b)
+        return self.epilogue(super().compute(a, b), bias)
+
+    def epilogue(self, y: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """Bias add and activation on the f32 product (the matmul kernel runs it on each accumulator tile)."""
         if bias is not None:
             y = y + work(bias)
         act = self.activation

@@ -1,0 +1,463 @@
+"""Global-memory tensors as the kernels see them, and the data-movement kernels.
+
+**GM residency blocks.** Every kernel of this package (matmul, vector, data movement) tracks a GM
+tensor on one grid: each of its matrices (the last two dims; a vector is one row) cut into 16 x
+16-element fractals, the last ones of a matrix partial (512 bytes at f16: the HBM block and the
+NZ fractal; a fractal never spans two matrices). A tile is a set of pieces (fractal id, bytes of
+the tile inside it); `GlobalMemory.read_pieces` / `write_pieces` judge L2 residency per piece
+and cost it, so a producer and a consumer with different tilings agree on where the data is. Bytes
+are always exact; for strided accesses (a slice, a transposed read, a region of a concat) the
+fractal ids are approximated by the tile's proportional position. Cores that read the same tile
+together (matmul lanes sharing an A or B block) are told apart by a `key`: the first brings it
+into L2, the others hit.
+
+**Copy kernels** (transpose, concat, split, slice, trans_data, and reshape of NZ data) tile the
+elements they move with the tile pass's `elems` (template DataCopy / TransData / VectorTranspose):
+per tile MTE2 loads the source pieces into a UB slot, the vector unit permutes them where the op
+reorders elements (transpose, ND <-> NZ), and MTE3 stores the tile; with 2 buffers the load of the
+next tile overlaps the store of this one. Waves deal tiles to every vector unit (`VectorLanes`).
+
+**Views and constants.** `ge.reshape` of ND data is a view: no cost; the result shares the
+operand's residency (`alias`). `ge.const` has no kernel: `lower` turns each constant into an
+`rt.const` that the Runtime copies into device memory once, when the program is loaded (host link
+time counted in the load, not per run); kernels then read it like any other GM tensor, cold in L2
+the first time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.target_npu.sim import Buffer, CapacityError, Cores, GlobalMemory, buffers_of, spread, vector_cycles
+
+FRACTAL = 16  # rows and columns of one GM residency block
+
+
+# --- GM tensors on the fractal grid ---------------------------------------------------------------
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of a tensor viewed as a matrix: cols is the last dim, rows all the others."""
+    if len(shape) == 0:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+@attrs.frozen
+class GmTensor:
+    """A GM tensor's name, matrix view (`rows` x `cols`, made of matrices of `mrows` rows) and itemsize."""
+
+    name: str
+    rows: int
+    cols: int
+    itemsize: int
+    mrows: int = 1
+
+    @property
+    def fcols(self) -> int:
+        return max(-(-self.cols // FRACTAL), 1)
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows of one matrix rounded up to whole fractals."""
+        return max(-(-self.mrows // FRACTAL), 1) * FRACTAL
+
+    @property
+    def blocks(self) -> int:
+        matrices = max(self.rows // max(self.mrows, 1), 1)
+        return matrices * (self.padded_rows // FRACTAL) * self.fcols
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+
+def gm_tensor(gm: GlobalMemory, name: str, shape: tuple[int, ...], itemsize: int) -> GmTensor:
+    """Register a tensor on the fractal grid (`gm.ensure`: unknown blocks start from what is known of the
+    tensor). A tensor known on a smaller grid (another kernel's blocks, a reshape) keeps its block-level
+    residency, resampled onto this one; a larger one is kept as it is (the same memory seen as several
+    tensors, with an in-place plan), so every kernel's block ids stay in range."""
+    rows, cols = matrix_shape(tuple(shape))
+    t = GmTensor(name, rows, cols, itemsize, shape[-2] if len(shape) >= 2 and shape[-2] else 1)
+    last = gm.last_touch.get(name)
+    if last is None:
+        gm.ensure(name, t.blocks)
+    elif len(last) < t.blocks:
+        gm.last_touch[name] = last[(np.arange(t.blocks) * len(last)) // t.blocks]
+    return t
+
+
+def alias(gm: GlobalMemory, src: str, dst: str) -> None:
+    """`dst` is a view of `src` (a reshape): it shares the residency of `src`'s blocks."""
+    if src in gm.last_touch and src != dst:
+        gm.last_touch[dst] = gm.last_touch[src].copy()
+        gm.tensor_clock[dst] = gm.tensor_clock.get(src, -np.inf)
+
+
+def _ints(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64)
+
+
+def rect_pieces(t: GmTensor, r0, r1, c0, c1) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces of one rectangle per mover (rows [r0, r1) x cols [c0, c1) of the matrix view, rows may run
+    across matrices): fractal ids and bytes, [movers, pieces]; padding pieces have 0 bytes."""
+    r0, r1, c0, c1 = np.broadcast_arrays(_ints(r0), _ints(r1), _ints(c0), _ints(c1))
+    r1 = np.minimum(r1, t.rows)
+    c1 = np.minimum(c1, t.cols)
+    R, Rp = max(t.mrows, 1), t.padded_rows
+    # rows on the fractal grid, where every matrix starts on a fresh fractal row
+    last = np.maximum(r1 - 1, r0)
+    p0 = (r0 // R) * Rp + r0 % R
+    p1 = np.where(r1 > r0, (last // R) * Rp + last % R + 1, p0)
+    b0, k0 = p0 // FRACTAL, c0 // FRACTAL
+    nb = np.where(p1 > p0, (p1 - 1) // FRACTAL - b0 + 1, 0)
+    nk = np.where(c1 > c0, (c1 - 1) // FRACTAL - k0 + 1, 0)
+    NB, NK = int(nb.max(initial=0)), int(nk.max(initial=0))
+    if NB == 0 or NK == 0:
+        empty = np.zeros((r0.shape[0], 0), dtype=np.int64)
+        return empty, empty
+    band = b0[:, None] + np.arange(NB)
+    lo, hi = np.maximum(p0[:, None], band * FRACTAL), np.minimum(p1[:, None], (band + 1) * FRACTAL)
+    # minus the grid rows past the end of a matrix that the range steps over
+    matrix = band // (Rp // FRACTAL)
+    pad = np.minimum(hi, (matrix + 1) * Rp) - np.maximum(lo, matrix * Rp + R)
+    rows_in = np.maximum(hi - lo, 0) - np.maximum(pad, 0)
+    kb = k0[:, None] + np.arange(NK)
+    cols_in = np.minimum(c1[:, None], (kb + 1) * FRACTAL) - np.maximum(c0[:, None], kb * FRACTAL)
+    nbytes = np.maximum(rows_in, 0)[:, :, None] * np.maximum(cols_in, 0)[:, None, :] * t.itemsize
+    blocks = band[:, :, None] * t.fcols + kb[:, None, :]
+    blocks = np.where(nbytes > 0, blocks, 0)
+    return blocks.reshape(len(r0), -1), nbytes.reshape(len(r0), -1)
+
+
+def flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces of the row-major element range [lo, hi) per mover: a partial first row, whole rows, a partial last row."""
+    lo, hi = np.broadcast_arrays(_ints(lo), _ints(hi))
+    hi = np.maximum(np.minimum(hi, t.size), lo)
+    C = max(t.cols, 1)
+    rlo, clo = np.divmod(lo, C)
+    rhi, chi = np.divmod(hi, C)
+    same = rlo == rhi
+    parts = [rect_pieces(t, rlo, rlo + 1, clo, np.where(same, chi, C)),
+             rect_pieces(t, rlo + 1, np.where(same, rlo + 1, rhi), 0, C),
+             rect_pieces(t, rhi, rhi + 1, 0, np.where(same, 0, chi))]
+    return np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts], axis=1)
+
+
+def share_pieces(t: GmTensor, part, parts, count) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces of a strided access that moves `count` elements (per mover) as share `part` of `parts` of
+    the tensor: the fractal ids are its proportional position, the bytes exact."""
+    part, count = np.broadcast_arrays(_ints(part), _ints(count))
+    lo = (part * t.size) // max(int(parts), 1)
+    span = np.maximum(np.minimum(lo + count, t.size) - lo, 0)
+    blocks, nbytes = flat_pieces(t, lo, lo + span)
+    short = np.maximum(count - span, 0)  # elements read more than once (broadcast): charged on the first piece
+    if short.any():
+        if nbytes.shape[1] == 0:
+            blocks, nbytes = np.zeros((len(part), 1), np.int64), np.zeros((len(part), 1), np.int64)
+        nbytes = nbytes.copy()
+        nbytes[:, 0] += short * t.itemsize
+    return blocks, nbytes
+
+
+def gm_read(gm: GlobalMemory, t: GmTensor, pieces: tuple[np.ndarray, np.ndarray],
+            key: np.ndarray | None = None) -> np.ndarray:
+    """Cycles for each mover to read its pieces of `t` (GlobalMemory.read_pieces: L2 hits, HBM misses)."""
+    blocks, nbytes = pieces
+    return gm.read_pieces(t.name, blocks, nbytes, key)
+
+
+def gm_write(gm: GlobalMemory, t: GmTensor, pieces: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Cycles for each mover to write its pieces of `t` (GlobalMemory.write_pieces)."""
+    blocks, nbytes = pieces
+    return gm.write_pieces(t.name, blocks, nbytes)
+
+
+# --- vector units and UB slots -------------------------------------------------------------------
+
+def waves(units: int, count: int):
+    """`spread`'s waves as (unit ids, core ids), whichever of its two forms it returns."""
+    for w in spread(units, count):
+        yield w if isinstance(w, tuple) else (w, np.arange(len(w)))
+
+
+class VectorLanes:
+    """The vector units of the cores: lane i of `Cores` is one AI core group (on 910B one AIC with two AIVs).
+
+    Waves deal one tile to every vector unit: slot j is unit j // lanes of lane j % lanes, so a
+    partial wave spreads over all lanes first. Each vector unit has its own UB and MTE2/MTE3 queues;
+    a lane's pipe stands for its units working side by side, so a step costs the lane its slowest unit.
+    """
+
+    def __init__(self, ctx: LaunchContext):
+        self.target = ctx.target
+        self.lanes = ctx.cores.count
+        self.per = int(ctx.target.data["cores"].get("vector_per_cube", 1))
+        self.slots = self.lanes * self.per
+
+    def waves(self, units: int):
+        """(tile ids, vector-unit slots) per wave."""
+        return waves(units, self.slots)
+
+    def used(self, on: np.ndarray) -> np.ndarray:
+        """The lanes (cores) that the slots `on` belong to, in order."""
+        return np.unique(on % self.lanes)
+
+    def per_lane(self, on: np.ndarray, cost) -> np.ndarray:
+        """Each used lane's cost for per-tile costs on slots `on`: the slowest of its vector units."""
+        padded = np.zeros(self.slots)
+        padded[on] = cost
+        return padded.reshape(self.per, self.lanes).max(axis=0)[self.used(on)]
+
+    def vector(self, nbytes, passes: float) -> np.ndarray:
+        """Cycles of one vector unit for `passes` instructions over `nbytes` (per tile) of operands."""
+        # vector_cycles rates a whole lane (all its units); one unit alone has 1/per of that rate
+        return vector_cycles(self.target, np.asarray(nbytes) * self.per, 1) * passes
+
+
+class UbSlots:
+    """Double-buffered UB slots of a streaming vector kernel, as set/wait flags: a load waits until its
+    slot's previous tile was computed, a computation until its slot's previous result was stored."""
+
+    def __init__(self, cores: Cores, buffers: int):
+        self.cores = cores
+        self.nbuf = max(int(buffers), 1)
+        self.in_free = np.zeros((self.nbuf, cores.count))
+        self.out_free = np.zeros((self.nbuf, cores.count))
+        self.n = 0
+
+    def step(self, lanes: np.ndarray, load, vector=None, store=None, after=(), names=("load", "compute", "store")):
+        """One tile step on `lanes`: MTE2 `load`, VECTOR `vector` (None: a plain copy), MTE3 `store`
+        (None: the result stays in UB); returns when the tile is ready in UB."""
+        s = self.n % self.nbuf
+        self.n += 1
+        cores = self.cores
+        ready = cores.issue("MTE2", lanes, load, [self.in_free[s, lanes], *after], name=names[0])
+        if vector is not None:
+            ready = cores.issue("VECTOR", lanes, vector, [ready, self.out_free[s, lanes]], name=names[1])
+            self.in_free[s, lanes] = ready
+        if store is not None:
+            done = cores.issue("MTE3", lanes, store, [ready], name=names[2])
+            self.out_free[s, lanes] = done
+            if vector is None:
+                self.in_free[s, lanes] = done
+        return ready
+
+
+def check_fault(ctx: LaunchContext) -> None:
+    """The injected `ub_overflow` fault: the launch's tile does not fit UB at run time."""
+    if ctx.fault == "ub_overflow":
+        ub = ctx.target.buffer_bytes("ub")
+        raise CapacityError("UB", 2 * ub, ub, 0, "the injected fault's tile")
+
+
+def tiling_of(op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> dict:
+    """The op's `tiling` attribute; absent (a kernel run without the tile pass), what the tile pass
+    would choose for these arrays' types."""
+    tiling = op.attributes.get("tiling")
+    if tiling:
+        return dict(tiling)
+    from geir.passes.tile import tile_op  # the same function the tile pass uses
+    from geir.types import DType, TensorType
+
+    saved = [v.type for v in op.operands]
+    for v, a in zip(op.operands, inputs):
+        if v.type is None or not v.type.is_static:
+            v.type = TensorType(tuple(a.shape), DType.from_numpy(a.dtype))
+    try:
+        return tile_op(op, ctx.target, 2).to_attr()
+    finally:
+        for v, t in zip(op.operands, saved):
+            v.type = t
+
+
+def result_dtype(op: Operation, i: int, fallback: np.dtype) -> np.dtype:
+    t = op.results[i].type if i < len(op.results) else None
+    return t.dtype.np if t is not None else np.dtype(fallback)
+
+
+# --- copy kernels --------------------------------------------------------------------------------
+
+def read_flat(view: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of a (possibly strided) view in row-major order."""
+    if view.flags.c_contiguous:
+        return view.reshape(-1)[lo:hi]
+    return view[np.unravel_index(np.arange(lo, hi), view.shape)]
+
+
+def write_flat(view: np.ndarray, lo: int, hi: int, data: np.ndarray) -> None:
+    """Store `data` as elements [lo, hi) of a (possibly strided) writable view."""
+    if view.flags.c_contiguous:
+        view.reshape(-1)[lo:hi] = data
+    else:
+        view[np.unravel_index(np.arange(lo, hi), view.shape)] = data
+
+
+@attrs.define
+class CopyPair:
+    """One source view copied to one destination view of the same shape, with the GM tensors behind them."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    src_gm: GmTensor
+    dst_gm: GmTensor
+
+
+def copy_kernel(pairs: list[CopyPair], elems: int, buffers: int, ctx: LaunchContext, vector_passes: int = 0,
+                name: str = "copy") -> None:
+    """Move every pair tile by tile: MTE2 source -> UB, the vector unit reorders (when `vector_passes`),
+    MTE3 UB -> destination."""
+    cores, gm = ctx.cores, ctx.gm
+    lanes = VectorLanes(ctx)
+    slots = UbSlots(cores, buffers)
+    for pair in pairs:
+        total = pair.src.size
+        if total == 0:
+            continue
+        isz = pair.src.dtype.itemsize
+        contiguous_src, contiguous_dst = pair.src.flags.c_contiguous, pair.dst.flags.c_contiguous
+        nt = -(-total // elems)
+        for wave, on in lanes.waves(nt):
+            lo = wave * elems
+            hi = np.minimum(lo + elems, total)
+            w0, w1 = int(lo[0]), int(hi[-1])
+            # the numbers: the wave's tiles as one gather and one scatter
+            write_flat(pair.dst, w0, w1, read_flat(pair.src, w0, w1))
+            # the timing
+            count = hi - lo
+            src = flat_pieces(pair.src_gm, lo, hi) if contiguous_src else \
+                share_pieces(pair.src_gm, wave, nt, count)
+            load = lanes.per_lane(on, gm_read(gm, pair.src_gm, src))
+            vec = lanes.per_lane(on, lanes.vector(count * isz, vector_passes)) if vector_passes else None
+            dst = flat_pieces(pair.dst_gm, lo, hi) if contiguous_dst else \
+                share_pieces(pair.dst_gm, wave, nt, count)
+            store = lanes.per_lane(on, gm_write(gm, pair.dst_gm, dst))
+            slots.step(lanes.used(on), load, vec, store, names=(f"load {name}", name, f"store {name}"))
+
+
+def check_copy_fits(ctx: LaunchContext, elems: int, itemsize: int, buffers: int) -> None:
+    """One vector unit's UB: an in and an out tile per buffer (the DataCopy budget of the tile pass)."""
+    check_fault(ctx)
+    ub: Buffer = buffers_of(ctx.target)["UB"]
+    ub.alloc(2 * elems * itemsize * buffers, f"{buffers} x the in and out tiles of {elems} elements")
+
+
+class _CopyKernel(Kernel):
+    """Shared run: build the (source view, destination view) pairs, then move them."""
+
+    VECTOR_PASSES = 0
+
+    def pairs(self, op: Operation, inputs: list[np.ndarray],
+              outs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
+        """(source view, destination view, operand index, result index) of every copy."""
+        raise NotImplementedError
+
+    def out_shapes(self, op: Operation, inputs: list[np.ndarray]) -> list[tuple[int, ...]]:
+        types = [r.type for r in op.results]
+        if all(t is not None and t.is_static for t in types):
+            return [tuple(t.shape) for t in types]
+        # shapes only: the op's own semantics on zero-stride stand-ins of the operands
+        out = op.compute(*[np.broadcast_to(np.zeros((), dtype=np.bool_), a.shape) for a in inputs])
+        out = out if isinstance(out, tuple) else (out,)
+        return [tuple(np.shape(o)) for o in out]
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        tiling = tiling_of(op, inputs, ctx)
+        elems, buffers = int(tiling["elems"]), int(tiling.get("buffers", 2))
+        x = inputs[0]
+        check_copy_fits(ctx, elems, x.dtype.itemsize, buffers)
+        outs = [np.empty(s, dtype=result_dtype(op, i, x.dtype)) for i, s in enumerate(self.out_shapes(op, inputs))]
+        in_gm = [gm_tensor(ctx.gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.operand_names, inputs)]
+        out_gm = [gm_tensor(ctx.gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.result_names, outs)]
+        pairs = [CopyPair(s, d, in_gm[i], out_gm[j]) for s, d, i, j in self.pairs(op, inputs, outs)]
+        copy_kernel(pairs, elems, buffers, ctx, self.VECTOR_PASSES, op.name[3:])
+        return outs
+
+
+@register_kernel
+class TransposeKernel(_CopyKernel):
+    """Output tiles gathered from the permuted source; the vector unit reorders each tile (VectorTranspose)."""
+
+    OPS = ("ge.transpose",)
+    VECTOR_PASSES = 1
+
+    def pairs(self, op, inputs, outs):
+        return [(np.transpose(inputs[0], op.perm), outs[0], 0, 0)]
+
+
+@register_kernel
+class TransDataKernel(_CopyKernel):
+    """ND <-> NZ: values unchanged; every byte moves once and the vector unit rearranges the fractals."""
+
+    OPS = ("ge.trans_data",)
+    VECTOR_PASSES = 1
+
+    def pairs(self, op, inputs, outs):
+        return [(inputs[0], outs[0], 0, 0)]
+
+
+@register_kernel
+class ConcatKernel(_CopyKernel):
+    """Each operand is copied into its region of the output."""
+
+    OPS = ("ge.concat",)
+
+    def pairs(self, op, inputs, outs):
+        axis = op.axis % outs[0].ndim
+        pairs, at = [], 0
+        for i, x in enumerate(inputs):
+            region = (slice(None),) * axis + (slice(at, at + x.shape[axis]),)
+            pairs.append((x, outs[0][region], i, 0))
+            at += x.shape[axis]
+        return pairs
+
+
+@register_kernel
+class SplitKernel(_CopyKernel):
+    """Each result is copied out of its region of the operand."""
+
+    OPS = ("ge.split",)
+
+    def pairs(self, op, inputs, outs):
+        x = inputs[0]
+        axis = op.axis % x.ndim
+        pairs, at = [], 0
+        for j, size in enumerate(op.sizes):
+            region = (slice(None),) * axis + (slice(at, at + size),)
+            pairs.append((x[region], outs[j], 0, j))
+            at += size
+        return pairs
+
+
+@register_kernel
+class SliceKernel(_CopyKernel):
+    """The result is copied out of the sliced (strided) region of the operand."""
+
+    OPS = ("ge.slice",)
+
+    def pairs(self, op, inputs, outs):
+        return [(op.compute(inputs[0]), outs[0], 0, 0)]
+
+
+@register_kernel
+class ReshapeKernel(_CopyKernel):
+    """A view of ND data: no launch cost, the result aliases the operand. Of NZ data (the tile pass gave
+    it a tiling) the fractals are rearranged: a copy with a vector pass."""
+
+    OPS = ("ge.reshape",)
+    VECTOR_PASSES = 1
+
+    def pairs(self, op, inputs, outs):
+        return [(op.compute(inputs[0]), outs[0], 0, 0)]
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        if op.attributes.get("tiling"):
+            return super().run(op, inputs, ctx)
+        check_fault(ctx)
+        if ctx.operand_names and ctx.result_names:
+            alias(ctx.gm, ctx.operand_names[0], ctx.result_names[0])
+        return [op.compute(inputs[0])]

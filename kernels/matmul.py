@@ -1,0 +1,252 @@
+"""Matmul on the cube: ge.matmul and ge.fused_matmul (bias and activation epilogue), tiled in base blocks.
+
+Output tiles m x n of every batch item are the work units, dealt round-robin to the cube cores
+(ops-transformer's BMM basic-block scheme); a wave runs one unit per core, all of them in one
+batched numpy step per k step:
+
+    MTE2  the A block (m x k) and the B block (k x n), GM -> L1 slot (step % buffers), through ctx.gm
+    MTE1  both blocks L1 -> L0A / L0B     CUBE  mmad, f32 accumulate in L0C (slot per unit)
+    ...   next k step: with 2 buffers its loads wait only for the slot the step before last freed,
+          so they overlap this step's MTE1 and CUBE (the slot-free events of the FlashAttention kernel)
+    FIXP  L0C -> GM, rounded to the result dtype; or, with an activation, L0C -> UB in f32, VECTOR
+          the activation and the cast, MTE3 UB -> GM (template MatmulEpilogue)
+
+Numbers: the cube takes its operands in their dtype (f16, bf16 = ml_dtypes.bfloat16, f32) and
+accumulates in f32 across the k steps; the epilogue is `FusedMatmul.epilogue` (bias add, then the
+activation op's own compute) on the f32 accumulator, before the one rounding. The bias tile is
+loaded into L1 with the first k step and joins the accumulator on its way out of L0C.
+
+Layouts: transpose_a / transpose_b read the stored matrices' blocks transposed (the cube's load
+path transposes fractals for free). A matrix stored NZ (fractal-major) holds the same values as
+ND: only the DMA pattern differs (contiguous 16 x 16 fractals instead of strided rows), and the
+cost model charges bytes, not bursts, so the kernel treats both alike; on targets without ND->NZ
+on load the layout pass has already put trans_data in front of the cube.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.data_movement import (
+    check_fault,
+    waves,
+    gm_read,
+    gm_tensor,
+    gm_write,
+    rect_pieces,
+    result_dtype,
+    share_pieces,
+    tiling_of,
+)
+from geir.kernels.vector import elementwise_passes, round_to
+from geir.target_npu.sim import buffers_of, cube_cycles, local_copy_cycles, vector_cycles
+
+_F32 = np.float32
+_CUBE_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+_ACTIVATION_OPS = {"relu": "ge.relu", "gelu": "ge.gelu", "gelu_tanh": "ge.gelu", "silu": "ge.silu"}
+
+
+@register_kernel
+class MatmulKernel(Kernel):
+    """a @ b (batch broadcast, optional transposes), with a bias/activation epilogue for fused_matmul."""
+
+    OPS = ("ge.matmul", "ge.fused_matmul")
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        # The tile pass's base block; absent (the kernel run without the tile pass), the block the
+        # tile pass would choose for these operands (choose_matmul_tiling: 128 x 256 x 64, shrunk to fit).
+        tiling = tiling_of(op, inputs, ctx)
+        a, b = inputs[:2]
+        bias = inputs[2] if len(inputs) > 2 else None
+        fused = op.name == "ge.fused_matmul"
+        activation = op.attr("activation") if fused else "none"
+        out = matmul_forward(a, b, bias, bool(op.attr("transpose_a")), bool(op.attr("transpose_b")),
+                             result_dtype(op, 0, a.dtype), tiling, ctx,
+                             epilogue=op.epilogue if fused else None, activation=activation)
+        return [out]
+
+
+def _blocks(x3: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """x3 [batch, R, C] zero-padded to [batch, rows, cols] (a view when nothing is missing)."""
+    R, C = x3.shape[1:]
+    if (R, C) == (rows, cols):
+        return x3
+    return np.pad(x3, ((0, 0), (0, rows - R), (0, cols - C)))
+
+
+class _Costs:
+    """Per-lane cube and on-chip copy cycles (tiles at the matrix edges are smaller), memoised by size."""
+
+    def __init__(self, target, dname: str):
+        self.target, self.dname = target, dname
+        self.cube: dict[tuple[int, int, int], float] = {}
+        self.copy: dict[int, float] = {}
+
+    def mmad(self, m: np.ndarray, k: int, n: np.ndarray) -> np.ndarray:
+        out = []
+        for mm, nn in zip(m.tolist(), n.tolist()):
+            key = (mm, k, nn)
+            if key not in self.cube:
+                self.cube[key] = cube_cycles(self.target, self.dname, mm, k, nn)
+            out.append(self.cube[key])
+        return np.array(out)
+
+    def local(self, nbytes: np.ndarray) -> np.ndarray:
+        out = []
+        for b in nbytes.tolist():
+            if b not in self.copy:
+                self.copy[b] = local_copy_cycles(self.target, b)
+            out.append(self.copy[b])
+        return np.array(out)
+
+
+def check_fits(target, m: int, n: int, k: int, itemsize: int, buffers: int, epilogue: bool, bias: bool) -> None:
+    """Allocate one cube core's buffers for this base block (the budget of choose_matmul_tiling)."""
+    buf = buffers_of(target)
+    buf["L1"].alloc((m * k + k * n) * itemsize * buffers, f"{buffers} x the A block {m}x{k} and the B block {k}x{n}")
+    if bias:
+        buf["L1"].alloc(n * itemsize, f"the bias tile of {n}")
+    buf["L0A"].alloc(m * k * itemsize * buffers, f"{buffers} x the A block {m}x{k}")
+    buf["L0B"].alloc(k * n * itemsize * buffers, f"{buffers} x the B block {k}x{n}")
+    buf["L0C"].alloc(m * n * 4 * buffers, f"{buffers} x the f32 accumulator {m}x{n}")
+    if epilogue:
+        rows = -(-m // target.data["cores"].get("vector_per_cube", 1))
+        buf["UB"].alloc(rows * n * (4 + itemsize) * buffers,
+                        f"{buffers} x the epilogue tile {rows}x{n} (f32 and rounded) of one vector unit")
+
+
+def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,
+                   out_dt: np.dtype, tiling: dict, ctx: LaunchContext, epilogue=None,
+                   activation: str = "none") -> np.ndarray:
+    """The kernel proper; timing goes to ctx.cores and ctx.gm."""
+    target, cores, gm = ctx.target, ctx.cores, ctx.gm
+    m, n, k = int(tiling["m"]), int(tiling["n"]), int(tiling["k"])
+    nbuf = max(int(tiling.get("buffers", 2)), 1)
+    dt = a.dtype
+    isz = dt.itemsize
+    dname = _CUBE_DTYPES[dt.name]  # the cube's modes (the tile pass leaves other dtypes untiled)
+    vector_act = activation != "none"  # bias only: applied as L0C drains, no vector pass
+    check_fits(target, m, n, k, isz, nbuf, vector_act, bias is not None)
+
+    A = np.swapaxes(a, -1, -2) if transpose_a else a  # logical [.., M, K]
+    B = np.swapaxes(b, -1, -2) if transpose_b else b  # logical [.., K, N]
+    M, K = A.shape[-2:]
+    N = B.shape[-1]
+    batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+    nbat = math.prod(batch)
+    a_of = np.broadcast_to(np.arange(math.prod(A.shape[:-2])).reshape(A.shape[:-2]), batch).reshape(-1)
+    b_of = np.broadcast_to(np.arange(math.prod(B.shape[:-2])).reshape(B.shape[:-2]), batch).reshape(-1)
+    tm, tn, tk = -(-M // m), -(-N // n), max(-(-K // k), 1)
+    out = np.empty((nbat, tm * m, tn * n), dtype=out_dt)
+    if M == 0 or N == 0 or nbat == 0:
+        return out[:, :M, :N].reshape(batch + (M, N))
+    A5 = _blocks(A.reshape(-1, M, K), tm * m, tk * k).reshape(-1, tm, m, tk, k)
+    B5 = _blocks(B.reshape(-1, K, N), tk * k, tn * n).reshape(-1, tk, k, tn, n)
+    O5 = out.reshape(nbat, tm, m, tn, n)
+    bias_full = None if bias is None else np.broadcast_to(bias, batch + (M, N))
+
+    an, bn = ctx.operand_names[:2]
+    on = ctx.result_names[0]
+    ag = gm_tensor(gm, an, a.shape, isz)
+    bg = gm_tensor(gm, bn, b.shape, isz)
+    og = gm_tensor(gm, on, batch + (M, N), np.dtype(out_dt).itemsize)
+    biasg = None if bias is None else gm_tensor(gm, ctx.operand_names[2], bias.shape, bias.dtype.itemsize)
+    ra, rb = a.shape[-2], b.shape[-2]  # stored rows of one batch item
+
+    costs = _Costs(target, dname)
+    count = cores.count
+    l1_free = np.zeros((nbuf, count))   # L1 slot: free once MTE1 moved its blocks to L0
+    l0_free = np.zeros((nbuf, count))   # L0A/L0B slot: free once the cube used it
+    l0c_free = np.zeros((nbuf, count))  # L0C accumulator: free once FIXP drained it
+    ub_free = np.zeros((nbuf, count))   # epilogue UB tile: free once MTE3 stored it
+    act_passes = (elementwise_passes(_ACTIVATION_OPS[activation]) if vector_act else 0) + 1  # + the cast
+    units = nbat * tm * tn
+    step = 0
+
+    for w, (wave, lanes) in enumerate(waves(units, count)):
+        L = len(wave)
+        bo, mi, ni = wave // (tm * tn), (wave // tn) % tm, wave % tn
+        ba, bb = a_of[bo], b_of[bo]
+        m0, n0 = mi * m, ni * n
+        m_eff, n_eff = np.minimum(M - m0, m), np.minimum(N - n0, n)
+        cs = w % nbuf
+        acc = np.zeros((L, m, n), dtype=_F32)
+        bias_ready = np.zeros(L)
+        if bias is not None:
+            bias_ready = cores.issue("MTE2", lanes, _read_bias(gm, biasg, bias, wave, units, m0, m_eff, n0, n_eff, ni),
+                                     name="load bias")
+        for kk in range(tk):
+            s = step % nbuf
+            step += 1
+            k0 = kk * k
+            k_eff = max(min(K - k0, k), 0)
+            # the blocks' rectangles in the stored matrices (transposed storage swaps rows and columns)
+            if transpose_a:
+                a_rect = (ba * ra + k0, ba * ra + k0 + k_eff, m0, m0 + m_eff)
+            else:
+                a_rect = (ba * ra + m0, ba * ra + m0 + m_eff, k0, k0 + k_eff)
+            if transpose_b:
+                b_rect = (bb * rb + n0, bb * rb + n0 + n_eff, k0, k0 + k_eff)
+            else:
+                b_rect = (bb * rb + k0, bb * rb + k0 + k_eff, n0, n0 + n_eff)
+            # cores loading the same block in this step share it (the first one brings it into L2)
+            load_a = gm_read(gm, ag, rect_pieces(ag, *a_rect), key=ba * tm + mi)
+            load_b = gm_read(gm, bg, rect_pieces(bg, *b_rect), key=bb * tn + ni)
+            a_l1 = cores.issue("MTE2", lanes, load_a, [l1_free[s, lanes]], name="load A")
+            b_l1 = cores.issue("MTE2", lanes, load_b, [l1_free[s, lanes]], name="load B")
+            l0 = cores.issue("MTE1", lanes, costs.local((m_eff + n_eff) * k_eff * isz),
+                             [a_l1, b_l1, l0_free[s, lanes]], name="A, B to L0A, L0B")
+            l1_free[s, lanes] = l0
+            after = [l0] if kk else [l0, l0c_free[cs, lanes], bias_ready]
+            mmad = cores.issue("CUBE", lanes, costs.mmad(m_eff, k_eff, n_eff), after, name="mmad")
+            l0_free[s, lanes] = mmad
+            # the numbers of this k step, for every core of the wave
+            acc += np.matmul(A5[ba, mi, :, kk, :].astype(_F32, copy=False),
+                             B5[bb, kk, :, ni, :].astype(_F32, copy=False))
+
+        y = acc
+        if epilogue is not None:
+            y = epilogue(acc, None if bias is None else _bias_tile(bias_full, batch, bo, m0, n0, m, n, M, N))
+        O5[bo, mi, :, ni, :] = round_to(y, out_dt)
+        store_pieces = rect_pieces(og, bo * M + m0, bo * M + m0 + m_eff, n0, n0 + n_eff)
+        if vector_act:
+            to_ub = cores.issue("FIXP", lanes, costs.local(m_eff * n_eff * 4), [mmad, ub_free[cs, lanes]],
+                                name="L0C to UB")
+            l0c_free[cs, lanes] = to_ub
+            act = cores.issue("VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes), [to_ub],
+                              name=f"{activation} and cast")
+            ub_free[cs, lanes] = cores.issue("MTE3", lanes, gm_write(gm, og, store_pieces), [act], name="store C")
+        else:
+            l0c_free[cs, lanes] = cores.issue("FIXP", lanes, gm_write(gm, og, store_pieces), [mmad],
+                                              name="L0C to GM")
+
+    res = out[:, :M, :N]
+    if (tm * m, tn * n) != (M, N):
+        res = np.ascontiguousarray(res)
+    return res.reshape(batch + (M, N))
+
+
+def _bias_tile(bias_full: np.ndarray, batch: tuple, bo, m0, n0, m: int, n: int, M: int, N: int) -> np.ndarray:
+    """[lanes, m, n] of the bias broadcast to the output (rows and columns past the edge repeat the last)."""
+    idx = np.unravel_index(bo, batch) if batch else ()
+    rows = np.minimum(m0[:, None] + np.arange(m), M - 1)
+    cols = np.minimum(n0[:, None] + np.arange(n), N - 1)
+    index = tuple(i[:, None, None] for i in idx) + (rows[:, :, None], cols[:, None, :])
+    return bias_full[index]
+
+
+def _read_bias(gm, biasg, bias, wave, units, m0, m_eff, n0, n_eff, ni) -> np.ndarray:
+    """MTE2 cycles of each unit's bias tile: the distinct bias elements its output tile needs."""
+    rows_vary = any(d != 1 for d in bias.shape[:-1])
+    cols_vary = bias.ndim > 0 and bias.shape[-1] != 1
+    if not rows_vary:
+        c0 = n0 if cols_vary else np.zeros_like(n0)
+        c1 = c0 + (n_eff if cols_vary else 1)
+        return gm_read(gm, biasg, rect_pieces(biasg, np.zeros_like(c0), np.ones_like(c0), c0, c1),
+                       key=ni if cols_vary else np.zeros_like(ni))
+    return gm_read(gm, biasg, share_pieces(biasg, wave, units, m_eff * (n_eff if cols_vary else 1)))

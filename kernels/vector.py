@@ -1,0 +1,460 @@
+"""Vector kernels: elementwise ops, fused elementwise chains, reductions, softmax, layer norm and RMS norm.
+
+Tiles come from the tile pass (template VectorElementwise: `elems` per tile; VectorRow: `rows`
+whole rows of `cols` elements, in `segments` pieces when a row does not fit UB). A wave deals one
+tile to every vector unit (`VectorLanes`); its tiles are gathered into one array and the op's own
+`compute` runs on that array, so the numbers are the reference interpreter's and the semantics
+live in one place; each result is rounded to its dtype as `run_op` rounds it.
+
+    elementwise   per tile: MTE2 each streamed operand's tile (broadcast operands small enough stay
+                  resident in UB, loaded once per unit), VECTOR the op (a fused chain: every body step
+                  on the UB tile, each by its op's compute), MTE3 the result tile; 2 UB slots overlap.
+    row ops       per tile of whole rows: MTE2 the rows (+ streamed gamma/beta), VECTOR the row
+                  reduction and normalisation, MTE3 the rows (or one value per row for reduce_*).
+                  Segmented rows: a statistics pass over the segments (running max and sum, running
+                  mean and M2, sum of squares), then an apply pass that reads each segment again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.data_movement import (
+    GmTensor,
+    UbSlots,
+    VectorLanes,
+    check_fault,
+    flat_pieces,
+    gm_read,
+    gm_tensor,
+    gm_write,
+    rect_pieces,
+    result_dtype,
+    share_pieces,
+    tiling_of,
+)
+from geir.ops.fused import ELEMENTWISE_OPS
+from geir.ops.numerics import work
+from geir.target_npu.sim import buffers_of
+
+_F32 = np.float32
+_HALF = ("float16", "bfloat16")
+UB_BLOCK = 32
+
+# Vector instructions per element of the working tile: the obvious Ascend C sequence of each op
+# (Exp, Ln, Sqrt, Div ... are single instructions; pow = exp(b * ln a); tanh, sigmoid, silu, erf
+# and gelu are short exp/div or polynomial sequences). Every other op is one instruction.
+ELEMENTWISE_PASSES = {"ge.pow": 3, "ge.rsqrt": 2, "ge.tanh": 4, "ge.sigmoid": 3, "ge.silu": 4, "ge.erf": 6,
+                      "ge.gelu": 8}
+# Per element of a row tile: softmax = max, sub, exp, sum, div; layer_norm = sum, sub, square, sum,
+# scale, mul gamma, add beta; rms_norm = square, sum, scale, mul gamma; reduce_mean = sum, scale.
+ROW_PASSES = {"ge.softmax": 5, "ge.layer_norm": 7, "ge.rms_norm": 4, "ge.reduce_sum": 1, "ge.reduce_max": 1,
+              "ge.reduce_mean": 2}
+# of which the statistics pass of a segmented row does (the rest is the apply pass)
+ROW_STAT_PASSES = {"ge.softmax": 3, "ge.layer_norm": 4, "ge.rms_norm": 2}
+# 16-bit floats are cast to f32 on the way in and back on the way out
+CAST_PASSES = 2
+
+
+def elementwise_passes(name: str) -> int:
+    return ELEMENTWISE_PASSES.get(name, 1)
+
+
+def _is_half(dt: np.dtype) -> bool:
+    return np.dtype(dt).name in _HALF
+
+
+def _align(x: int, a: int = UB_BLOCK) -> int:
+    return -(-x // a) * a
+
+
+def round_to(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """`a.astype(dt)` as `run_op` rounds results, bit for bit.
+
+    numpy converts f32 to f16 subnormals on a slow scalar path (about 20x slower than normal values);
+    probabilities and other small results are full of them, so those are rounded here directly:
+    below 2^-14 an f16 is a multiple of 2^-24, so its bits are round-half-even(|x| * 2^24) with the sign.
+    """
+    a = np.asarray(a)
+    dt = np.dtype(dt)
+    if a.dtype == dt:
+        return a
+    with np.errstate(all="ignore"):
+        if a.dtype != np.float32 or dt != np.float16:
+            return a.astype(dt)
+        small = np.abs(a) < _F32(2.0 ** -14)
+        if not small.any():
+            return a.astype(dt)
+        out = np.where(small, _F32(0), a).astype(dt)
+        tiny = a[small]
+        bits = np.rint(np.abs(tiny) * _F32(2.0 ** 24)).astype(np.uint16)
+        bits |= (tiny.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
+        out.view(np.uint16)[small] = bits
+        return out
+
+
+_cast = round_to
+
+
+def _tiles(flat: np.ndarray, a0: int, a1: int, U: int, elems: int) -> np.ndarray:
+    """Elements [a0, a1) of a flat array as U tiles of `elems` (the last one padded with its last element)."""
+    if flat.size == 1:
+        return flat.reshape(1, 1)
+    n = U * elems
+    if a0 + n <= flat.size:
+        return flat[a0:a0 + n].reshape(U, elems)
+    t = np.empty(n, flat.dtype)
+    t[:a1 - a0] = flat[a0:a1]
+    t[a1 - a0:] = flat[a1 - 1]
+    return t.reshape(U, elems)
+
+
+def _row_tiles(x2: np.ndarray, r0: int, U: int, rows: int) -> np.ndarray:
+    """Rows [r0, r0 + U*rows) of a [R, C] array as [U, rows, C] (past the end: the last row again)."""
+    R = x2.shape[0]
+    if r0 + U * rows <= R:
+        return x2[r0:r0 + U * rows].reshape(U, rows, x2.shape[1])
+    idx = np.minimum(r0 + np.arange(U * rows), R - 1)
+    return x2[idx].reshape(U, rows, x2.shape[1])
+
+
+class _Streams:
+    """The GM side of a vector kernel: its tensors and the pieces each tile reads or writes."""
+
+    def __init__(self, ctx: LaunchContext):
+        self.ctx = ctx
+        self.gm = ctx.gm
+        self.lanes = VectorLanes(ctx)
+
+    def tensor(self, name: str, a: np.ndarray) -> GmTensor:
+        return gm_tensor(self.gm, name, a.shape, a.dtype.itemsize)
+
+    def load_resident(self, tensors: list[GmTensor], units: int) -> np.ndarray:
+        """Every vector unit that will run a tile loads the resident operands once; the lanes' ready events."""
+        cores = self.ctx.cores
+        ready = np.zeros(cores.count)
+        movers = min(units, self.lanes.slots)
+        on = np.arange(movers)
+        used = self.lanes.used(on)
+        for t in tensors:
+            pieces = flat_pieces(t, np.zeros(movers, np.int64), np.full(movers, t.size))
+            cost = self.lanes.per_lane(on, gm_read(self.gm, t, pieces, key=np.zeros(movers)))
+            ready[used] = cores.issue("MTE2", used, cost, [ready[used]], name=f"load resident {t.name}")
+        return ready
+
+
+# --- elementwise ------------------------------------------------------------------------------------
+
+@register_kernel
+class ElementwiseKernel(Kernel):
+    """Every elementwise op, and fused chains of them, over the flattened output."""
+
+    OPS = tuple(sorted(ELEMENTWISE_OPS)) + ("ge.fused_elementwise",)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        tiling = tiling_of(op, inputs, ctx)
+        elems, nbuf = int(tiling["elems"]), int(tiling.get("buffers", 2))
+        t = op.results[0].type
+        shape = tuple(t.shape) if t is not None and t.is_static else np.broadcast_shapes(*[a.shape for a in inputs])
+        total = math.prod(shape)
+        out_dt = result_dtype(op, 0, inputs[0].dtype)
+        ub = ctx.target.buffer_bytes("ub")
+        # operands smaller than the output that fit an eighth of UB stay resident (the tile pass's rule)
+        resident = [a.size < total and a.nbytes * 8 <= ub for a in inputs]
+        body = op.attributes.get("body") or []
+        halves = any(_is_half(a.dtype) for a in inputs) or _is_half(out_dt)
+        steps = len(body) or int(halves)
+        self.check_fits(ctx, inputs, resident, out_dt, elems, nbuf, steps)
+        out = np.empty(total, dtype=out_dt)
+        if total == 0:
+            return [out.reshape(shape)]
+        # The flat operands: full ones are views; broadcast ones are materialised once (the data a
+        # tile of the output reads), size-1 ones stay scalars.
+        flats = []
+        for a in inputs:
+            if a.size == 1:
+                flats.append(a.reshape(1))
+            elif a.shape == shape:
+                flats.append(np.ascontiguousarray(a).reshape(-1))
+            else:
+                flats.append(np.broadcast_to(a, shape).reshape(-1))
+        io = _Streams(ctx)
+        in_gm = [io.tensor(n, a) for n, a in zip(ctx.operand_names, inputs)]
+        out_gm = gm_tensor(ctx.gm, ctx.result_names[0], shape, out.dtype.itemsize)
+        nt = -(-total // elems)
+        ready = io.load_resident([g for g, r in zip(in_gm, resident) if r], nt)
+        lanes = io.lanes
+        slots = UbSlots(ctx.cores, nbuf)
+        names = [s["op"] for s in body] or [op.name]
+        passes = sum(elementwise_passes(n) for n in names) + (CAST_PASSES if halves else 0)
+        work_bytes = max([a.dtype.itemsize for a in inputs] + [out.dtype.itemsize] + [4 if halves else 0])
+
+        for wave, on in lanes.waves(nt):
+            U = len(wave)
+            lo = wave * elems
+            hi = np.minimum(lo + elems, total)
+            a0, a1 = int(lo[0]), int(hi[-1])
+            # the numbers: the wave's tiles in one array, the op's own semantics, rounded to the result dtype
+            res = op.compute(*[_tiles(f, a0, a1, U, elems) for f in flats])
+            res = np.broadcast_to(_cast(res, out_dt), (U, elems))
+            out[a0:a1] = res.reshape(-1)[:a1 - a0]
+            # the timing
+            count = hi - lo
+            load = np.zeros(U)
+            for a, g, r in zip(inputs, in_gm, resident):
+                if r:
+                    continue
+                pieces = flat_pieces(g, lo, hi) if a.shape == shape else share_pieces(g, wave, nt, count)
+                load += gm_read(ctx.gm, g, pieces)
+            store = gm_write(ctx.gm, out_gm, flat_pieces(out_gm, lo, hi))
+            used = lanes.used(on)
+            slots.step(used, lanes.per_lane(on, load), lanes.per_lane(on, lanes.vector(count * work_bytes, passes)),
+                       lanes.per_lane(on, store), after=[ready[used]], names=("load tiles", op.name[3:], "store tile"))
+        return [out.reshape(shape)]
+
+    @staticmethod
+    def check_fits(ctx, inputs, resident, out_dt, elems, nbuf, steps) -> None:
+        """One vector unit's UB: resident operands, then per element the streamed tiles (double-buffered)
+        and the f32 working copies (the VectorElementwise budget of the tile pass)."""
+        ub = buffers_of(ctx.target)["UB"]
+        for a, r in zip(inputs, resident):
+            if r:
+                ub.alloc(a.nbytes, f"the resident operand {'x'.join(map(str, a.shape)) or 'scalar'}")
+        streamed = sum(a.dtype.itemsize for a, r in zip(inputs, resident) if not r) + np.dtype(out_dt).itemsize
+        ub.alloc(elems * (streamed * nbuf + 4 * steps),
+                 f"{nbuf} x the streamed tiles of {elems} elements and {steps} f32 working copies")
+
+
+# --- row ops -------------------------------------------------------------------------------------------
+
+def _reduced_axes(op: Operation, rank: int) -> tuple[int, ...]:
+    if op.name == "ge.softmax":
+        return (op.axis % rank,)
+    if op.name == "ge.layer_norm":
+        return tuple(range(op.axis % rank, rank))
+    if op.name == "ge.rms_norm":
+        return (rank - 1,)
+    return tuple(sorted(a % rank for a in op.axes)) if rank else ()
+
+
+def _row_op(op: Operation) -> Operation:
+    """A detached op of the same kind that works on the last axis of a [tiles, rows, C] array."""
+    attrs = {"ge.softmax": {"axis": -1},
+             "ge.layer_norm": {"axis": -1, "epsilon": op.attr("epsilon")},
+             "ge.rms_norm": {"epsilon": op.attr("epsilon")}}.get(op.name, {"axes": [-1], "keepdims": False})
+    return type(op)(op.name, [], [], attrs)
+
+
+@register_kernel
+class RowKernel(Kernel):
+    """Row-wise ops: the reduced axes (moved last when they are not) stay whole in UB, `rows` rows a tile."""
+
+    OPS = ("ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm")
+
+    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        tiling = tiling_of(op, inputs, ctx)
+        tr, nbuf = int(tiling["rows"]), int(tiling.get("buffers", 2))
+        segments = max(int(tiling.get("segments", 1)), 1)
+        x, params = inputs[0], inputs[1:]
+        rank = x.ndim
+        axes = _reduced_axes(op, rank)
+        trailing = axes == tuple(range(rank - len(axes), rank))
+        kept = [d for i, d in enumerate(x.shape) if i not in axes]
+        R, C = math.prod(kept), math.prod(x.shape[i] for i in axes)
+        seg = -(-C // segments) if segments > 1 else C
+        reduce = op.name.startswith("ge.reduce_")
+        moved = x if trailing else np.moveaxis(x, axes, range(rank - len(axes), rank))
+        x2 = np.ascontiguousarray(moved).reshape(R, C)
+        out_dt = result_dtype(op, 0, x.dtype)
+        out2 = np.empty((R,) if reduce else (R, C), dtype=out_dt)
+        ub = ctx.target.buffer_bytes("ub")
+        resident = [p.size < x.size and p.nbytes * 8 <= ub for p in params]
+        halves = _is_half(x.dtype) or _is_half(out_dt)
+        self.check_fits(ctx, x, params, resident, out_dt, tr, seg, nbuf, halves)
+        # gamma / beta: one row when they do not vary over the kept axes, else rows gathered like x
+        lead = rank - len(axes)
+        rowwise = []
+        for p in params:
+            padded = (1,) * (rank - p.ndim) + p.shape
+            if all(d == 1 for d in padded[:lead]):
+                rowwise.append((True, np.broadcast_to(p.reshape(padded[lead:]), x.shape[lead:]).reshape(C)))
+            else:
+                rowwise.append((False, np.ascontiguousarray(np.broadcast_to(p, x.shape)).reshape(R, C)))
+        out_shape = x.shape
+        if reduce:
+            t = op.results[0].type
+            out_shape = tuple(t.shape) if t is not None and t.is_static else (
+                tuple(1 if i in axes else d for i, d in enumerate(x.shape)) if op.keepdims else tuple(kept))
+        if R and C:
+            self.tiles(op, ctx, x, x2, out2, out_shape, params, rowwise, resident, R, C, tr, seg, nbuf, trailing,
+                       halves)
+        elif reduce:
+            out2[...] = _cast(op.compute(x), out_dt).reshape(-1)  # an empty row: the op's own identity
+        if reduce:
+            return [out2.reshape(out_shape)]
+        out = out2.reshape(moved.shape)
+        if not trailing:
+            out = np.ascontiguousarray(np.moveaxis(out, range(rank - len(axes), rank), axes))
+        return [out]
+
+    @staticmethod
+    def check_fits(ctx, x, params, resident, out_dt, tr, seg, nbuf, halves) -> None:
+        """One vector unit's UB: resident gamma/beta, then per row its streamed segments (double-buffered)
+        with an f32 working copy, and one UB block for each of the two row statistics (the VectorRow budget)."""
+        ub = buffers_of(ctx.target)["UB"]
+        for p, r in zip(params, resident):
+            if r:
+                ub.alloc(p.nbytes, f"the resident {'x'.join(map(str, p.shape))} parameter")
+        streamed = x.dtype.itemsize + np.dtype(out_dt).itemsize + sum(
+            p.dtype.itemsize for p, r in zip(params, resident) if not r)
+        ub.alloc(tr * _align(seg * (streamed * nbuf + 4 * int(halves))),
+                 f"{tr} rows of {seg} elements: {nbuf} x the streamed tiles and an f32 working copy")
+        ub.alloc(tr * 2 * UB_BLOCK, f"the 2 statistics of {tr} rows")
+
+    def tiles(self, op, ctx, x, x2, out2, out_shape, params, rowwise, resident, R, C, tr, seg, nbuf, trailing,
+              halves) -> None:
+        """The tile loop: numbers per wave with the op's compute, timing per tile on the lanes' pipes."""
+        gm, cores = ctx.gm, ctx.cores
+        io = _Streams(ctx)
+        lanes = io.lanes
+        reduce = op.name.startswith("ge.reduce_")
+        in_gm = [io.tensor(n, a) for n, a in zip(ctx.operand_names, [x, *params])]
+        out_gm = gm_tensor(gm, ctx.result_names[0], out_shape, out2.dtype.itemsize)
+        xg, pg = in_gm[0], in_gm[1:]
+        nt = -(-R // tr)
+        segments = -(-C // seg)
+        ready = io.load_resident([g for g, r in zip(pg, resident) if r], nt)
+        streamed = [(g, p) for g, p, r in zip(pg, params, resident) if not r]
+        slots = UbSlots(cores, nbuf)
+        row_op = _row_op(op)
+        passes = ROW_PASSES[op.name]
+        casts = CAST_PASSES if halves else 0
+        # the [R, C] view is the matrix view of x (so a segment is a rectangle of it) when one last axis is reduced
+        matrix = trailing and C == xg.cols
+
+        def pieces(g: GmTensor, full_shape: bool, r0, r1, c0, c1, part, parts):
+            if full_shape and matrix:
+                return rect_pieces(g, r0, r1, c0, c1)
+            if full_shape and trailing and c0 == 0 and c1 == C:
+                return flat_pieces(g, r0 * C, r1 * C)
+            return share_pieces(g, part, parts, (r1 - r0) * (c1 - c0))
+
+        def load(wave, on, r0, r1, c0, c1, s):
+            cost = gm_read(gm, xg, pieces(xg, True, r0, r1, c0, c1, wave * segments + s, nt * segments))
+            for g, p in streamed:
+                cost = cost + gm_read(gm, g, pieces(g, p.shape == x.shape, r0, r1, c0, c1,
+                                                     wave * segments + s, nt * segments))
+            return lanes.per_lane(on, cost)
+
+        def store(wave, on, r0, r1, c0, c1, s):
+            if reduce:
+                return lanes.per_lane(on, gm_write(gm, out_gm, flat_pieces(out_gm, r0, r1)))
+            return lanes.per_lane(on, gm_write(gm, out_gm, pieces(out_gm, True, r0, r1, c0, c1,
+                                                                  wave * segments + s, nt * segments)))
+
+        for wave, on in lanes.waves(nt):
+            U = len(wave)
+            used = lanes.used(on)
+            r0 = wave * tr
+            r1 = np.minimum(r0 + tr, R)
+            rows = r1 - r0
+            lo, hi = int(r0[0]), int(r1[-1])
+            xt = _row_tiles(x2, lo, U, tr)
+            pt = [p if row else _row_tiles(p, lo, U, tr) for row, p in rowwise]
+            name = op.name[3:]
+            if segments == 1:
+                res = _cast(row_op.compute(xt, *pt), out2.dtype)
+                out2[lo:hi] = res.reshape((U * tr,) + out2.shape[1:])[:hi - lo]
+                vec = lanes.per_lane(on, lanes.vector(rows * C * 4, passes + casts))
+                slots.step(used, load(wave, on, r0, r1, 0, C, 0), vec, store(wave, on, r0, r1, 0, C, 0),
+                           after=[ready[used]], names=("load rows", name, "store rows"))
+                continue
+            # segmented rows: a statistics pass over the segments, then (but for reduce_*) an apply pass
+            stat_passes = passes if reduce else ROW_STAT_PASSES[op.name]
+            cuts = [(s, s * seg, min((s + 1) * seg, C)) for s in range(segments)]
+            stats = _SegmentStats(op, row_op, xt.shape[:2])
+            for s, c0, c1 in cuts:
+                stats.add(xt[..., c0:c1], c1 - c0)
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, stat_passes + casts // 2))
+                done = slots.step(used, load(wave, on, r0, r1, c0, c1, s), vec, None, after=[ready[used]],
+                                  names=("load segment", f"{name} statistics", ""))
+            if reduce:
+                res = _cast(stats.result(C), out2.dtype)
+                out2[lo:hi] = res.reshape(-1)[:hi - lo]
+                cores.issue("MTE3", used, store(wave, on, r0, r1, 0, C, 0), [done], name="store row results")
+                continue
+            for s, c0, c1 in cuts:
+                res = _cast(stats.apply(xt[..., c0:c1], [p[..., c0:c1] for p in pt], C), out2.dtype)
+                out2[lo:hi, c0:c1] = res.reshape(U * tr, c1 - c0)[:hi - lo]
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, passes - stat_passes + casts))
+                slots.step(used, load(wave, on, r0, r1, c0, c1, s), vec, store(wave, on, r0, r1, c0, c1, s),
+                           names=("load segment", f"{name} apply", "store segment"))
+
+
+class _SegmentStats:
+    """Row statistics combined over the segments of rows too long for UB (the kernel's own algorithm:
+    partial reductions of the op's kind, online softmax, Chan's mean/M2 merge, a running sum of squares)."""
+
+    def __init__(self, op: Operation, row_op: Operation, shape: tuple[int, ...]):
+        self.op, self.row_op = op, row_op
+        self.n = 0
+        self.acc = None
+        self.m = np.full(shape, -np.inf, dtype=_F32)
+        self.l = np.zeros(shape, dtype=_F32)
+        self.mean = np.zeros(shape, dtype=_F32)
+        self.m2 = np.zeros(shape, dtype=_F32)
+
+    def add(self, xs: np.ndarray, count: int) -> None:
+        name = self.op.name
+        if name in ("ge.reduce_sum", "ge.reduce_max"):
+            part = self.row_op.compute(xs)
+            self.acc = part if self.acc is None else (np.maximum(self.acc, part) if name == "ge.reduce_max"
+                                                      else self.acc + part)
+            return
+        xs = work(xs)
+        if name == "ge.reduce_mean":
+            part = xs.sum(axis=-1)
+            self.acc = part if self.acc is None else self.acc + part
+        elif name == "ge.softmax":
+            m_new = np.maximum(self.m, xs.max(axis=-1))
+            safe = np.where(np.isneginf(m_new), 0, m_new).astype(xs.dtype)
+            with np.errstate(invalid="ignore"):
+                self.l = self.l * np.exp(self.m - safe) + np.exp(xs - safe[..., None]).sum(axis=-1)
+            self.m = m_new
+        elif name == "ge.layer_norm":
+            mean_s = xs.mean(axis=-1)
+            m2_s = np.square(xs - mean_s[..., None]).sum(axis=-1)
+            total = self.n + count
+            delta = mean_s - self.mean
+            self.mean = self.mean + delta * (count / total)
+            self.m2 = self.m2 + m2_s + np.square(delta) * (self.n * count / total)
+        else:  # rms_norm
+            part = np.square(xs).sum(axis=-1)
+            self.acc = part if self.acc is None else self.acc + part
+        self.n += count
+
+    def result(self, C: int) -> np.ndarray:
+        if self.op.name == "ge.reduce_mean":
+            return self.acc / C
+        return self.acc
+
+    def apply(self, xs: np.ndarray, params: list[np.ndarray], C: int) -> np.ndarray:
+        xs = work(xs)
+        name = self.op.name
+        eps = self.op.attr("epsilon")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if name == "ge.softmax":
+                safe = np.where(np.isneginf(self.m), 0, self.m).astype(xs.dtype)
+                return np.exp(xs - safe[..., None]) / self.l[..., None]
+            if name == "ge.layer_norm":
+                var = self.m2 / C
+                y = (xs - self.mean[..., None]) / np.sqrt(var + eps)[..., None]
+                return y * work(params[0]) + work(params[1])
+            ms = self.acc / C
+            return xs / np.sqrt(ms + eps)[..., None] * work(params[0])
