@@ -71,14 +71,6 @@ class MatmulKernel(Kernel):
         return [out]
 
 
-def _blocks(x3: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """x3 [batch, R, C] zero-padded to [batch, rows, cols] (a view when nothing is missing)."""
-    R, C = x3.shape[1:]
-    if (R, C) == (rows, cols):
-        return x3
-    return np.pad(x3, ((0, 0), (0, rows - R), (0, cols - C)))
-
-
 class _Costs:
     """Per-lane cube and on-chip copy cycles (tiles at the matrix edges are smaller), memoised by size."""
 
@@ -142,13 +134,8 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     a_of = np.broadcast_to(np.arange(math.prod(A.shape[:-2])).reshape(A.shape[:-2]), batch).reshape(-1)
     b_of = np.broadcast_to(np.arange(math.prod(B.shape[:-2])).reshape(B.shape[:-2]), batch).reshape(-1)
     tm, tn, tk = -(-M // m), -(-N // n), max(-(-K // k), 1)
-    out = np.empty((nbat, tm * m, tn * n), dtype=out_dt)
     if M == 0 or N == 0 or nbat == 0:
-        return out[:, :M, :N].reshape(batch + (M, N))
-    A5 = _blocks(A.reshape(-1, M, K), tm * m, tk * k).reshape(-1, tm, m, tk, k)
-    B5 = _blocks(B.reshape(-1, K, N), tk * k, tn * n).reshape(-1, tk, k, tn, n)
-    O5 = out.reshape(nbat, tm, m, tn, n)
-    bias_full = None if bias is None else np.broadcast_to(bias, batch + (M, N))
+        return np.empty(batch + (M, N), dtype=out_dt)
 
     an, bn = ctx.operand_names[:2]
     on = ctx.result_names[0]
@@ -169,14 +156,12 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     step = 0
 
     for w, (wave, lanes) in enumerate(waves(units, count)):
-        L = len(wave)
         bo, mi, ni = wave // (tm * tn), (wave // tn) % tm, wave % tn
         ba, bb = a_of[bo], b_of[bo]
         m0, n0 = mi * m, ni * n
         m_eff, n_eff = np.minimum(M - m0, m), np.minimum(N - n0, n)
         cs = w % nbuf
-        acc = np.zeros((L, m, n), dtype=_F32)
-        bias_ready = np.zeros(L)
+        bias_ready = np.zeros(len(wave))
         if bias is not None:
             bias_ready = cores.issue("MTE2", lanes, _read_bias(gm, biasg, bias, wave, units, m0, m_eff, n0, n_eff, ni),
                                      name="load bias")
@@ -205,14 +190,7 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
             after = [l0] if kk else [l0, l0c_free[cs, lanes], bias_ready]
             mmad = cores.issue("CUBE", lanes, costs.mmad(m_eff, k_eff, n_eff), after, name="mmad")
             l0_free[s, lanes] = mmad
-            # the numbers of this k step, for every core of the wave
-            acc += np.matmul(A5[ba, mi, :, kk, :].astype(_F32, copy=False),
-                             B5[bb, kk, :, ni, :].astype(_F32, copy=False))
 
-        y = acc
-        if epilogue is not None:
-            y = epilogue(acc, None if bias is None else _bias_tile(bias_full, batch, bo, m0, n0, m, n, M, N))
-        O5[bo, mi, :, ni, :] = round_to(y, out_dt)
         store_pieces = rect_pieces(og, bo * M + m0, bo * M + m0 + m_eff, n0, n0 + n_eff)
         if vector_act:
             to_ub = cores.issue("FIXP", lanes, costs.local(m_eff * n_eff * 4), [mmad, ub_free[cs, lanes]],
@@ -225,19 +203,32 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
             l0c_free[cs, lanes] = cores.issue("FIXP", lanes, gm_write(gm, og, store_pieces), [mmad],
                                               name="L0C to GM")
 
-    res = out[:, :M, :N]
-    if (tm * m, tn * n) != (M, N):
-        res = np.ascontiguousarray(res)
-    return res.reshape(batch + (M, N))
+    return _compute(A, B, bias, batch, k, m, out_dt, epilogue)
 
 
-def _bias_tile(bias_full: np.ndarray, batch: tuple, bo, m0, n0, m: int, n: int, M: int, N: int) -> np.ndarray:
-    """[lanes, m, n] of the bias broadcast to the output (rows and columns past the edge repeat the last)."""
-    idx = np.unravel_index(bo, batch) if batch else ()
-    rows = np.minimum(m0[:, None] + np.arange(m), M - 1)
-    cols = np.minimum(n0[:, None] + np.arange(n), N - 1)
-    index = tuple(i[:, None, None] for i in idx) + (rows[:, :, None], cols[:, None, :])
-    return bias_full[index]
+def _compute(A: np.ndarray, B: np.ndarray, bias: np.ndarray | None, batch: tuple, k: int, m: int,
+             out_dt: np.dtype, epilogue) -> np.ndarray:
+    """The kernel's arithmetic: f32 partial products per k block summed in order, as L0C accumulates them.
+
+    Output tiles are independent, so every tile's k step runs as one batched numpy operation (big
+    GEMMs over whole row slabs rather than one small matmul per core); each element sees the same
+    k blocks in the same order, then the epilogue on the f32 accumulator, then one rounding.
+    """
+    M, K = A.shape[-2:]
+    N = B.shape[-1]
+    out = np.empty(batch + (M, N), dtype=out_dt)
+    # row slabs of whole m blocks, sized so the f32 accumulator stays around 64 MiB
+    slab = max(m, (16 * 2**20 // max(N * max(math.prod(batch), 1), 1)) // m * m)
+    bias_full = None if bias is None else np.broadcast_to(bias, batch + (M, N))
+    for r0 in range(0, M, slab):
+        r1 = min(r0 + slab, M)
+        acc = np.zeros(batch + (r1 - r0, N), dtype=_F32)
+        for k0 in range(0, K, k):
+            acc += np.matmul(A[..., r0:r1, k0:k0 + k].astype(_F32), B[..., k0:k0 + k, :].astype(_F32))
+        if epilogue is not None:
+            acc = epilogue(acc, None if bias_full is None else bias_full[..., r0:r1, :])
+        out[..., r0:r1, :] = round_to(acc, out_dt)
+    return out
 
 
 def _read_bias(gm, biasg, bias, wave, units, m0, m_eff, n0, n_eff, ni) -> np.ndarray:
