@@ -1,0 +1,352 @@
+"""Attention on the simulated 910B: the figures of GEIR.md section 5, each beside its goal, in one run.
+
+    python bench/attention.py            # the full run (a few minutes)
+    python bench/attention.py --quick    # S up to 2048 (well under a minute)
+    python bench/attention.py --json figures.json
+
+1. Fusion payoff: written-out attention (matmul, scale, softmax, matmul) compiled without fusion
+   (`NO_FUSE_PIPELINE`: one kernel per op) and with it (one `ge.flash_attention`), B=1, N=8, D=128,
+   f16, S = 1024 ... 8192. The ratio is of device time (the kernels, one after another on the
+   cores); the end-to-end simulated time, which adds the same host copies to both, is shown beside.
+   Goal: >= 3 from S = 4096, > 1 from S = 1024.
+2. Overlap: cube peak fraction of fused attention with enough heads to fill the 24 cube cores
+   (N = 24, D = 128) at S = 4096 and 8192, with double buffering (goal >= 60 %) and with
+   `tile{buffers=1}` (goal: a visible drop, at least a tenth of the double-buffered figure).
+3. Global-memory traffic: the bytes MTE2/MTE3 move for fused attention against FlashAttention-2's
+   analytic count for the chosen blocks (Q and O once, K and V once per Q row block):
+   2*B*N*Sq*D*e + 2*B*Nkv*Skv*D*e*ceil(Sq/s1). Goal: within 10 %. HBM bytes (L2 misses) beside.
+4. Host speed: `gerun` wall time (a subprocess: start-up, compile, inputs, run) for fused attention
+   at B=1, N=8, S=4096, D=64 against a bare numpy FlashAttention-2 loop with the same blocks
+   (vectorised over B and N, online softmax in f32). Goal: <= 1.5x. torch's CPU
+   scaled_dot_product_attention beside it when torch is importable.
+5. Peak memory of `gerun` (ru_maxrss of the subprocess) at S = 16384 (B=1, N=8, D=64), with S = 8192
+   and a tiny run for the baseline, to show growth O(S). Goal: < 1.5 GB and growth O(S).
+
+A kernel that does not exist yet ("no kernel implements ge.X") makes its figure n/a (MISS), not a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geir.parser import parse
+from geir.runtime.interpreter import RuntimeFailure
+from geir.runtime.profile import profile
+from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE, compile_module, run_program
+
+NO_DOUBLE_BUFFER_PIPELINE = DEFAULT_PIPELINE.replace("tile", "tile{buffers=1}")
+RESULTS: dict[str, Any] = {}
+
+
+def attention_text(b: int, n: int, s: int, d: int, dtype: str = "f16") -> str:
+    """Attention written out op by op, as an exporter writes it: fuse turns it into one flash_attention."""
+    t = f"tensor<{b}x{n}x{s}x{d}x{dtype}>"
+    return (f"ge.graph @main(%q: {t}, %k: {t}, %v: {t}) -> {t} {{\n"
+            f"  %s = ge.matmul %q, %k {{transpose_b = true}}\n"
+            f"  %c = ge.const dense<{1 / math.sqrt(d)!r}> : tensor<{dtype}>\n"
+            f"  %ss = ge.mul %s, %c\n"
+            f"  %p = ge.softmax %ss {{axis = -1}}\n"
+            f"  %o = ge.matmul %p, %v\n"
+            f"  ge.return %o\n}}\n")
+
+
+def inputs_for(program, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {a.name: rng.standard_normal(a.type.shape, dtype=np.float32).astype(a.type.dtype.np) for a in program.args}
+
+
+def compile_text(text: str, pipeline: str):
+    module, _ = compile_module(parse(text, "<bench>"), pipeline)
+    return module.graphs[0]
+
+
+def simulate(text: str, pipeline: str, inputs: dict[str, np.ndarray] | None = None):
+    """(profile, outputs, wall seconds) of one run, or (None, reason, 0) when a kernel is missing."""
+    program = compile_text(text, pipeline)
+    inputs = inputs if inputs is not None else inputs_for(program)
+    t0 = time.perf_counter()
+    try:
+        result = run_program(program, inputs)
+    except RuntimeFailure as e:
+        if "no kernel implements" in str(e):
+            return None, str(e).split(": ", 1)[-1], 0.0
+        raise
+    return profile(result), result.outputs, time.perf_counter() - t0
+
+
+def device_us(p: dict[str, Any]) -> float:
+    return sum(k["time_us"] for k in p["kernels"])
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a " if ok is None else ("PASS" if ok else "MISS")
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# --- 1. fusion payoff ------------------------------------------------------------------------------------
+
+def fusion_payoff(sizes: list[int]) -> None:
+    say("1. Fusion payoff: unfused / fused simulated time, B=1 N=8 D=128 f16 (written-out attention)")
+    say("   goal: ratio of device time >= 3 from S = 4096, > 1 from S = 1024; end-to-end adds the same host copies")
+    say(f"   {'S':>6} {'unfused us':>11} {'fused us':>10} {'ratio':>7}   {'e2e unf us':>11} {'e2e fused':>10} "
+        f"{'e2e ratio':>9}  {'agree':>5}  verdict")
+    rows = []
+    for s in sizes:
+        text = attention_text(1, 8, s, 128)
+        fused_p, fused_out, _ = simulate(text, DEFAULT_PIPELINE)
+        names = [k["name"] for k in fused_p["kernels"]]
+        assert names == ["ge.flash_attention"], f"attention did not fuse at S={s}: {names}"
+        unf_p, unf_out, _ = simulate(text, NO_FUSE_PIPELINE, inputs_for(compile_text(text, DEFAULT_PIPELINE)))
+        goal = 3.0 if s >= 4096 else 1.0
+        if unf_p is None:
+            say(f"   {s:>6} {'n/a':>11} {device_us(fused_p):>10.1f} {'':>7}   ({unf_out}) {verdict(None)}")
+            rows.append({"S": s, "unfused_us": None, "fused_us": device_us(fused_p), "missing": unf_out})
+            continue
+        ratio = device_us(unf_p) / device_us(fused_p)
+        e2e = unf_p["simulated_time_us"] / fused_p["simulated_time_us"]
+        a, b = fused_out[0].astype(np.float64), unf_out[0].astype(np.float64)
+        agree = bool(np.all(np.abs(a - b) <= 1e-3 + 1e-2 * np.abs(b)))
+        ok = (ratio >= goal) if s >= 4096 else (ratio > goal)
+        say(f"   {s:>6} {device_us(unf_p):>11.1f} {device_us(fused_p):>10.1f} {ratio:>6.2f}x   "
+            f"{unf_p['simulated_time_us']:>11.1f} {fused_p['simulated_time_us']:>10.1f} {e2e:>8.2f}x  "
+            f"{'yes' if agree else 'NO':>5}  {verdict(ok)} ({'>=' if s >= 4096 else '>'} {goal:g})")
+        rows.append({"S": s, "unfused_us": device_us(unf_p), "fused_us": device_us(fused_p), "ratio": ratio,
+                     "e2e_unfused_us": unf_p["simulated_time_us"], "e2e_fused_us": fused_p["simulated_time_us"],
+                     "e2e_ratio": e2e, "agree_f16": agree, "pass": ok,
+                     "unfused_kernels": [(k["name"], round(k["time_us"], 2)) for k in unf_p["kernels"]],
+                     "unfused_hbm_read_bytes": unf_p["hbm_read_bytes"], "fused_hbm_read_bytes": fused_p["hbm_read_bytes"]})
+        del fused_out, unf_out, a, b
+    RESULTS["fusion_payoff"] = rows
+    say()
+
+
+# --- 2 and 3. overlap and traffic ------------------------------------------------------------------------
+
+def analytic_bytes(b: int, n: int, nkv: int, sq: int, skv: int, d: int, e: int, s1: int) -> int:
+    """FlashAttention-2 loop order: Q and O once, K and V once per Q row block."""
+    return 2 * b * n * sq * d * e + 2 * b * nkv * skv * d * e * math.ceil(sq / s1)
+
+
+def overlap_and_traffic(sizes: list[int], heads: int) -> None:
+    say(f"2. Overlap: cube peak fraction of fused attention, B=1 N={heads} D=128 f16 (24 cube cores)")
+    say("   goal: >= 60 % with double buffering; with tile{buffers=1} it drops visibly (by a tenth or more)")
+    say(f"   {'S':>6} {'buffers=2':>10} {'overlap':>8} {'mem_bnd':>8}  {'verdict':<7} {'buffers=1':>10} "
+        f"{'overlap':>8}  verdict")
+    traffic = []
+    rows = []
+    for s in sizes:
+        text = attention_text(1, heads, s, 128)
+        program = compile_text(text, DEFAULT_PIPELINE)
+        inputs = inputs_for(program)
+        p2, out, _ = simulate(text, DEFAULT_PIPELINE, inputs)
+        del out
+        p1, out, _ = simulate(text, NO_DOUBLE_BUFFER_PIPELINE, inputs)
+        del out
+        k2, k1 = p2["kernels"][0], p1["kernels"][0]
+        assert k2["name"] == "ge.flash_attention" and k1["tiling"]["buffers"] == 1
+        f2, f1 = k2["cube_peak_fraction"], k1["cube_peak_fraction"]
+        ok2 = f2 >= 0.60 if s >= 4096 else None
+        ok1 = f1 <= 0.9 * f2
+        note = "" if s >= 4096 else " (goal is for S >= 4096)"
+        say(f"   {s:>6} {100 * f2:>9.1f}% {k2['overlap_ratio']:>8.2f} {k2['memory_bound']:>8.2f}  "
+            f"{verdict(ok2):<7} {100 * f1:>9.1f}% {k1['overlap_ratio']:>8.2f}  "
+            f"{verdict(ok1)} ({f1 / f2:.2f}x){note}")
+        rows.append({"S": s, "N": heads, "peak_fraction": f2, "peak_fraction_buffers1": f1,
+                     "overlap_ratio": k2["overlap_ratio"], "overlap_ratio_buffers1": k1["overlap_ratio"],
+                     "pass": bool(f2 >= 0.6), "drop_pass": ok1, "tiling": k2["tiling"]})
+        traffic.append((s, k2, p2))
+    RESULTS["overlap"] = rows
+    say()
+
+    say("3. Global-memory traffic of fused attention: bytes MTE2/MTE3 moved vs the FlashAttention-2 count")
+    say("   goal: within 10 % of 2*B*N*Sq*D*e + 2*B*Nkv*Skv*D*e*ceil(Sq/s1); HBM bytes (past L2) beside")
+    say(f"   {'S':>6} {'N':>3} {'s1':>4} {'s2':>4} {'GM MiB':>10} {'analytic MiB':>13} {'diff':>7}  "
+        f"{'HBM rd MiB':>10} {'HBM wr MiB':>10}  verdict")
+    rows = []
+    for s, k, _ in traffic:
+        t = k["tiling"]
+        want = analytic_bytes(1, heads, heads, s, s, 128, 2, int(t["s1"]))
+        got = k["gm_read_bytes"] + k["gm_write_bytes"]
+        diff = got / want - 1
+        ok = abs(diff) <= 0.10
+        say(f"   {s:>6} {heads:>3} {t['s1']:>4} {t['s2']:>4} {got / 2**20:>10.1f} {want / 2**20:>13.1f} "
+            f"{100 * diff:>+6.1f}%  {k['hbm_read_bytes'] / 2**20:>10.1f} {k['hbm_write_bytes'] / 2**20:>10.1f}  "
+            f"{verdict(ok)}")
+        rows.append({"S": s, "N": heads, "gm_bytes": got, "analytic_bytes": want, "diff": diff,
+                     "hbm_read_bytes": k["hbm_read_bytes"], "hbm_write_bytes": k["hbm_write_bytes"], "pass": ok})
+    RESULTS["traffic"] = rows
+    say()
+
+
+# --- 4. host speed ---------------------------------------------------------------------------------------
+
+def numpy_flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, s1: int, s2: int) -> np.ndarray:
+    """A bare FlashAttention-2 loop: q blocks outside, k blocks inside, vectorised over B and N, f32 softmax."""
+    B, N, Sq, D = q.shape
+    Skv = k.shape[2]
+    kf, vf = k.astype(np.float32), v.astype(np.float32)
+    out = np.empty(q.shape, dtype=q.dtype)
+    for i in range(0, Sq, s1):
+        qb = q[:, :, i:i + s1].astype(np.float32) * np.float32(scale)
+        rows = qb.shape[2]
+        m = np.full((B, N, rows, 1), -np.inf, dtype=np.float32)
+        l = np.zeros((B, N, rows, 1), dtype=np.float32)
+        acc = np.zeros((B, N, rows, D), dtype=np.float32)
+        for j in range(0, Skv, s2):
+            s = qb @ np.swapaxes(kf[:, :, j:j + s2], -1, -2)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            p = np.exp(s - m_new)
+            alpha = np.exp(m - m_new)
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            acc = acc * alpha + p @ vf[:, :, j:j + s2]
+            m = m_new
+        out[:, :, i:i + s1] = (acc / l).astype(q.dtype)
+    return out
+
+
+def best_of(n: int, fn) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def gerun_cmd() -> list[str]:
+    exe = Path(sys.executable).with_name("gerun")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "geir.tools.gerun"]
+
+
+def host_speed(s: int, tmp: Path) -> None:
+    b, n, d = 1, 8, 64
+    say(f"4. Host speed: gerun wall time, fused attention B={b} N={n} S={s} D={d} f16")
+    say("   goal: <= 1.5x a bare numpy FlashAttention-2 loop with the same blocks; torch's CPU SDPA beside it")
+    text = attention_text(b, n, s, d)
+    f = tmp / f"attention_{s}.geir"
+    f.write_text(text)
+    program = compile_text(text, DEFAULT_PIPELINE)
+    tiling = next(op for op in program.ops if op.name == "rt.launch").tiling
+    s1, s2 = int(tiling["s1"]), int(tiling["s2"])
+    cmd = gerun_cmd() + [str(f), "--seed", "0"]
+
+    def run_gerun() -> None:
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode:
+            raise RuntimeError(f"gerun failed: {done.stderr.strip()}")
+
+    wall = best_of(2, run_gerun)
+    inputs = inputs_for(program)
+    t0 = time.perf_counter()
+    run_program(program, inputs)
+    runtime_s = time.perf_counter() - t0
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    scale = 1 / math.sqrt(d)
+    ref = numpy_flash_attention(q, k, v, scale, s1, s2)
+    np_s = best_of(2, lambda: numpy_flash_attention(q, k, v, scale, s1, s2))
+    ratio = wall / np_s
+    say(f"   numpy FlashAttention-2 loop (s1={s1}, s2={s2}) {np_s:8.2f} s")
+    say(f"   gerun (whole command, best of 2)             {wall:8.2f} s   {ratio:5.2f}x numpy   "
+        f"{verdict(ratio <= 1.5)} (<= 1.5x)")
+    say(f"   of which the Runtime's run (in process)      {runtime_s:8.2f} s   {runtime_s / np_s:5.2f}x numpy")
+    row: dict[str, Any] = {"S": s, "s1": s1, "s2": s2, "numpy_s": np_s, "gerun_s": wall, "runtime_s": runtime_s,
+                           "ratio": ratio, "pass": ratio <= 1.5}
+    try:
+        import torch  # noqa: PLC0415 - optional
+    except ImportError:
+        say("   torch: not importable, the ratio to scaled_dot_product_attention is skipped")
+    else:
+        tq, tk, tv = (torch.from_numpy(x.astype(np.float32)) for x in (q, k, v))
+        with torch.no_grad():
+            t_s = best_of(2, lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))
+            t_out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).numpy()
+        say(f"   torch CPU scaled_dot_product_attention (f32) {t_s:8.2f} s   gerun is {wall / t_s:5.2f}x torch "
+            f"(max diff to numpy loop {np.abs(t_out - ref.astype(np.float32)).max():.1e})")
+        row.update(torch_s=t_s, torch_ratio=wall / t_s)
+    RESULTS["host_speed"] = row
+    say()
+
+
+# --- 5. peak memory --------------------------------------------------------------------------------------
+
+# Run from a small Python that starts the command and reports its ru_maxrss: a child forked straight from
+# this (large) process would count the pages it shared with it before exec.
+_RSS_WRAPPER = ("import os, subprocess, sys\n"
+                "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+                "_, status, usage = os.wait4(p.pid, 0)\n"
+                "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)\n")
+
+
+def peak_rss_bytes(cmd: list[str]) -> int:
+    """ru_maxrss of one run of `cmd` (bytes)."""
+    done = subprocess.run([sys.executable, "-c", _RSS_WRAPPER, *cmd], capture_output=True, text=True)
+    code, rss = (int(x) for x in done.stdout.split())
+    if code:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+    return rss * (1 if sys.platform == "darwin" else 1024)
+
+
+def peak_memory(sizes: list[int], tmp: Path) -> None:
+    b, n, d = 1, 8, 64
+    base_s, mid_s, top_s = sizes
+    say(f"5. Peak memory of gerun (ru_maxrss), fused attention B={b} N={n} D={d} f16")
+    say(f"   goal: < 1.5 GB at S = {top_s}, growing O(S) (an S x S f32 score matrix per head would be "
+        f"{top_s * top_s * 4 / 2**20:.0f} MiB)")
+    rss = {}
+    for s in (base_s, mid_s, top_s):
+        f = tmp / f"mem_{s}.geir"
+        f.write_text(attention_text(b, n, s, d))
+        t0 = time.perf_counter()
+        rss[s] = peak_rss_bytes(gerun_cmd() + [str(f), "--seed", "0"])
+        say(f"   S = {s:>6}: {rss[s] / 2**20:8.1f} MiB   ({time.perf_counter() - t0:.1f} s)")
+    growth = (rss[top_s] - rss[base_s]) / max(rss[mid_s] - rss[base_s], 1)
+    linear = top_s / mid_s
+    ok_size = rss[top_s] < 1.5e9
+    ok_growth = growth < (linear + linear ** 2) / 2  # nearer O(S) than O(S^2)
+    say(f"   above the S = {base_s} baseline, S {mid_s} -> {top_s} grows {growth:.2f}x (O(S): {linear:g}x, "
+        f"O(S^2): {linear ** 2:g}x)   {verdict(ok_size and ok_growth)}")
+    RESULTS["peak_memory"] = {"rss_bytes": {str(k): v for k, v in rss.items()}, "growth": growth,
+                              "pass": ok_size and ok_growth}
+    say()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a reduced run: S up to 2048")
+    ap.add_argument("--json", metavar="OUT", help="also write every figure as JSON")
+    ap.add_argument("--only", default="12345", help="sections to run, e.g. 123 (default all)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    say(f"GEIR attention benchmark{' (quick)' if args.quick else ''}: simulated ascend910b, numpy {np.__version__}")
+    say()
+    with tempfile.TemporaryDirectory(prefix="geir-bench-") as tmp:
+        tmp_path = Path(tmp)
+        if "1" in args.only:
+            fusion_payoff([1024, 2048] if args.quick else [1024, 2048, 4096, 8192])
+        if "2" in args.only or "3" in args.only:
+            overlap_and_traffic([2048] if args.quick else [4096, 8192], 24)
+        if "4" in args.only:
+            host_speed(2048 if args.quick else 4096, tmp_path)
+        if "5" in args.only:
+            peak_memory([128, 1024, 2048] if args.quick else [128, 8192, 16384], tmp_path)
+    say(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(RESULTS, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,609 @@
+"""gerun: compile a GEIR graph with GE's pipeline and run it on the simulated NPU's Runtime.
+
+    gerun FILE [--entry NAME] [--inputs IN.npz ... | --seed N] [--output OUT.npz] [--weights W.npz]
+          [--target NAME] [--passes=PIPELINE | --no-fuse] [--check] [--profile] [--profile-json P.json]
+          [--trace TRACE.json] [--inject-fault KIND@N]
+
+A file holding `ge.graph`s is compiled (default pipeline, `--passes`, or `--no-fuse`; `lower` ends
+every pipeline); a file holding an `rt.program` runs as it is. Several `--inputs` run one after
+the other in one session on the program compiled once.
+
+Files written (all atomically, and only when the whole run succeeded):
+- `--output`: `result0`, `result1`, ... (one run) or `run0.result0`, ... (several runs); bf16 as float32.
+- `--profile-json`: one run: exactly the spec's profile keys. Several runs: the last run's profile
+  at top level (the spec's keys) plus `runs`, the list of every run's profile in order.
+- `--trace`: Chrome trace-event JSON: host GE (the passes, wall-clock) and Runtime (the tasks,
+  simulated) tracks, one track per core and pipe; several runs follow one another on the time axis.
+
+Exit codes: 0 success, 1 bad input, a failed run or a failed --check, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geir.attributes import DenseResourceAttr
+from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
+from geir.ir import Graph, Module
+from geir.parser import decode_source, parse
+from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
+from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.tools.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    DiagnosticPrinter,
+    ToolError,
+    read_input,
+    tool_error,
+    write_atomically,
+)
+from geir.types import DType, TensorType
+from geir.verifier import verify_module
+
+TOOL = "gerun"
+# (rtol, atol) against a float64 reference, by result dtype (spec section 3); other dtypes must match exactly
+TOLERANCES = {DType.f32: (1e-4, 1e-5), DType.f16: (1e-2, 1e-3), DType.bf16: (2e-2, 1e-2)}
+FAULT_KINDS = ("dma", "core", "ub_overflow")
+# faults the Runtime can inject today; recovering from them is later work
+INJECTABLE = ("ub_overflow",)
+PROGRESS_MIN_KERNELS = 5
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=TOOL,
+        description="Compile a GEIR graph (or take a lowered rt.program) and run it on the simulated NPU.",
+    )
+    p.add_argument("input", metavar="FILE", help="a .geir file holding ge.graphs or an rt.program (- for stdin)")
+    p.add_argument("--entry", metavar="NAME", help="the graph to run (default @main, else the only graph)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--inputs", action="append", default=[], metavar="IN.npz",
+                     help="inputs by argument name (repeat for several runs in one session)")
+    src.add_argument("--seed", type=int, metavar="N", help="random normal inputs from this seed (default 0)")
+    p.add_argument("--output", "-o", metavar="OUT.npz", help="write the results here (atomically)")
+    p.add_argument("--weights", metavar="W.npz",
+                   help="arrays for dense_resource constants (default: the .npz beside FILE with its stem)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"simulated chip (default {DEFAULT_TARGET})")
+    pipe = p.add_mutually_exclusive_group()
+    pipe.add_argument("--passes", metavar="PIPELINE", help="GE pipeline (lower is added at the end)")
+    pipe.add_argument("--no-fuse", action="store_true", help="the default pipeline without fusion")
+    p.add_argument("--check", action="store_true",
+                   help="compare with the float64 reference interpreter on the graph as written")
+    p.add_argument("--profile", action="store_true", help="print the run's profile")
+    p.add_argument("--profile-json", metavar="P.json", help="write the profile as JSON (atomically)")
+    p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome trace of the run (atomically)")
+    p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@N",
+                   help=f"make the N-th task of KIND fail ({', '.join(FAULT_KINDS)})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ToolError as e:
+        tool_error(TOOL, str(e))
+        return e.code
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        _Progress.clear_line()
+        tool_error(TOOL, "interrupted")
+        return EXIT_FAILURE
+    except Exception as e:  # noqa: BLE001 - a tool prints one line, never a traceback
+        if os.environ.get("GEIR_TRACEBACK"):
+            raise
+        tool_error(TOOL, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
+        return EXIT_FAILURE
+
+
+# --- usage ------------------------------------------------------------------------------------------
+
+def parse_fault(text: str) -> tuple[str, int]:
+    """`KIND@N` -> (kind, n); ToolError (usage) when malformed."""
+    m = re.fullmatch(r"([a-z_]+)@(\d+)", text)
+    if not m or m.group(1) not in FAULT_KINDS:
+        raise ToolError(f"--inject-fault: expected KIND@N with KIND one of {', '.join(FAULT_KINDS)} and N a "
+                        f"non-negative integer, not '{text}'", EXIT_USAGE)
+    return m.group(1), int(m.group(2))
+
+
+def _pipeline(args: argparse.Namespace, sources: SourceManager) -> str:
+    """The pipeline text to compile with; checked here so a mistake is a usage error."""
+    from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE
+
+    if args.no_fuse:
+        return NO_FUSE_PIPELINE
+    if args.passes is None:
+        return DEFAULT_PIPELINE
+    try:
+        passes = complete_pipeline(parse_pipeline(args.passes))
+    except PipelineError as e:
+        sources.add("--passes", args.passes)
+        print(sources.render(Diagnostic("error", str(e), Location("--passes", 1, e.column + 1))), file=sys.stderr)
+        raise ToolError("", EXIT_USAGE) from None
+    names = [p.NAME for p in passes]
+    if "lower" in names[:-1]:
+        raise ToolError(f"--passes: lower must be the last pass (pipeline: {pipeline_text(passes)})", EXIT_USAGE)
+    return args.passes if passes else "lower"
+
+
+# --- input file ----------------------------------------------------------------------------------------
+
+def _parse(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> tuple[Module, str]:
+    """Parse and verify; diagnostics printed and ToolError('') on failure."""
+    try:
+        text = decode_source(data, name)
+    except DiagnosticError as e:
+        sources.add(name, data.decode("utf-8", errors="replace"))
+        _print_all(e, printer)
+        raise ToolError("") from None
+    sources.add(name, text)
+    try:
+        module = parse(text, name)
+    except DiagnosticError as e:
+        _print_all(e, printer)
+        raise ToolError("") from None
+    errors: list[Diagnostic] = []
+    if not verify_module(module, errors.append):
+        for d in errors:
+            printer(d)
+        raise ToolError("")
+    return module, text
+
+
+def _print_all(e: DiagnosticError, printer: DiagnosticPrinter) -> None:
+    for d in e.diagnostics:
+        printer(d)
+
+
+def _select(module: Module, entry: str | None, name: str) -> Graph:
+    names = ", ".join(f"@{g.name}" for g in module.graphs)
+    try:
+        return module.graph(entry)
+    except KeyError:
+        if entry is not None:
+            raise ToolError(f"{name} has no graph @{entry} (it holds {names})") from None
+        raise ToolError(f"{name} holds several graphs ({names}) and none is @main: choose one with --entry") from None
+
+
+# --- weights ---------------------------------------------------------------------------------------------
+
+def _resource_consts(graph: Graph) -> list:
+    return [op for op in graph.ops if op.name in ("ge.const", "rt.const")
+            and isinstance(op.attributes.get("value"), DenseResourceAttr)]
+
+
+def load_weights(graph: Graph, args: argparse.Namespace, printer: DiagnosticPrinter) -> dict[str, np.ndarray]:
+    """The arrays the graph's dense_resource constants name, checked against their types."""
+    consts = _resource_consts(graph)
+    if args.weights:
+        path = args.weights
+    elif args.input != "-":
+        path = str(Path(args.input).with_suffix(".npz"))
+    else:
+        path = None
+    if not consts:
+        if args.weights:
+            _load_npz(path, "weights")  # an explicit archive must at least be readable
+        return {}
+    if path is None or (not args.weights and not Path(path).is_file()):
+        op = consts[0]
+        where = f"expected '{path}' beside the input, or" if path else "give one with"
+        printer(Diagnostic("error", f"no weights archive for dense_resource<\"{op.value.key}\">: {where} --weights "
+                                    f"W.npz", op.attr_loc("value")))
+        raise ToolError("")
+    archive = _load_npz(path, "weights")
+    weights: dict[str, np.ndarray] = {}
+    failed = False
+    for op in consts:
+        key = op.value.key
+        t: TensorType = op.results[0].type
+        if key not in archive:
+            printer(Diagnostic("error", f"weight '{key}' is not in the weights archive '{path}'", op.attr_loc("value")))
+            failed = True
+            continue
+        a = archive[key]
+        if tuple(a.shape) != tuple(t.shape):
+            printer(Diagnostic("error", f"weight '{key}' in '{path}' has shape {list(a.shape)}, but the constant is "
+                                        f"{t}", op.attr_loc("value")))
+            failed = True
+            continue
+        weights[key] = a
+    if failed:
+        raise ToolError("")
+    return weights
+
+
+def _load_npz(path: str, what: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if not hasattr(z, "files"):
+                raise ToolError(f"{what} '{path}' is not an .npz archive")
+            return {k: z[k] for k in z.files}
+    except ToolError:
+        raise
+    except OSError as e:
+        raise ToolError(f"cannot read {what} '{path}': {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001 - a corrupt archive (BadZipFile, ValueError, ...)
+        raise ToolError(f"cannot read {what} '{path}': {e}") from None
+
+
+# --- inputs ----------------------------------------------------------------------------------------------
+
+def random_inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
+    """Random inputs for every argument: normal floats, booleans for i1, small integers otherwise."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for a in graph.args:
+        t: TensorType = a.type
+        if not t.is_static:
+            raise ToolError(f"argument %{a.name} is {t}: random inputs need static shapes; give --inputs")
+        if t.dtype is DType.i1:
+            out[a.name] = rng.random(t.shape) < 0.5
+        elif t.dtype.is_float:
+            out[a.name] = rng.standard_normal(t.shape, dtype=np.float32).astype(t.dtype.np)
+        else:
+            out[a.name] = rng.integers(-8, 8, size=t.shape).astype(t.dtype.np)
+    return out
+
+
+def npz_inputs(graph: Graph, path: str) -> dict[str, np.ndarray]:
+    """Inputs read from an npz by argument name, cast to the argument dtype; shapes checked."""
+    archive = _load_npz(path, "inputs")
+    out: dict[str, np.ndarray] = {}
+    for a in graph.args:
+        t: TensorType = a.type
+        if a.name not in archive:
+            held = ", ".join(sorted(archive)) or "nothing"
+            raise ToolError(f"inputs '{path}' has no array '{a.name}' for argument %{a.name} (it holds {held})")
+        x = archive[a.name]
+        if len(x.shape) != t.rank or any(d is not None and d != s for d, s in zip(t.shape, x.shape)):
+            raise ToolError(f"input '{a.name}' in '{path}' has shape {list(x.shape)}, but %{a.name} is {t}")
+        try:
+            with np.errstate(all="ignore"):
+                out[a.name] = x.astype(t.dtype.np)
+        except (TypeError, ValueError) as e:
+            raise ToolError(f"input '{a.name}' in '{path}' ({x.dtype}) cannot be cast to {t.dtype}: {e}") from None
+    return out
+
+
+# --- running ---------------------------------------------------------------------------------------------
+
+class _Progress:
+    """A carriage-return progress line on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str):
+        self.total = total
+        self.label = label
+        self.on = total >= PROGRESS_MIN_KERNELS and sys.stderr.isatty()
+        self.done = 0
+
+    def step(self, name: str) -> None:
+        self.done += 1
+        if self.on:
+            width = 30
+            filled = width * self.done // self.total
+            sys.stderr.write(f"\r{self.label}[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                             f"{name[:30]:<30}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.on:
+            self.clear_line()
+
+    @staticmethod
+    def clear_line() -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _make_runtime(target: str, record: bool, faults: dict[int, str], progress: _Progress):
+    from geir.runtime.interpreter import Runtime, RuntimeFailure
+
+    class _Runtime(Runtime):
+        """The Runtime with a progress line and a check that an injected fault was honoured."""
+
+        def _launch(self, op, *rest):
+            index = progress.done
+            stats = super()._launch(op, *rest)
+            if index in self.faults:
+                raise RuntimeFailure(f"{op.loc}: kernel #{index} ({op.kernel}) cannot inject the "
+                                     f"'{self.faults[index]}' fault: fault injection is not implemented for it yet")
+            progress.step(op.kernel)
+            return stats
+
+    return _Runtime(load_target(target), record_pipes=record, faults=faults)
+
+
+def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray], args: argparse.Namespace,
+             faults: dict[int, str], label: str):
+    """One run of the program; ToolError with a one-line message when the Runtime fails."""
+    from geir.runtime.interpreter import RuntimeFailure
+    from geir.target_npu.sim import CapacityError
+
+    launches = sum(1 for op in program.ops if op.name == "rt.launch")
+    for index, kind in faults.items():
+        if index >= launches:
+            raise ToolError(f"--inject-fault {kind}@{index}: the program launches only {launches} kernel(s)")
+    progress = _Progress(launches, label)
+    runtime = _make_runtime(args.target, bool(args.trace), faults, progress)
+    try:
+        return runtime.run(program, inputs, weights)
+    except RuntimeFailure as e:
+        raise ToolError(str(e)) from None
+    except CapacityError as e:
+        i = progress.done
+        op = [o for o in program.ops if o.name == "rt.launch"][i]
+        injected = " (injected fault)" if i in faults else ""
+        raise ToolError(f"{op.loc}: kernel #{i} ({op.kernel}) does not fit on the chip{injected}: {e}") from None
+    finally:
+        progress.close()
+
+
+def check_inputs_match(program: Graph, inputs: dict[str, np.ndarray], which: str) -> None:
+    """A static program runs only the shapes it was compiled for (re-planning comes later)."""
+    for a in program.args:
+        x = inputs[a.name]
+        if tuple(x.shape) != tuple(a.type.shape):
+            raise ToolError(f"{which}: input '{a.name}' has shape {list(x.shape)}, but the program was compiled for "
+                            f"{a.type}; re-planning a program for new shapes is not implemented yet")
+
+
+# --- check -----------------------------------------------------------------------------------------------
+
+def compare(actual: np.ndarray, expected: np.ndarray, t: TensorType) -> tuple[float, float, bool, str]:
+    """(max abs error, max rel error, passed, tolerance text) of one result against the float64 reference."""
+    a = np.asarray(actual)
+    b = np.asarray(expected)
+    if t.dtype in TOLERANCES:
+        rtol, atol = TOLERANCES[t.dtype]
+        a = a.astype(np.float64)
+        b = b.astype(np.float64)
+        # numpy's allclose rule, with NaN equal to NaN (equal_nan) and infinities equal only to themselves
+        finite = np.isfinite(a) & np.isfinite(b)
+        same = (np.isnan(a) & np.isnan(b)) | (~finite & (a == b))
+        with np.errstate(all="ignore"):
+            err = np.where(finite, np.abs(a - b), np.where(same, 0.0, np.inf))
+            rel = np.where(err == 0, 0.0, err / np.abs(b))
+            rel = np.where(np.isnan(rel), np.inf, rel)
+        ok = bool(np.all(np.where(finite, err <= atol + rtol * np.abs(b), same)))
+        tol = f"rtol {rtol:g}, atol {atol:g}"
+    else:
+        err = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        with np.errstate(all="ignore"):
+            rel = np.where(err == 0, 0.0, err / np.abs(b.astype(np.float64)))
+        ok = bool(np.array_equal(a, b.astype(a.dtype)))
+        tol = "exact"
+    max_abs = float(err.max()) if err.size else 0.0
+    max_rel = float(rel.max()) if rel.size else 0.0
+    return max_abs, max_rel, ok, tol
+
+
+def check_run(reference: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray],
+              outputs: list[np.ndarray], types: list[TensorType], prefix: str) -> bool:
+    """Run the reference, print one line per result and return whether all passed."""
+    from geir.reference import ReferenceRunError, run_graph
+
+    try:
+        with np.errstate(all="ignore"):
+            expected = run_graph(reference, inputs, float64=True, resources=weights)
+    except ReferenceRunError as e:
+        raise ToolError(f"--check: the reference interpreter cannot run @{reference.name}: {e}") from None
+    passed = True
+    for i, (a, b, t) in enumerate(zip(outputs, expected, types)):
+        max_abs, max_rel, ok, tol = compare(a, b, t)
+        passed &= ok
+        print(f"check {prefix}result{i} {t}: max abs err {max_abs:.3e}, max rel err {max_rel:.3e} ({tol}): "
+              f"{'PASS' if ok else 'FAIL'}")
+    return passed
+
+
+# --- outputs ---------------------------------------------------------------------------------------------
+
+def _storable(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+
+
+def outputs_npz(runs: list[list[np.ndarray]]) -> bytes:
+    arrays: dict[str, np.ndarray] = {}
+    for r, outs in enumerate(runs):
+        for i, a in enumerate(outs):
+            arrays[f"run{r}.result{i}" if len(runs) > 1 else f"result{i}"] = _storable(np.asarray(a))
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def summary_line(name: str, a: np.ndarray, t: TensorType) -> str:
+    a = np.asarray(a)
+    if a.size and (a.dtype.kind == "f" or a.dtype.name == "bfloat16"):
+        x = a.astype(np.float64)
+        finite = x[np.isfinite(x)]
+        stats = (f"mean {finite.mean():.6g}, std {finite.std():.6g}, min {finite.min():.6g}, max {finite.max():.6g}"
+                 if finite.size else "no finite values")
+        bad = a.size - finite.size
+        return f"{name}: {t}  {stats}" + (f", {bad} non-finite" if bad else "")
+    if a.size:
+        return f"{name}: {t}  sum {a.astype(np.int64).sum()}, min {a.min()}, max {a.max()}"
+    return f"{name}: {t}  (empty)"
+
+
+def trace_json(results: list, spans: list[tuple[str, float, float]]) -> str:
+    """One Chrome trace for every run: the compile, then each run after the previous one on the time axis."""
+    from geir.runtime.profile import chrome_trace
+
+    events: list[dict[str, Any]] = []
+    offset = 0.0
+    for r, result in enumerate(results):
+        trace = json.loads(chrome_trace(result, ge_events=spans if r == 0 else None))
+        for e in trace["traceEvents"]:
+            if e.get("ph") == "M":
+                if r == 0:
+                    events.append(e)
+                continue
+            if r > 0:
+                if e.get("pid") == 0 and e.get("tid") == 0:
+                    continue  # GE spans belong to the compile, shown once
+                e["ts"] = e["ts"] + offset
+                e.setdefault("args", {})["run"] = r
+            events.append(e)
+        ends = [t.end_us for t in result.tasks]
+        offset += max(ends, default=0.0)
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})
+
+
+# --- the tool --------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        load_target(args.target)
+    except KeyError:
+        raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})", EXIT_USAGE)
+    faults: dict[int, str] = {}
+    requested_faults = [parse_fault(f) for f in args.inject_fault]
+    sources = SourceManager()
+    try:
+        pipeline = _pipeline(args, sources)
+    except ToolError as e:
+        if not str(e):
+            return e.code
+        raise
+    printer = DiagnosticPrinter(sources)
+    try:
+        return _run(args, pipeline, requested_faults, faults, sources, printer)
+    except ToolError as e:
+        if not str(e):  # diagnostics were printed already
+            return e.code
+        raise
+
+
+def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int:
+    from geir.runtime.profile import format_profile, profile
+    from geir.runtime.session import compile_module
+
+    name, data = read_input(args.input)
+    module, text = _parse(name, data, sources, printer)
+    graph = _select(module, args.entry, name)
+    is_program = graph.kind == "rt.program"
+    if is_program and args.check:
+        raise ToolError(f"--check needs the graph: @{graph.name} in {name} is an rt.program (already lowered); "
+                        f"run --check on the ge.graph it was lowered from", EXIT_USAGE)
+    if is_program and (args.passes is not None or args.no_fuse):
+        raise ToolError(f"@{graph.name} in {name} is an rt.program (already lowered): --passes and --no-fuse "
+                        f"apply to a ge.graph", EXIT_USAGE)
+    for kind, n in requested_faults:
+        if kind not in INJECTABLE:
+            raise ToolError(f"--inject-fault {kind}@{n}: fault injection is not implemented yet for '{kind}' "
+                            f"faults (only {', '.join(INJECTABLE)})")
+        faults[n] = kind
+
+    weights = load_weights(graph, args, printer)
+
+    spans: list[tuple[str, float, float]] = []
+    if is_program:
+        program = graph
+    else:
+        reference = _select(parse(text, name), args.entry, name) if args.check else None
+        try:
+            compiled, spans = compile_module(Module([graph], module.file, module.resources), pipeline, args.target,
+                                             emit=printer)
+        except DiagnosticError:
+            return EXIT_FAILURE  # compile_module printed the diagnostics
+        except PipelineError as e:
+            raise ToolError(f"--passes: {e}", EXIT_USAGE) from None
+        program = compiled.graphs[0]
+
+    # inputs for every run
+    if args.inputs:
+        runs = [npz_inputs(program, path) for path in args.inputs]
+        labels = [f"--inputs {path}" for path in args.inputs]
+    else:
+        runs = [random_inputs(program, 0 if args.seed is None else args.seed)]
+        labels = [f"--seed {args.seed or 0}"]
+    for inputs, label in zip(runs, labels):
+        check_inputs_match(program, inputs, label)
+
+    several = len(runs) > 1
+    results = []
+    for r, inputs in enumerate(runs):
+        results.append(run_once(program, inputs, weights, args, faults, f"run {r} " if several else ""))
+
+    result_types = list(program.result_types)
+    failed_checks = 0
+    for r, (inputs, result) in enumerate(zip(runs, results)):
+        prefix = f"run{r}." if several else ""
+        for i, a in enumerate(result.outputs):
+            print(summary_line(f"{prefix}result{i}", a, result_types[i]))
+        if args.check:
+            failed_checks += not check_run(reference, inputs, weights, result.outputs, result_types, prefix)
+    if args.check:
+        print("check: PASS" if not failed_checks else
+              f"check: FAIL ({failed_checks} of {len(runs)} run(s) out of tolerance)")
+
+    profiles = []
+    if args.profile or args.profile_json:
+        for r, result in enumerate(results):
+            profiles.append(profile(result, plan_cache={"hits": r, "misses": 1, "replan_ms": 0.0}))
+    if args.profile:
+        for r, p in enumerate(profiles):
+            if several:
+                print(f"-- run {r} --")
+            print(format_profile(p))
+    sys.stdout.flush()
+    if failed_checks:
+        return EXIT_FAILURE
+
+    # every file is prepared first, then written: a failure leaves none behind
+    files: list[tuple[str, str | bytes]] = []
+    if args.output:
+        files.append((args.output, outputs_npz([r.outputs for r in results])))
+    if args.profile_json:
+        doc = dict(profiles[-1])
+        if several:
+            doc["runs"] = profiles
+        files.append((args.profile_json, json.dumps(_json_safe(doc), allow_nan=False)))
+    if args.trace:
+        files.append((args.trace, trace_json(results, spans)))
+    written: list[str] = []
+    try:
+        for path, payload in files:
+            write_atomically(path, payload)
+            written.append(path)
+    except ToolError:
+        for path in written:  # all or nothing
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+    return EXIT_OK
+
+
+def _json_safe(x: Any) -> Any:
+    """Plain JSON values: numpy scalars as Python numbers, non-finite floats as null."""
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+if __name__ == "__main__":
+    sys.exit(main())
