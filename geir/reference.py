@@ -11,6 +11,7 @@ from typing import Mapping
 import numpy as np
 
 from geir.ir import Graph, Operation
+from geir.ops.numerics import round_to
 from geir.ops.core import Const
 from geir.types import TensorType
 from geir.verifier import inferred_types
@@ -49,8 +50,7 @@ def _as_result(a: np.ndarray, t: TensorType | None, float64: bool) -> np.ndarray
     if float64 and t.dtype.is_float:
         return a.astype(np.float64, copy=False)
     if a.dtype != t.dtype.np:
-        with np.errstate(all="ignore"):
-            a = a.astype(t.dtype.np)
+        a = round_to(a, t.dtype.np)
     return a
 
 

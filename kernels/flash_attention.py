@@ -22,6 +22,7 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.ops.numerics import round_to
 from geir.passes.tiling import flash_budget
 from geir.types import DType
 from geir.target_npu.sim import CapacityError, buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
@@ -141,7 +142,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
             m_safe = np.where(np.isneginf(m_new), _F32(0), m_new)
             p = np.exp(sc - m_safe[..., None])
             alpha = np.exp(m_old - m_safe)
-            p_in = p.astype(dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
+            p_in = round_to(p, dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
             if causal:
                 l[:, :, sel] = l[:, :, sel] * alpha + p.sum(axis=-1)
                 acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + np.matmul(p_in, vb)
@@ -161,7 +162,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
             num = sum(acc * np.exp(m - top)[..., None] for acc, m, _ in partials)
             den = sum(l * np.exp(m - top) for _, m, l in partials)
             out = num / den[..., None]
-    return out.reshape(B, N, Sq, D).astype(dt)
+    return round_to(out.reshape(B, N, Sq, D), dt)
 
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,

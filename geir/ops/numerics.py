@@ -91,3 +91,28 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         e = np.exp(x - m)
         return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def round_to(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """`a.astype(dt)` as `run_op` rounds results, bit for bit.
+
+    numpy converts f32 to f16 subnormals on a slow scalar path (about 20x slower than normal values);
+    probabilities and other small results are full of them, so those are rounded here directly:
+    below 2^-14 an f16 is a multiple of 2^-24, so its bits are round-half-even(|x| * 2^24) with the sign.
+    """
+    a = np.asarray(a)
+    dt = np.dtype(dt)
+    if a.dtype == dt:
+        return a
+    with np.errstate(all="ignore"):
+        if a.dtype != np.float32 or dt != np.float16:
+            return a.astype(dt)
+        small = np.abs(a) < np.float32(2.0 ** -14)
+        if not small.any():
+            return a.astype(dt)
+        out = np.where(small, np.float32(0), a).astype(dt)
+        tiny = a[small]
+        bits = np.rint(np.abs(tiny) * np.float32(2.0 ** 24)).astype(np.uint16)
+        bits |= (tiny.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
+        out.view(np.uint16)[small] = bits
+        return out
