@@ -94,7 +94,8 @@ def measure(ctx: LaunchContext, name: str, tiling: dict[str, Any], flops: float,
 
 
 def flops_of(op: Operation) -> float:
-    """Floating-point operations an op performs (2 per multiply-add on the cube; one per element otherwise)."""
+    """Floating-point operations an op performs: 2 per multiply-add on the cube, one per element of an
+    arithmetic op, none for ops that only move data."""
     out = op.results[0].type if op.results else None
     if op.name in ("ge.matmul", "ge.fused_matmul"):
         a = op.operands[0].type
@@ -106,4 +107,10 @@ def flops_of(op: Operation) -> float:
         skv = kv.shape[2] if op.attr("layout") == "BNSD" else kv.shape[1]
         pairs = sq * skv if not op.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
         return 4.0 * b * n * pairs * d
+    if op.name in _DATA_MOVEMENT:
+        return 0.0  # moves bytes, computes nothing
     return float(out.num_elements or 0) if out is not None else 0.0
+
+
+_DATA_MOVEMENT = frozenset({"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data",
+                            "ge.const", "ge.return"})

@@ -101,6 +101,7 @@ def lower_graph(graph: Graph) -> Graph:
     constants_size = offset - inputs_size
     arena_base = offset
 
+    pages = _ArenaPages(graph.attributes["arena_size"])
     for op in graph.ops:
         if isinstance(op, Const) or op.name == "ge.return":
             continue
@@ -109,6 +110,12 @@ def lower_graph(graph: Graph) -> Graph:
         stream = _choose_stream(op, b)
         for v in op.operands:
             _wait_for(v, stream, b, op.loc)
+        # the plan reuses memory in op order; across streams that order must be enforced: this op
+        # writes only after every op on another stream that used the bytes before is done
+        for r, offset in zip(op.results, op.attributes["mem_offset"]):
+            for user in pages.take(offset, r.type.nbytes, r, op):
+                if b.stream_of.get(id(user)) not in (None, stream):
+                    b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
         attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset")}
         launch_attrs: dict[str, Any] = {"kernel": op.name, "offsets": [arena_base + o for o in op.attributes["mem_offset"]],
                                         "stream": stream}
@@ -134,6 +141,30 @@ def lower_graph(graph: Graph) -> Graph:
         "streams": b.next_stream,
     }
     return program
+
+
+class _ArenaPages:
+    """Which value last occupied each page of the arena, to find the ops a new occupant must wait for."""
+
+    PAGES = 1024
+
+    def __init__(self, arena_size: int):
+        self.page = max(ALIGN, _aligned(-(-arena_size // self.PAGES)))
+        self.occupant: dict[int, Value] = {}
+
+    def take(self, offset: int, nbytes: int, value: Value, writer: Operation) -> list[Operation]:
+        """Record `value` at [offset, offset + nbytes); returns the ops that used the earlier occupants."""
+        users: dict[int, Operation] = {}
+        for page in range(offset // self.page, -(-(offset + max(nbytes, 1)) // self.page)):
+            prev = self.occupant.get(page)
+            if prev is not None and prev is not value:
+                if prev.owner is not None and prev.owner is not writer:
+                    users[id(prev.owner)] = prev.owner
+                for u in prev.uses:
+                    if u is not writer:
+                        users[id(u)] = u
+            self.occupant[page] = value
+        return list(users.values())
 
 
 def _choose_stream(op: Operation, b: _Builder) -> int:

@@ -18,7 +18,7 @@ from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, flops_of, measure
 from geir.opdef import lookup
 from geir.runtime.device import DeviceFault, DeviceMemory
-from geir.target_npu.sim import Cores, GlobalMemory
+from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.target_npu.target import Target
 from geir.types import TensorType
 
@@ -127,6 +127,8 @@ class Runtime:
                     raise RuntimeFailure(f"{op.loc}: the Runtime cannot run {name}")
         except DeviceFault as e:
             raise RuntimeFailure(f"{op.loc}: device fault: {e}") from None
+        except CapacityError as e:  # a tile that does not fit its buffer at run time
+            raise RuntimeFailure(f"{op.loc}: {op.attr('kernel') or op.name}: {e}") from e
         return RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us)
 
     def _copy_us(self, nbytes: int) -> float:

@@ -105,20 +105,28 @@ def format_profile(p: dict[str, Any]) -> str:
 
 
 def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | None = None) -> str:
-    """Chrome trace-event JSON: host GE and Runtime tracks, then one track per core and pipe."""
+    """Chrome trace-event JSON: host GE and Runtime tracks, then one track per core and pipe.
+
+    One time axis, two clocks: the GE track is the host's compile time (wall clock, from 0); the
+    run follows it in simulated time, so the Runtime and core tracks start where compilation ended.
+    """
     events: list[dict[str, Any]] = []
     us = 1e6 / result.target.clock_hz
+    named: set[int] = set()
 
     def meta(pid: int, tid: int, name: str, process: str) -> None:
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": tid, "args": {"name": process}})
+        if pid not in named:
+            named.add(pid)
+            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": process}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
 
     meta(0, 0, "GE", "host")
     meta(0, 1, "Runtime", "host")
+    offset = max((end for _, _, end in ge_events or []), default=0.0)
     for name, start, end in ge_events or []:
         events.append({"ph": "X", "name": name, "pid": 0, "tid": 0, "ts": start, "dur": max(end - start, 0.0)})
     for t in result.tasks:
-        events.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": 0, "tid": 1, "ts": t.start_us,
+        events.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": 0, "tid": 1, "ts": offset + t.start_us,
                        "dur": max(t.end_us - t.start_us, 0.0), "args": {"stream": t.stream}})
     pipes = list(PIPE_INDEX)
     seen: set[tuple[int, int]] = set()
@@ -128,6 +136,6 @@ def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | 
             if (pid, tid) not in seen:
                 seen.add((pid, tid))
                 meta(pid, tid, pipes[iv.pipe], f"core {core}")
-            events.append({"ph": "X", "name": iv.name, "pid": pid, "tid": tid, "ts": start * us,
+            events.append({"ph": "X", "name": iv.name, "pid": pid, "tid": tid, "ts": offset + start * us,
                            "dur": (end - start) * us})
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})

@@ -24,7 +24,7 @@ def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str
     Errors go to `emit` and raise DiagnosticError.
     """
     passes = complete_pipeline(parse_pipeline(pipeline))
-    if passes[-1].NAME != "lower":
+    if not passes or passes[-1].NAME != "lower":
         passes = complete_pipeline(passes + parse_pipeline("lower"))
     errors: list = []
 

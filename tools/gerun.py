@@ -343,12 +343,12 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
     try:
         return runtime.run(program, inputs, weights)
     except RuntimeFailure as e:
-        raise ToolError(str(e)) from None
-    except CapacityError as e:
+        if not isinstance(e.__cause__, CapacityError):
+            raise ToolError(str(e)) from None
         i = progress.done
         op = [o for o in program.ops if o.name == "rt.launch"][i]
         injected = " (injected fault)" if i in faults else ""
-        raise ToolError(f"{op.loc}: kernel #{i} ({op.kernel}) does not fit on the chip{injected}: {e}") from None
+        raise ToolError(f"{op.loc}: kernel #{i} ({op.kernel}) does not fit on the chip{injected}: {e.__cause__}") from None
     finally:
         progress.close()
 
