@@ -446,7 +446,7 @@ def trace_json(results: list, spans: list[tuple[str, float, float]]) -> str:
     from geir.runtime.profile import chrome_trace
 
     events: list[dict[str, Any]] = []
-    offset = 0.0
+    offset = max((end for _, _, end in spans), default=0.0)  # the first run starts after the compile
     for r, result in enumerate(results):
         trace = json.loads(chrome_trace(result, ge_events=spans if r == 0 else None))
         for e in trace["traceEvents"]:
