@@ -22,7 +22,7 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels.base import Kernel, LaunchContext, register_kernel
-from geir.ops.numerics import round_to
+from geir.ops.numerics import round_in_f32, round_to
 from geir.passes.tiling import flash_budget
 from geir.types import DType
 from geir.target_npu.sim import CapacityError, buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
@@ -110,6 +110,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     scale32 = _F32(scale)
     # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]
     qg = q.astype(_F32).reshape(B, Nkv, group * Sq, D)
+    kf, vf = k.astype(_F32), v.astype(_F32)  # O(S): converted once, not per block
     rows = np.tile(np.arange(Sq), group)
     partials = []
     for seg in range(segments):
@@ -121,8 +122,8 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
             # causal: query row blocks that lie wholly above this key block skip it (as their units do)
             r0 = (c0 // s1) * s1 if causal else 0
             sel = rows >= r0 if causal else slice(None)
-            kb = k[:, :, c0:c1].astype(_F32)
-            vb = v[:, :, c0:c1].astype(_F32)
+            kb = kf[:, :, c0:c1]
+            vb = vf[:, :, c0:c1]
             qs = qg[:, :, sel] if causal else qg
             sc = np.matmul(qs, np.swapaxes(kb, -1, -2)) * scale32
             keep = None
@@ -142,7 +143,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
             m_safe = np.where(np.isneginf(m_new), _F32(0), m_new)
             p = np.exp(sc - m_safe[..., None])
             alpha = np.exp(m_old - m_safe)
-            p_in = round_to(p, dt).astype(_F32) if half else p  # the cube takes P in the inputs' dtype
+            p_in = round_in_f32(p, dt) if half else p  # the cube takes P in the inputs' dtype
             if causal:
                 l[:, :, sel] = l[:, :, sel] * alpha + p.sum(axis=-1)
                 acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + np.matmul(p_in, vb)

@@ -116,3 +116,29 @@ def round_to(a: np.ndarray, dt: np.dtype) -> np.ndarray:
         bits |= (tiny.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
         out.view(np.uint16)[small] = bits
         return out
+
+
+def round_in_f32(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """float32 values rounded to `dt` (f16 or bf16) but kept as float32: `a.astype(dt).astype(f32)`, bit for bit.
+
+    For operands the cube takes in half precision but numpy multiplies in f32: integer arithmetic on
+    the f32 bits rounds the mantissa to nearest-even without two slow dtype conversions.
+    """
+    a = np.asarray(a, dtype=np.float32)
+    name = np.dtype(dt).name
+    if name not in ("float16", "bfloat16"):
+        return a.astype(dt).astype(np.float32)
+    bits = a.view(np.uint32)
+    if name == "bfloat16":
+        out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    else:
+        out = ((bits + np.uint32(0x0FFF) + ((bits >> 13) & np.uint32(1))) & np.uint32(0xFFFFE000)).view(np.float32)
+        with np.errstate(over="ignore"):
+            small = np.abs(a) < np.float32(2.0 ** -14)  # f16 subnormals: multiples of 2^-24
+            if small.any():
+                out = np.where(small, np.rint(a * np.float32(2.0 ** 24)) * np.float32(2.0 ** -24), out)
+            big = np.abs(out) > np.float32(65504)
+            if big.any():
+                out = np.where(big, np.copysign(np.float32(np.inf), a), out)
+    nan = np.isnan(a)
+    return np.where(nan, a, out) if nan.any() else out
