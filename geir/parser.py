@@ -286,8 +286,10 @@ def _get_parser() -> tuple[Lark, _Builder]:
     global _lark, _builder
     if _lark is None:
         _builder = _Builder("<input>")
+        # cache=True keeps Lark's LALR tables in a temp file: every tool start after the first skips the
+        # grammar analysis (a few tens of milliseconds, a noticeable part of a small geopt run)
         _lark = Lark(_GRAMMAR, parser="lalr", lexer="contextual", transformer=_builder,
-                     maybe_placeholders=True, propagate_positions=False)
+                     maybe_placeholders=True, propagate_positions=False, cache=True)
     return _lark, _builder
 
 
