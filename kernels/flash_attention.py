@@ -125,7 +125,8 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
             kb = kf[:, :, c0:c1]
             vb = vf[:, :, c0:c1]
             qs = qg[:, :, sel] if causal else qg
-            sc = np.matmul(qs, np.swapaxes(kb, -1, -2)) * scale32
+            sc = np.matmul(qs, np.swapaxes(kb, -1, -2))
+            sc *= scale32
             keep = None
             if causal:
                 keep = np.arange(c0, c1)[None, :] <= rows[sel][:, None]
@@ -141,7 +142,8 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
             m_old = m[:, :, sel]
             m_new = np.maximum(m_old, sc.max(axis=-1))
             m_safe = np.where(np.isneginf(m_new), _F32(0), m_new)
-            p = np.exp(sc - m_safe[..., None])
+            sc -= m_safe[..., None]
+            p = np.exp(sc, out=sc)  # in place: the score tile becomes P
             alpha = np.exp(m_old - m_safe)
             p_in = round_in_f32(p, dt) if half else p  # the cube takes P in the inputs' dtype
             if causal:
@@ -149,8 +151,10 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
                 acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + np.matmul(p_in, vb)
                 m[:, :, sel] = m_new
             else:
-                l = l * alpha + p.sum(axis=-1)
-                acc = acc * alpha[..., None] + np.matmul(p_in, vb)
+                l *= alpha
+                l += p.sum(axis=-1)
+                acc *= alpha[..., None]
+                acc += np.matmul(p_in, vb)
                 m = m_new
         partials.append((acc, m, l))
     with np.errstate(invalid="ignore", divide="ignore"):

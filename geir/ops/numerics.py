@@ -122,23 +122,33 @@ def round_in_f32(a: np.ndarray, dt: np.dtype) -> np.ndarray:
     """float32 values rounded to `dt` (f16 or bf16) but kept as float32: `a.astype(dt).astype(f32)`, bit for bit.
 
     For operands the cube takes in half precision but numpy multiplies in f32: integer arithmetic on
-    the f32 bits rounds the mantissa to nearest-even without two slow dtype conversions.
+    the f32 bits rounds the mantissa to nearest-even without two slow dtype conversions. This runs
+    on every probability tile of FlashAttention, so it works in place where it can.
     """
     a = np.asarray(a, dtype=np.float32)
     name = np.dtype(dt).name
     if name not in ("float16", "bfloat16"):
         return a.astype(dt).astype(np.float32)
     bits = a.view(np.uint32)
-    if name == "bfloat16":
-        out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
-    else:
-        out = ((bits + np.uint32(0x0FFF) + ((bits >> 13) & np.uint32(1))) & np.uint32(0xFFFFE000)).view(np.float32)
-        with np.errstate(over="ignore"):
-            small = np.abs(a) < np.float32(2.0 ** -14)  # f16 subnormals: multiples of 2^-24
-            if small.any():
-                out = np.where(small, np.rint(a * np.float32(2.0 ** 24)) * np.float32(2.0 ** -24), out)
-            big = np.abs(out) > np.float32(65504)
-            if big.any():
-                out = np.where(big, np.copysign(np.float32(np.inf), a), out)
-    nan = np.isnan(a)
-    return np.where(nan, a, out) if nan.any() else out
+    shift, keep = (16, np.uint32(0xFFFF0000)) if name == "bfloat16" else (13, np.uint32(0xFFFFE000))
+    r = bits >> shift
+    r &= np.uint32(1)
+    r += np.uint32((1 << (shift - 1)) - 1)
+    r += bits  # round half to even at the kept mantissa's last bit
+    r &= keep
+    out = r.view(np.float32)
+    if name == "float16":
+        # below 2^-14 an f16 is a multiple of 2^-24: adding 0.75 (whose ulp is 2^-24) rounds to it
+        small = (bits & np.uint32(0x7FFFFFFF)) < np.uint32(0x38800000)
+        if small.any():
+            sub = a + np.float32(0.75)
+            sub -= np.float32(0.75)
+            np.copysign(sub, a, out=sub)  # a tiny negative that rounds to zero is -0.0
+            np.copyto(out, sub, where=small)
+        with np.errstate(invalid="ignore"):
+            # past 65504 an f16 is infinite (fmax/fmin skip NaNs, which are handled below)
+            if out.size and (np.fmax.reduce(out, axis=None) > 65504 or np.fmin.reduce(out, axis=None) < -65504):
+                out = np.where(np.abs(out) > np.float32(65504), np.copysign(np.float32(np.inf), a), out)
+    if a.size and np.isnan(a.sum()):
+        out = np.where(np.isnan(a), a, out)
+    return out
