@@ -93,50 +93,71 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
 
 
 def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segments: int) -> np.ndarray:
-    """The kernel's arithmetic, FlashAttention-2 style, for every work unit at once.
+    """The kernel's arithmetic, FlashAttention-2 style, for many work units at once.
 
-    Work units are independent, so one key-block step of all of them (every core's tile of that
-    step, and every wave's) runs as one batched numpy operation; each row sees exactly the
+    Work units are independent, so one key-block step of many of them (every core's tile of that
+    step, and the next waves' too) runs as one batched numpy operation; each row sees exactly the
     sequence of key blocks, online-softmax updates and roundings it sees on its core: S in f32,
     running max and sum in f32, P rounded to the inputs' dtype for the cube, O accumulated in f32.
+    Rows go in chunks whose score tile stays in the host's cache.
     """
     B, N, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
     group = N // Nkv
-    dt = q.dtype
+    R = group * Sq
+    # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]
+    qg = q.astype(_F32).reshape(B, Nkv, R, D)
+    kf, vf = k.astype(_F32), v.astype(_F32)  # O(S): converted once, not per block
+    mg = None if mask is None else mask.reshape(B, Nkv, R, Skv)
+    rows = np.tile(np.arange(Sq), group)
+    out = np.empty((B, Nkv, R, D), dtype=_F32)
+    chunk = max(s1, (_CACHE_SCORES // max(B * Nkv * s2, 1)) // s1 * s1)
+    for c0 in range(0, R, chunk):
+        c1 = min(c0 + chunk, R)
+        out[:, :, c0:c1] = _rows(qg[:, :, c0:c1], kf, vf, None if mg is None else mg[:, :, c0:c1], rows[c0:c1],
+                                 causal, scale, q.dtype, s1, s2, segments)
+    return round_to(out.reshape(B, N, Sq, D), q.dtype)
+
+
+# score elements per step of the arithmetic: a 2 MiB f32 tile stays in a host core's L2 cache
+_CACHE_SCORES = 1 << 19
+
+
+def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: int, s2: int,
+          segments: int) -> np.ndarray:
+    """Attention output (f32) of one chunk of stacked query rows, over every key block in order."""
+    B, Nkv, R, D = qg.shape
+    Skv = kf.shape[2]
     half = _bytes(dt) < 4
     nk = -(-Skv // s2)
     per_seg = -(-nk // segments)
     scale32 = _F32(scale)
-    # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]
-    qg = q.astype(_F32).reshape(B, Nkv, group * Sq, D)
-    kf, vf = k.astype(_F32), v.astype(_F32)  # O(S): converted once, not per block
-    rows = np.tile(np.arange(Sq), group)
     partials = []
     for seg in range(segments):
-        m = np.full((B, Nkv, group * Sq), -np.inf, dtype=_F32)
-        l = np.zeros((B, Nkv, group * Sq), dtype=_F32)
-        acc = np.zeros((B, Nkv, group * Sq, D), dtype=_F32)
+        m = np.full((B, Nkv, R), -np.inf, dtype=_F32)
+        l = np.zeros((B, Nkv, R), dtype=_F32)
+        acc = np.zeros((B, Nkv, R, D), dtype=_F32)
         for t in range(seg * per_seg, min((seg + 1) * per_seg, nk)):
-            c0, c1 = t * s2, min((t + 1) * s2, Skv)
+            k0, k1 = t * s2, min((t + 1) * s2, Skv)
             # causal: query row blocks that lie wholly above this key block skip it (as their units do)
-            r0 = (c0 // s1) * s1 if causal else 0
-            sel = rows >= r0 if causal else slice(None)
-            kb = kf[:, :, c0:c1]
-            vb = vf[:, :, c0:c1]
+            sel = rows >= (k0 // s1) * s1 if causal else slice(None)
+            if causal and not sel.any():
+                continue
+            kb = kf[:, :, k0:k1]
+            vb = vf[:, :, k0:k1]
             qs = qg[:, :, sel] if causal else qg
             sc = np.matmul(qs, np.swapaxes(kb, -1, -2))
             sc *= scale32
             keep = None
             if causal:
-                keep = np.arange(c0, c1)[None, :] <= rows[sel][:, None]
-            if mask is not None:
-                mt = mask[:, :, :, c0:c1].reshape(B, Nkv, group * Sq, c1 - c0)
+                keep = np.arange(k0, k1)[None, :] <= rows[sel][:, None]
+            if mg is not None:
+                mt = mg[:, :, :, k0:k1]
                 mt = mt[:, :, sel] if causal else mt
                 if mt.dtype == np.bool_:
                     keep = mt if keep is None else keep & mt
                 else:
-                    sc = sc + mt.astype(_F32)
+                    sc += mt.astype(_F32)
             if keep is not None:
                 sc = np.where(keep, sc, -np.inf)
             m_old = m[:, :, sel]
@@ -160,14 +181,13 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     with np.errstate(invalid="ignore", divide="ignore"):
         if segments == 1:
             acc, _, l = partials[0]
-            out = acc / l[..., None]
-        else:  # log-sum-exp combine of the key segments
-            top = np.max([m for _, m, _ in partials], axis=0)
-            top = np.where(np.isneginf(top), _F32(0), top)
-            num = sum(acc * np.exp(m - top)[..., None] for acc, m, _ in partials)
-            den = sum(l * np.exp(m - top) for _, m, l in partials)
-            out = num / den[..., None]
-    return round_to(out.reshape(B, N, Sq, D), dt)
+            return acc / l[..., None]
+        # log-sum-exp combine of the key segments
+        top = np.max([m for _, m, _ in partials], axis=0)
+        top = np.where(np.isneginf(top), _F32(0), top)
+        num = sum(acc * np.exp(m - top)[..., None] for acc, m, _ in partials)
+        den = sum(l * np.exp(m - top) for _, m, l in partials)
+        return num / den[..., None]
 
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,

@@ -149,6 +149,8 @@ def round_in_f32(a: np.ndarray, dt: np.dtype) -> np.ndarray:
             # past 65504 an f16 is infinite (fmax/fmin skip NaNs, which are handled below)
             if out.size and (np.fmax.reduce(out, axis=None) > 65504 or np.fmin.reduce(out, axis=None) < -65504):
                 out = np.where(np.abs(out) > np.float32(65504), np.copysign(np.float32(np.inf), a), out)
-    if a.size and np.isnan(a.sum()):
+    with np.errstate(invalid="ignore"):
+        has_nan = a.size and np.isnan(a.sum())  # one reduction; inf - inf only costs the slow check below
+    if has_nan:
         out = np.where(np.isnan(a), a, out)
     return out
