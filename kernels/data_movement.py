@@ -179,12 +179,6 @@ def gm_write(gm: GlobalMemory, t: GmTensor, pieces: tuple[np.ndarray, np.ndarray
 
 # --- vector units and UB slots -------------------------------------------------------------------
 
-def waves(units: int, count: int):
-    """`spread`'s waves as (unit ids, core ids), whichever of its two forms it returns."""
-    for w in spread(units, count):
-        yield w if isinstance(w, tuple) else (w, np.arange(len(w)))
-
-
 class VectorLanes:
     """The vector units of the cores: lane i of `Cores` is one AI core group (on 910B one AIC with two AIVs).
 
@@ -201,7 +195,7 @@ class VectorLanes:
 
     def waves(self, units: int):
         """(tile ids, vector-unit slots) per wave."""
-        return waves(units, self.slots)
+        return spread(units, self.slots)
 
     def used(self, on: np.ndarray) -> np.ndarray:
         """The lanes (cores) that the slots `on` belong to, in order."""

@@ -33,7 +33,6 @@ from geir.ir import Operation
 from geir.kernels.base import Kernel, LaunchContext, register_kernel
 from geir.kernels.data_movement import (
     check_fault,
-    waves,
     gm_read,
     gm_tensor,
     gm_write,
@@ -43,7 +42,7 @@ from geir.kernels.data_movement import (
     tiling_of,
 )
 from geir.kernels.vector import elementwise_passes, round_to
-from geir.target_npu.sim import buffers_of, cube_cycles, local_copy_cycles, vector_cycles
+from geir.target_npu.sim import buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
 
 _F32 = np.float32
 _CUBE_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -155,7 +154,7 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     units = nbat * tm * tn
     step = 0
 
-    for w, (wave, lanes) in enumerate(waves(units, count)):
+    for w, (wave, lanes) in enumerate(spread(units, count)):
         bo, mi, ni = wave // (tm * tn), (wave // tn) % tm, wave % tn
         ba, bb = a_of[bo], b_of[bo]
         m0, n0 = mi * m, ni * n
