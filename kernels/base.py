@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
-from geir.target_npu.sim import PIPES, Cores, GlobalMemory
+from geir.target_npu.sim import PIPES, Cores, GlobalMemory, buffers_of
 from geir.target_npu.target import Target
 
 
@@ -114,3 +114,12 @@ def flops_of(op: Operation) -> float:
 
 _DATA_MOVEMENT = frozenset({"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data",
                             "ge.const", "ge.return"})
+
+
+def allocate(target: Target, budget: Any, what: str) -> None:
+    """Allocate one core's buffers for a tiling's budget (UB, L1, L0A, L0B, L0C bytes);
+    CapacityError names the buffer that overflows. The tile pass's budget functions are the one
+    model of what a kernel keeps on chip, for choosing blocks and for running them."""
+    buf = buffers_of(target)
+    for name in ("ub", "l1", "l0a", "l0b", "l0c"):
+        buf[name.upper()].alloc(getattr(budget, name), what)

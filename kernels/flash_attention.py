@@ -21,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, allocate, register_kernel
 from geir.ops.numerics import round_in_f32, round_to
 from geir.passes.tiling import flash_budget
 from geir.types import DType
-from geir.target_npu.sim import CapacityError, buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
+from geir.target_npu.sim import CapacityError, cube_cycles, local_copy_cycles, spread, vector_cycles
 
 # vector passes over the score tile per block: scale, mask, row max, subtract, exp, row sum, cast to P
 SOFTMAX_PASSES = 7
@@ -47,9 +47,7 @@ def check_fits(target, s1: int, s2: int, d: int, dtype: np.dtype, buffers: int, 
     """
     budget = flash_budget(s1, s2, d, DType.from_numpy(dtype), buffers, target, causal=causal,
                           mask_itemsize=mask_itemsize)
-    buf = buffers_of(target)
-    for name in ("ub", "l1", "l0a", "l0b", "l0c"):
-        buf[name.upper()].alloc(getattr(budget, name), f"the {s1} x {s2} FlashAttention tile (d = {d})")
+    allocate(target, budget, f"the {s1} x {s2} FlashAttention tile (d = {d})")
 
 
 @register_kernel

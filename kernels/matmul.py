@@ -30,7 +30,8 @@ import math
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, allocate, register_kernel
+from geir.passes.tiling import matmul_budget
 from geir.kernels.data_movement import (
     check_fault,
     gm_read,
@@ -42,7 +43,7 @@ from geir.kernels.data_movement import (
     tiling_of,
 )
 from geir.kernels.vector import elementwise_passes, round_to
-from geir.target_npu.sim import buffers_of, cube_cycles, local_copy_cycles, spread, vector_cycles
+from geir.target_npu.sim import cube_cycles, local_copy_cycles, spread, vector_cycles
 
 _F32 = np.float32
 _CUBE_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -97,18 +98,9 @@ class _Costs:
 
 
 def check_fits(target, m: int, n: int, k: int, itemsize: int, buffers: int, epilogue: bool, bias: bool) -> None:
-    """Allocate one cube core's buffers for this base block (the budget of choose_matmul_tiling)."""
-    buf = buffers_of(target)
-    buf["L1"].alloc((m * k + k * n) * itemsize * buffers, f"{buffers} x the A block {m}x{k} and the B block {k}x{n}")
-    if bias:
-        buf["L1"].alloc(n * itemsize, f"the bias tile of {n}")
-    buf["L0A"].alloc(m * k * itemsize * buffers, f"{buffers} x the A block {m}x{k}")
-    buf["L0B"].alloc(k * n * itemsize * buffers, f"{buffers} x the B block {k}x{n}")
-    buf["L0C"].alloc(m * n * 4 * buffers, f"{buffers} x the f32 accumulator {m}x{n}")
-    if epilogue:
-        rows = -(-m // target.data["cores"].get("vector_per_cube", 1))
-        buf["UB"].alloc(rows * n * (4 + itemsize) * buffers,
-                        f"{buffers} x the epilogue tile {rows}x{n} (f32 and rounded) of one vector unit")
+    """Allocate one cube core's buffers for this base block (the tile pass's matmul_budget)."""
+    budget = matmul_budget(m, n, k, itemsize, buffers, target, epilogue=epilogue, bias=bias)
+    allocate(target, budget, f"the {m} x {n} x {k} matmul block ({buffers} buffers)")
 
 
 def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,

@@ -305,6 +305,18 @@ def _prod(dims: tuple[int | None, ...]) -> int | None:
     return None if None in dims else math.prod(dims)
 
 
+def matmul_budget(m: int, n: int, k: int, itemsize: int, buffers: int, chip: Target, *,
+                  epilogue: bool = False, bias: bool = False) -> Budget:
+    """What one matmul work unit keeps on chip for an m x n x k base block."""
+    # L0A/L0B double-buffer the fractal operands, L0C the f32 result; L1 stages both operands (and a
+    # bias row). Without an epilogue FIXP writes L0C straight to GM; a bias/activation epilogue runs on
+    # the vector units, each taking its share of the rows as an f32 tile plus the rounded result.
+    rows = -(-m // chip.data["cores"].get("vector_per_cube", 1))
+    ub = rows * n * (F32_BYTES + itemsize) * buffers if epilogue else 0
+    l1 = (m * k + k * n) * itemsize * buffers + (n * itemsize if bias else 0)
+    return Budget(ub, l1, m * k * itemsize * buffers, k * n * itemsize * buffers, m * n * F32_BYTES * buffers)
+
+
 def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffers: int = 2, *,
                          transpose_a: bool = False, transpose_b: bool = False, epilogue: bool = False) -> Tiling:
     """A cube base block m x n x k fitting L0A, L0B, L0C (and UB for an epilogue), shrinking k, then n, then m."""
@@ -320,13 +332,8 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
     for m in _halvings(pm, fm):
         for n in _halvings(pn, fn):
             for k in _halvings(pk, fk):
-                # L0A/L0B double-buffer the fractal operands, L0C the f32 result; L1 stages both operands.
-                # Without an epilogue FIXP writes L0C straight to GM; a bias/activation epilogue runs on the
-                # vector units, each taking its share of the rows as an f32 tile plus the rounded result.
-                rows = -(-m // chip.data["cores"].get("vector_per_cube", 1))
-                ub = rows * n * (F32_BYTES + nb) * buffers if epilogue else 0
-                budget = Budget(ub, (m * k + k * n) * nb * buffers, m * k * nb * buffers, k * n * nb * buffers,
-                                m * n * F32_BYTES * buffers)
+                budget = matmul_budget(m, n, k, nb, buffers, chip, epilogue=epilogue)
+                ub = budget.ub
                 miss = budget.overflow(chip)
                 if miss is not None:
                     first_miss = first_miss or (m, n, k, miss)
