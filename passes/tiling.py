@@ -437,3 +437,31 @@ def choose_vector_tiling(name: str, operands: list[TensorType], results: list[Te
             f"{'an unknown number of' if work is None else work} work units over {cores} cores")
     return Tiling(COPY_OPS.get(name, "VectorElementwise"), {"elems": elems}, buffers, cores,
                   fixed + elems * per_elem, rule)
+
+
+# the block dimension that splits independent work, per template family: shrinking it changes how
+# work is cut into units, never the order in which any result element is summed
+_PARALLEL_DIM = {"S1Bn2gs1": "s1", "S1s2Bn2gs1": "s1", "MatmulBasicBlock": "m", "MatmulEpilogue": "m",
+                 "VectorRow": "rows"}
+SMALLEST_BLOCK = 16
+
+
+def smaller_tiling(tiling: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """A tiling that keeps less on chip than `tiling` and gives bit-identical results, with what changed.
+
+    What the Runtime asks GE for when a kernel's tile does not fit at run time: the parallel block
+    dimension is halved (query rows for FlashAttention, output rows for matmul, rows or elements for
+    vector tiles). None when it is already at its smallest.
+    """
+    template = tiling.get("template", "")
+    key = _PARALLEL_DIM.get(template, "elems" if "elems" in tiling else None)
+    if key is None or key not in tiling:
+        return None
+    least = 1 if key == "rows" else (SMALLEST_BLOCK if key in ("s1", "m") else 32)
+    value = int(tiling[key])
+    if value // 2 < least:
+        return None
+    new = dict(tiling, **{key: value // 2})
+    if "ub_bytes" in new:
+        new["ub_bytes"] = -(-int(tiling["ub_bytes"]) // 2)  # an upper bound: the halved dimension scales it
+    return new, f"{key} {value} -> {value // 2}"

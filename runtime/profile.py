@@ -79,7 +79,7 @@ def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
                cube_peak_fraction=figures["cube_peak_fraction"])
     out["kernels"] = [kernel_profile(k, target) for k in kernels]
     out["plan_cache"] = plan_cache or {"hits": 0, "misses": 1, "replan_ms": 0.0}
-    out["faults"] = faults or []
+    out["faults"] = faults if faults is not None else list(result.faults)
     return out
 
 

@@ -55,8 +55,6 @@ TOOL = "gerun"
 # (rtol, atol) against a float64 reference, by result dtype (spec section 3); other dtypes must match exactly
 TOLERANCES = {DType.f32: (1e-4, 1e-5), DType.f16: (1e-2, 1e-3), DType.bf16: (2e-2, 1e-2)}
 FAULT_KINDS = ("dma", "core", "ub_overflow")
-# faults the Runtime can inject today; recovering from them is later work
-INJECTABLE = ("ub_overflow",)
 PROGRESS_MIN_KERNELS = 5
 
 
@@ -310,18 +308,14 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _make_runtime(target: str, record: bool, faults: dict[int, str], progress: _Progress):
-    from geir.runtime.interpreter import Runtime, RuntimeFailure
+def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], progress: _Progress):
+    from geir.runtime.interpreter import Runtime
 
     class _Runtime(Runtime):
-        """The Runtime with a progress line and a check that an injected fault was honoured."""
+        """The Runtime with a progress line."""
 
-        def _launch(self, op, *rest):
-            index = progress.done
-            stats = super()._launch(op, *rest)
-            if index in self.faults:
-                raise RuntimeFailure(f"{op.loc}: kernel #{index} ({op.kernel}) cannot inject the "
-                                     f"'{self.faults[index]}' fault: fault injection is not implemented for it yet")
+        def _launch(self, op, *rest, **kw):
+            stats = super()._launch(op, *rest, **kw)
             progress.step(op.kernel)
             return stats
 
@@ -329,26 +323,17 @@ def _make_runtime(target: str, record: bool, faults: dict[int, str], progress: _
 
 
 def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray], args: argparse.Namespace,
-             faults: dict[int, str], label: str):
+             faults: list[tuple[str, int]], label: str):
     """One run of the program; ToolError with a one-line message when the Runtime fails."""
     from geir.runtime.interpreter import RuntimeFailure
-    from geir.target_npu.sim import CapacityError
 
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
-    for index, kind in faults.items():
-        if index >= launches:
-            raise ToolError(f"--inject-fault {kind}@{index}: the program launches only {launches} kernel(s)")
     progress = _Progress(launches, label)
     runtime = _make_runtime(args.target, bool(args.trace), faults, progress)
     try:
         return runtime.run(program, inputs, weights)
     except RuntimeFailure as e:
-        if not isinstance(e.__cause__, CapacityError):
-            raise ToolError(str(e)) from None
-        i = progress.done
-        op = [o for o in program.ops if o.name == "rt.launch"][i]
-        injected = " (injected fault)" if i in faults else ""
-        raise ToolError(f"{op.loc}: kernel #{i} ({op.kernel}) does not fit on the chip{injected}: {e.__cause__}") from None
+        raise ToolError(str(e)) from None
     finally:
         progress.close()
 
@@ -472,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         load_target(args.target)
     except KeyError:
         raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})", EXIT_USAGE)
-    faults: dict[int, str] = {}
+    faults: list[tuple[str, int]] = []
     requested_faults = [parse_fault(f) for f in args.inject_fault]
     sources = SourceManager()
     try:
@@ -504,11 +489,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     if is_program and (args.passes is not None or args.no_fuse):
         raise ToolError(f"@{graph.name} in {name} is an rt.program (already lowered): --passes and --no-fuse "
                         f"apply to a ge.graph", EXIT_USAGE)
-    for kind, n in requested_faults:
-        if kind not in INJECTABLE:
-            raise ToolError(f"--inject-fault {kind}@{n}: fault injection is not implemented yet for '{kind}' "
-                            f"faults (only {', '.join(INJECTABLE)})")
-        faults[n] = kind
+    faults.extend(requested_faults)
 
     weights = load_weights(graph, args, printer)
 

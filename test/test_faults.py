@@ -1,0 +1,103 @@
+"""Runtime fault recovery: a failed transfer is retried, a stopped core's work moves to the others, a
+tile that does not fit is re-tiled by GE; results stay bit-identical and every fault is recorded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from geir.parser import parse
+from geir.passes.tiling import smaller_tiling
+from geir.runtime.interpreter import Runtime, RuntimeFailure
+from geir.runtime.profile import profile
+from geir.runtime.session import NO_FUSE_PIPELINE, compile_module
+from geir.target_npu import load_target
+from geir.target_npu.target import TARGET_DIR
+
+UNFUSED = """ge.graph @main(%q: tensor<1x2x200x64xf16>, %k: tensor<1x2x200x64xf16>, %v: tensor<1x2x200x64xf16>) -> tensor<1x2x200x64xf16> {
+  %s = ge.matmul %q, %k {transpose_b = true}
+  %c = ge.const dense<0.125> : tensor<f16>
+  %t = ge.mul %s, %c
+  %p = ge.softmax %t
+  %o = ge.matmul %p, %v
+  ge.return %o
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def program():
+    module, _ = compile_module(parse(UNFUSED), NO_FUSE_PIPELINE)
+    return module.graphs[0]
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(7)
+    return {n: rng.standard_normal((1, 2, 200, 64)).astype(np.float32) for n in "qkv"}
+
+
+def _run(program, inputs, faults=(), target="ascend910b"):
+    return Runtime(load_target(target), faults=faults).run(program, inputs)
+
+
+def test_program_has_several_kernels(program) -> None:
+    assert [op.kernel for op in program.ops if op.name == "rt.launch"] == ["ge.matmul", "ge.mul", "ge.softmax",
+                                                                          "ge.matmul"]
+
+
+@pytest.mark.parametrize("fault", [("dma", 0), ("dma", 2), ("dma", 3), ("core", 0), ("core", 2),
+                                   ("ub_overflow", 0), ("ub_overflow", 1), ("ub_overflow", 2), ("ub_overflow", 3)])
+def test_recovery_gives_bit_identical_results(program, inputs, fault) -> None:
+    clean = _run(program, inputs)
+    hurt = _run(program, inputs, [fault])
+    assert np.array_equal(hurt.outputs[0], clean.outputs[0])
+    (record,) = hurt.faults
+    assert (record["kind"], record["task"]) == fault and record["recovery"]
+    assert profile(hurt)["faults"] == hurt.faults
+    # a retried copy and a lost kernel attempt cost time; a re-tiled kernel failed before it started
+    assert record.get("cost_us", 0) > 0 if fault[0] != "ub_overflow" else "error" in record
+
+
+def test_a_stopped_core_stays_stopped(program, inputs) -> None:
+    hurt = _run(program, inputs, [("core", 1)])
+    assert hurt.cores.count == load_target("ascend910b").cube_cores - 1
+    assert "re-dispatched to the 23 remaining cores" in hurt.faults[0]["recovery"]
+
+
+def test_several_faults_in_one_run(program, inputs) -> None:
+    clean = _run(program, inputs)
+    hurt = _run(program, inputs, [("dma", 1), ("core", 0), ("ub_overflow", 3)])
+    assert np.array_equal(hurt.outputs[0], clean.outputs[0])
+    assert sorted(f["kind"] for f in hurt.faults) == ["core", "dma", "ub_overflow"]
+
+
+def test_faults_past_the_program_are_errors(program, inputs) -> None:
+    with pytest.raises(RuntimeFailure, match="cannot inject core@9: the program has only 4 kernel launches"):
+        _run(program, inputs, [("core", 9)])
+
+
+def test_the_last_core_stopping_cannot_be_recovered(program, inputs, tmp_path) -> None:
+    text = (TARGET_DIR / "ascend910b.toml").read_text()
+    one = tmp_path / "one_core.toml"
+    one.write_text(text.replace('name = "ascend910b"', 'name = "one_core"').replace("cube = 24", "cube = 1"))
+    with pytest.raises(RuntimeFailure, match="the only core stopped during kernel #0"):
+        _run(program, inputs, [("core", 0)], target=str(one))
+
+
+@pytest.mark.parametrize("tiling, key, value", [
+    ({"template": "S1s2Bn2gs1", "s1": 128, "s2": 128, "ub_bytes": 1000}, "s1", 64),
+    ({"template": "MatmulBasicBlock", "m": 128, "n": 128, "k": 64}, "m", 64),
+    ({"template": "VectorRow", "rows": 6, "cols": 256}, "rows", 3),
+    ({"template": "VectorElementwise", "elems": 704}, "elems", 352),
+])
+def test_smaller_tiling_halves_the_parallel_block(tiling, key, value) -> None:
+    new, change = smaller_tiling(tiling)
+    assert new[key] == value and change == f"{key} {tiling[key]} -> {value}"
+    assert all(new[k] == v for k, v in tiling.items() if k not in (key, "ub_bytes"))
+
+
+def test_no_smaller_tiling_below_the_smallest_block() -> None:
+    assert smaller_tiling({"template": "S1Bn2gs1", "s1": 16, "s2": 128}) is None
+    assert smaller_tiling({"template": "VectorRow", "rows": 1}) is None
+    assert smaller_tiling({"template": "Unknown"}) is None
