@@ -238,3 +238,22 @@ class Module:
         if len(self.graphs) == 1:
             return self.graphs[0]
         raise KeyError("main")
+
+
+def clone_graph(graph: Graph) -> Graph:
+    """A copy of a graph with new values and ops (attribute dictionaries copied, their values shared)."""
+    mapping: dict[int, Value] = {}
+    args = []
+    for i, a in enumerate(graph.args):
+        mapping[id(a)] = Value(a.type, a.name, None, i, a.loc)
+        args.append(mapping[id(a)])
+    ops = []
+    for op in graph.ops:
+        new = type(op)(op.name, [mapping[id(v)] for v in op.operands], [], dict(op.attributes), op.loc, op.attr_locs)
+        for v in new.operands:
+            v.uses.append(new)
+        new.results = [Value(r.type, r.name, new, i, r.loc) for i, r in enumerate(op.results)]
+        for r, nr in zip(op.results, new.results):
+            mapping[id(r)] = nr
+        ops.append(new)
+    return Graph(graph.name, args, list(graph.result_types), ops, dict(graph.attributes), graph.loc, kind=graph.kind)

@@ -8,7 +8,10 @@ from typing import Mapping
 import numpy as np
 
 from geir.diagnostics import DiagnosticEngine, DiagnosticError
-from geir.ir import Graph, Module
+from geir.ir import Graph, Module, clone_graph
+from geir.ops.core import Const
+from geir.types import TensorType
+from geir.verifier import verify_graph
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
 from geir.runtime.interpreter import RunResult, Runtime
 from geir.target_npu.target import DEFAULT_TARGET, load_target
@@ -54,3 +57,96 @@ def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Map
                 target: str = DEFAULT_TARGET, record_pipes: bool = False) -> RunResult:
     """Run a lowered rt.program on a fresh simulated chip."""
     return Runtime(load_target(target), record_pipes=record_pipes).run(program, inputs, resources)
+
+
+# passes whose results depend on the concrete shapes: they run again for every new shape signature
+SHAPE_DEPENDENT = ("tile", "plan", "lower")
+
+
+class ShapeMismatch(ValueError):
+    """Inputs whose shapes the graph cannot take (a static dimension differs, or the rank)."""
+
+
+class Session:
+    """A graph compiled once and specialised per input shape signature: GE's dynamic execution plan.
+
+    The passes before the first shape-dependent one (tile, plan, lower) run once on the graph as
+    written, `?` dimensions and all. When the Runtime binds inputs of a new shape signature, GE
+    specialises a copy: shape inference, tiling, memory plan and lowering only. Programs are cached
+    by signature (the plan cache); a signature seen before costs nothing.
+    """
+
+    def __init__(self, module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET, emit=None):
+        passes = complete_pipeline(parse_pipeline(pipeline))
+        if not passes or passes[-1].NAME != "lower":
+            passes = complete_pipeline(passes + parse_pipeline("lower"))
+        cut = next(i for i, p in enumerate(passes) if p.NAME in SHAPE_DEPENDENT)
+        self.target = target
+        self.emit = emit
+        self.spans: list[tuple[str, float, float]] = []
+        self.t0 = time.perf_counter()
+        self.generic = self._run(Module([module.graphs[0]], module.file, module.resources), passes[:cut],
+                                 "compile").graphs[0]
+        self.specialise_passes = passes[cut:]
+        self.cache: dict[tuple, Graph] = {}
+        self.hits = 0
+        self.misses = 0
+        self.replan_s = 0.0
+
+    def _run(self, module: Module, passes: list, label: str) -> Module:
+        errors: list = []
+
+        def handle(d) -> None:
+            errors.append(d)
+            if self.emit is not None:
+                self.emit(d)
+
+        start = time.perf_counter()
+        now = lambda: (time.perf_counter() - self.t0) * 1e6  # noqa: E731
+        marks: list[float] = []
+        pm = PassManager(passes, before=lambda p, m: marks.append(now()),
+                         after=lambda p, m: self.spans.append((p.NAME, marks[-1], now())))
+        ok = pm.run(module, PassContext(target=self.target, diagnostics=DiagnosticEngine(handle)))
+        self.spans.append((label, (start - self.t0) * 1e6, now()))
+        if not ok:
+            raise DiagnosticError(*[d for d in errors if d.severity == "error"] or errors)
+        return module
+
+    def signature(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+        """The shape signature of some inputs; ShapeMismatch when the graph cannot take them."""
+        sig = []
+        for a in self.generic.args:
+            shape = tuple(int(d) for d in shapes[a.name])
+            t = a.type
+            if len(shape) != t.rank or any(d is not None and d != s for d, s in zip(t.shape, shape)):
+                raise ShapeMismatch(f"input '{a.name}' has shape {list(shape)}, but %{a.name} is {t}")
+            sig.append(shape)
+        return tuple(sig)
+
+    def program(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
+        """The lowered program for inputs of these shapes, from the cache or specialised now."""
+        sig = self.signature(shapes)
+        cached = self.cache.get(sig)
+        if cached is not None:
+            self.hits += 1
+            return cached
+        start = time.perf_counter()
+        g = clone_graph(self.generic)
+        for a, shape in zip(g.args, sig):
+            a.type = TensorType(shape, a.type.dtype, a.type.format)
+        for op in g.ops:
+            if not isinstance(op, Const):
+                for r in op.results:
+                    r.type = None  # inferred again from the concrete shapes
+        verify_graph(g, None, fill_types=True)
+        g.result_types = [v.type for v in g.terminator.operands]
+        program = self._run(Module([g], "<specialised>"), self.specialise_passes, f"specialise {list(sig)}").graphs[0]
+        self.replan_s += time.perf_counter() - start
+        self.misses += 1
+        self.cache[sig] = program
+        return program
+
+    @property
+    def plan_cache(self) -> dict[str, float]:
+        """The profile's plan_cache: hits, misses and the milliseconds spent specialising."""
+        return {"hits": self.hits, "misses": self.misses, "replan_ms": self.replan_s * 1e3}

@@ -339,12 +339,12 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
 
 
 def check_inputs_match(program: Graph, inputs: dict[str, np.ndarray], which: str) -> None:
-    """A static program runs only the shapes it was compiled for (re-planning comes later)."""
+    """A lowered rt.program runs only the shapes it was lowered for (a ge.graph is re-planned per shape)."""
     for a in program.args:
         x = inputs[a.name]
         if tuple(x.shape) != tuple(a.type.shape):
             raise ToolError(f"{which}: input '{a.name}' has shape {list(x.shape)}, but the program was compiled for "
-                            f"{a.type}; re-planning a program for new shapes is not implemented yet")
+                            f"{a.type}; give the ge.graph to have it re-planned for new shapes")
 
 
 # --- check -----------------------------------------------------------------------------------------------
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int:
     from geir.runtime.profile import format_profile, profile
-    from geir.runtime.session import compile_module
+    from geir.runtime.session import Session, ShapeMismatch
 
     name, data = read_input(args.input)
     module, text = _parse(name, data, sources, printer)
@@ -493,19 +493,18 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     weights = load_weights(graph, args, printer)
 
-    spans: list[tuple[str, float, float]] = []
+    session = None
     if is_program:
         program = graph
     else:
         reference = _select(parse(text, name), args.entry, name) if args.check else None
         try:
-            compiled, spans = compile_module(Module([graph], module.file, module.resources), pipeline, args.target,
-                                             emit=printer)
+            session = Session(Module([graph], module.file, module.resources), pipeline, args.target, emit=printer)
         except DiagnosticError:
-            return EXIT_FAILURE  # compile_module printed the diagnostics
+            return EXIT_FAILURE  # the session printed the diagnostics
         except PipelineError as e:
             raise ToolError(f"--passes: {e}", EXIT_USAGE) from None
-        program = compiled.graphs[0]
+        program = session.generic
 
     # inputs for every run
     if args.inputs:
@@ -514,17 +513,31 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     else:
         runs = [random_inputs(program, 0 if args.seed is None else args.seed)]
         labels = [f"--seed {args.seed or 0}"]
-    for inputs, label in zip(runs, labels):
-        check_inputs_match(program, inputs, label)
+    if session is None:
+        for inputs, label in zip(runs, labels):
+            check_inputs_match(program, inputs, label)
 
     several = len(runs) > 1
     results = []
+    plan_caches = []
+    programs = []
     for r, inputs in enumerate(runs):
+        if session is not None:
+            # the plan cache: a new shape signature is specialised by GE, a known one reused
+            try:
+                program = session.program({k: v.shape for k, v in inputs.items()})
+            except DiagnosticError:
+                return EXIT_FAILURE
+            except ShapeMismatch as e:
+                raise ToolError(f"{labels[r]}: {e}") from None
+            plan_caches.append(dict(session.plan_cache))
+        programs.append(program)
         results.append(run_once(program, inputs, weights, args, faults, f"run {r} " if several else ""))
+    spans = session.spans if session is not None else []
 
-    result_types = list(program.result_types)
     failed_checks = 0
     for r, (inputs, result) in enumerate(zip(runs, results)):
+        result_types = list(programs[r].result_types)
         prefix = f"run{r}." if several else ""
         for i, a in enumerate(result.outputs):
             print(summary_line(f"{prefix}result{i}", a, result_types[i]))
@@ -537,7 +550,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     profiles = []
     if args.profile or args.profile_json:
         for r, result in enumerate(results):
-            profiles.append(profile(result, plan_cache={"hits": r, "misses": 1, "replan_ms": 0.0}))
+            cache = plan_caches[r] if plan_caches else {"hits": r, "misses": 1, "replan_ms": 0.0}
+            profiles.append(profile(result, plan_cache=cache))
     if args.profile:
         for r, p in enumerate(profiles):
             if several:
