@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 
 from geir.diagnostics import error
 from geir.ir import Graph, Module, Operation, Value
@@ -150,20 +151,24 @@ class _ArenaPages:
 
     def __init__(self, arena_size: int):
         self.page = max(ALIGN, _aligned(-(-arena_size // self.PAGES)))
-        self.occupant: dict[int, Value] = {}
+        self.occupant = np.full(-(-max(arena_size, 1) // self.page) + 1, -1, dtype=np.int64)
+        self.values: list[Value] = []
 
     def take(self, offset: int, nbytes: int, value: Value, writer: Operation) -> list[Operation]:
         """Record `value` at [offset, offset + nbytes); returns the ops that used the earlier occupants."""
+        p0, p1 = offset // self.page, -(-(offset + max(nbytes, 1)) // self.page)
         users: dict[int, Operation] = {}
-        for page in range(offset // self.page, -(-(offset + max(nbytes, 1)) // self.page)):
-            prev = self.occupant.get(page)
-            if prev is not None and prev is not value:
-                if prev.owner is not None and prev.owner is not writer:
-                    users[id(prev.owner)] = prev.owner
-                for u in prev.uses:
-                    if u is not writer:
-                        users[id(u)] = u
-            self.occupant[page] = value
+        for index in np.unique(self.occupant[p0:p1]).tolist():
+            prev = self.values[index] if index >= 0 else None
+            if prev is None or prev is value:
+                continue
+            if prev.owner is not None and prev.owner is not writer:
+                users[id(prev.owner)] = prev.owner
+            for u in prev.uses:
+                if u is not writer:
+                    users[id(u)] = u
+        self.occupant[p0:p1] = len(self.values)
+        self.values.append(value)
         return list(users.values())
 
 
