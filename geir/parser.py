@@ -20,7 +20,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from geir.attributes import DenseAttr, DenseResourceAttr, NestedDict, NestedList, literal_to_array
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, error
-from geir.ir import Graph, Module, Operation, Value
+from geir.ir import Graph, Module, Value
 from geir.opdef import lookup
 from geir.types import DTYPES, TensorType, TypeSyntaxError, parse_type
 

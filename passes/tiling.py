@@ -250,6 +250,7 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
 
     first_miss: tuple[int, int, tuple[str, int, int]] | None = None
     row_miss = first_miss  # the smallest block of the last s2 that failed outright
+    last = first_miss  # the most recent block that did not fit
     for segments, s2 in s2_options:
         if first_miss is not None:
             row_miss = last

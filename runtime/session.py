@@ -20,15 +20,20 @@ DEFAULT_PIPELINE = "canonicalize,fuse,layout,tile,plan,lower"
 NO_FUSE_PIPELINE = "canonicalize,layout,tile,plan,lower"
 
 
-def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
-                   emit=None) -> tuple[Module, list[tuple[str, float, float]]]:
-    """Run GE's pipeline (ending in lower) in place; returns the module and (pass, start_us, end_us) per pass.
-
-    Errors go to `emit` and raise DiagnosticError.
-    """
+def lowering_pipeline(pipeline: str) -> list:
+    """The passes of a pipeline, with what they require inserted and `lower` at the end."""
     passes = complete_pipeline(parse_pipeline(pipeline))
     if not passes or passes[-1].NAME != "lower":
         passes = complete_pipeline(passes + parse_pipeline("lower"))
+    return passes
+
+
+def run_passes(module: Module, passes: list, target: str, emit=None, spans: list | None = None,
+               t0: float | None = None, verify_each: bool = True) -> Module:
+    """Run passes in place; each pass's (name, start_us, end_us) since `t0` goes to `spans`.
+
+    Errors go to `emit` and raise DiagnosticError.
+    """
     errors: list = []
 
     def handle(d) -> None:
@@ -36,21 +41,22 @@ def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str
         if emit is not None:
             emit(d)
 
-    engine = DiagnosticEngine(handle)
-    spans: list[tuple[str, float, float]] = []
-    t0 = time.perf_counter()
-
-    def before(p, m) -> None:
-        spans.append((p.NAME, (time.perf_counter() - t0) * 1e6, 0.0))
-
-    def after(p, m) -> None:
-        name, start, _ = spans[-1]
-        spans[-1] = (name, start, (time.perf_counter() - t0) * 1e6)
-
-    pm = PassManager(passes, before=before, after=after)
-    if not pm.run(module, PassContext(target=target, diagnostics=engine)):
+    t0 = time.perf_counter() if t0 is None else t0
+    now = lambda: (time.perf_counter() - t0) * 1e6  # noqa: E731
+    marks: list[float] = []
+    record = spans.append if spans is not None else (lambda span: None)
+    pm = PassManager(passes, verify_each=verify_each, before=lambda p, m: marks.append(now()),
+                     after=lambda p, m: record((p.NAME, marks[-1], now())))
+    if not pm.run(module, PassContext(target=target, diagnostics=DiagnosticEngine(handle))):
         raise DiagnosticError(*[d for d in errors if d.severity == "error"] or errors)
-    return module, spans
+    return module
+
+
+def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
+                   emit=None) -> tuple[Module, list[tuple[str, float, float]]]:
+    """Run GE's pipeline (ending in lower) in place; returns the module and (pass, start_us, end_us) per pass."""
+    spans: list[tuple[str, float, float]] = []
+    return run_passes(module, lowering_pipeline(pipeline), target, emit, spans), spans
 
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
@@ -77,9 +83,7 @@ class Session:
     """
 
     def __init__(self, module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET, emit=None):
-        passes = complete_pipeline(parse_pipeline(pipeline))
-        if not passes or passes[-1].NAME != "lower":
-            passes = complete_pipeline(passes + parse_pipeline("lower"))
+        passes = lowering_pipeline(pipeline)
         cut = next(i for i, p in enumerate(passes) if p.NAME in SHAPE_DEPENDENT)
         self.target = target
         self.emit = emit
@@ -94,22 +98,10 @@ class Session:
         self.replan_s = 0.0
 
     def _run(self, module: Module, passes: list, label: str, verify_each: bool = True) -> Module:
-        errors: list = []
-
-        def handle(d) -> None:
-            errors.append(d)
-            if self.emit is not None:
-                self.emit(d)
-
-        start = time.perf_counter()
-        now = lambda: (time.perf_counter() - self.t0) * 1e6  # noqa: E731
-        marks: list[float] = []
-        pm = PassManager(passes, verify_each=verify_each, before=lambda p, m: marks.append(now()),
-                         after=lambda p, m: self.spans.append((p.NAME, marks[-1], now())))
-        ok = pm.run(module, PassContext(target=self.target, diagnostics=DiagnosticEngine(handle)))
-        self.spans.append((label, (start - self.t0) * 1e6, now()))
-        if not ok:
-            raise DiagnosticError(*[d for d in errors if d.severity == "error"] or errors)
+        """Run passes, recording each one and the whole step as GE spans."""
+        start = (time.perf_counter() - self.t0) * 1e6
+        run_passes(module, passes, self.target, self.emit, self.spans, self.t0, verify_each)
+        self.spans.append((label, start, (time.perf_counter() - self.t0) * 1e6))
         return module
 
     def signature(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:

@@ -10,7 +10,7 @@ times. An instruction starts when its pipe is free and every event it waits for 
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import attrs
 import numpy as np

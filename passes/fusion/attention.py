@@ -15,7 +15,7 @@ import numpy as np
 from geir.ir import Operation, Value
 from geir.opdef import ShapeError
 from geir.ops.linalg import FlashAttention
-from geir.passes.fusion.match import const_array, defining, other_operand, scalar_constant, used_only_by
+from geir.passes.fusion.match import const_array, defining, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 from geir.types import DType
 

@@ -45,9 +45,3 @@ def close(a: float | None, b: float, rel: float = 2e-3) -> bool:
 
 def is_last_axis(axes: list[int], rank: int) -> bool:
     return len(axes) == 1 and rank > 0 and axes[0] % rank == rank - 1
-
-
-def other_operand(op: Operation, v: Value) -> Value:
-    """The operand of a binary op that is not `v`."""
-    a, b = op.operands
-    return b if a is v else a
