@@ -1,0 +1,1 @@
+"""Framework adaptors: ONNX and PyTorch models into GEIR modules."""
