@@ -22,6 +22,7 @@ from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.softmax import DecomposedSoftmax
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Pattern, PatternListener, apply_patterns_greedily
+from geir.target_npu.target import DEFAULT_TARGET
 
 # Every fusion rule by name (the names `rules=` and `disable=` take).
 FUSION_RULES: dict[str, type[Pattern]] = {
@@ -30,6 +31,11 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         FuseFlashAttention, FuseMatmulEpilogue, FuseElementwiseChain,
     )
 }
+
+
+def _instantiate(rule: type[Pattern], target: str) -> Pattern:
+    # rules whose decision depends on the chip (a kernel's shape guards) take the target
+    return rule(target) if rule is FuseFlashAttention else rule()
 
 
 def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:
@@ -47,12 +53,12 @@ class Fuse(Pass):
     rules: list[str] = attrs.field(factory=list, validator=_known_rules)
     disable: list[str] = attrs.field(factory=list, validator=_known_rules)
 
-    def selected(self) -> list[Pattern]:
+    def selected(self, target: str = DEFAULT_TARGET) -> list[Pattern]:
         names = self.rules or list(FUSION_RULES)
-        return [FUSION_RULES[n]() for n in names if n not in self.disable]
+        return [_instantiate(FUSION_RULES[n], target) for n in names if n not in self.disable]
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        patterns = sorted(self.selected(), key=lambda p: -p.BENEFIT)
+        patterns = sorted(self.selected(ctx.target), key=lambda p: -p.BENEFIT)
         tiers = [list(group) for _, group in groupby(patterns, key=lambda p: p.BENEFIT)]
         for g in module.graphs:
             listener = PatternListener()

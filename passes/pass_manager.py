@@ -29,6 +29,9 @@ class PassContext:
     target: str = DEFAULT_TARGET
     diagnostics: DiagnosticEngine = attrs.field(factory=lambda: DiagnosticEngine(lambda d: None))
     explain: bool = False
+    # tilings already chosen, by op signature: a runtime session keeps one across its shape
+    # specialisations so that only ops whose shapes changed are tiled again
+    tiling_memo: dict | None = None
 
     def remark(self, message: str, loc: Location) -> None:
         """An --explain remark (dropped unless --explain is on)."""

@@ -43,7 +43,7 @@ class Tile(Pass):
                 if op.name in NO_KERNEL and not _reshape_copies(op):
                     continue
                 try:
-                    tiling = tile_op(op, chip, self.buffers)
+                    tiling = self._tile(op, chip, ctx.tiling_memo)
                 except Untiled as e:
                     op.attributes.pop("tiling", None)
                     ctx.remark(f"tile: {_short(op)} left untiled: {e}", op.loc)
@@ -53,6 +53,25 @@ class Tile(Pass):
                     continue
                 op.attributes["tiling"] = tiling.to_attr()
                 ctx.remark(f"tile: {_short(op)} {tiling.rule}", op.loc)
+
+
+    def _tile(self, op: Operation, chip: Target, memo: dict | None) -> FlashTiling | Tiling:
+        """tile_op, remembered in `memo` by everything the choice depends on."""
+        if memo is None:
+            return tile_op(op, chip, self.buffers)
+        key = (op.name, chip.name, self.buffers, tuple(str(v.type) for v in op.operands),
+               tuple(str(r.type) for r in op.results),
+               repr(sorted((k, v) for k, v in op.attributes.items() if k not in ("tiling", "mem_offset"))))
+        found = memo.get(key)
+        if found is None:
+            try:
+                found = tile_op(op, chip, self.buffers)
+            except Untiled as e:
+                found = e
+            memo[key] = found
+        if isinstance(found, Untiled):
+            raise found
+        return found
 
 
 def _short(op: Operation) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
+import attrs
 import numpy as np
 
 from geir.diagnostics import DiagnosticEngine, DiagnosticError
@@ -13,6 +14,7 @@ from geir.ops.core import Const
 from geir.types import TensorType
 from geir.verifier import verify_graph
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
+from geir.passes.fusion_guards import FusionGuards
 from geir.runtime.interpreter import RunResult, Runtime
 from geir.target_npu.target import DEFAULT_TARGET, load_target
 
@@ -29,10 +31,11 @@ def lowering_pipeline(pipeline: str) -> list:
 
 
 def run_passes(module: Module, passes: list, target: str, emit=None, spans: list | None = None,
-               t0: float | None = None, verify_each: bool = True) -> Module:
+               t0: float | None = None, verify_each: bool = True, explain: bool = False,
+               tiling_memo: dict | None = None) -> Module:
     """Run passes in place; each pass's (name, start_us, end_us) since `t0` goes to `spans`.
 
-    Errors go to `emit` and raise DiagnosticError.
+    Errors (and with `explain`, remarks) go to `emit`; errors raise DiagnosticError.
     """
     errors: list = []
 
@@ -47,7 +50,8 @@ def run_passes(module: Module, passes: list, target: str, emit=None, spans: list
     record = spans.append if spans is not None else (lambda span: None)
     pm = PassManager(passes, verify_each=verify_each, before=lambda p, m: marks.append(now()),
                      after=lambda p, m: record((p.NAME, marks[-1], now())))
-    if not pm.run(module, PassContext(target=target, diagnostics=DiagnosticEngine(handle))):
+    ctx = PassContext(target=target, diagnostics=DiagnosticEngine(handle), explain=explain, tiling_memo=tiling_memo)
+    if not pm.run(module, ctx):
         raise DiagnosticError(*[d for d in errors if d.severity == "error"] or errors)
     return module
 
@@ -66,33 +70,67 @@ def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Map
 
 
 # passes whose results depend on the concrete shapes: they run again for every new shape signature
-SHAPE_DEPENDENT = ("tile", "plan", "lower")
+# (layout too, so that a fusion undone for a shape gets its storage formats like any other op)
+SHAPE_DEPENDENT = ("layout", "tile", "plan", "lower")
 
 
 class ShapeMismatch(ValueError):
     """Inputs whose shapes the graph cannot take (a static dimension differs, or the rank)."""
 
 
+@attrs.frozen
+class Replan:
+    """What GE changed for one new shape signature, and why (gerun --explain, the trace)."""
+
+    signature: tuple[tuple[int, ...], ...]
+    ms: float
+    unfused: list[str]  # "flash_attention at FILE:L:C: reason", per fusion undone by its shape guard
+    retiled: list[str]  # "flash_attention at FILE:L:C: OLD -> NEW", per op whose tiling changed since the last plan
+    tiled: int  # ops with a tiling in this specialisation
+    arena_size: int
+
+    def summary(self) -> str:
+        """One line: the signature, the cost and what changed."""
+        shapes = ", ".join("x".join(map(str, s)) or "scalar" for s in self.signature)
+        changed = [f"{len(self.unfused)} fusion(s) undone" if self.unfused else "fusions kept",
+                   f"{len(self.retiled)} of {self.tiled} tiled op(s) re-tiled", f"arena {self.arena_size} B"]
+        return f"re-plan for [{shapes}] in {self.ms:.1f} ms: " + ", ".join(changed)
+
+    def as_dict(self) -> dict:
+        return {"signature": [list(s) for s in self.signature], "replan_ms": self.ms, "unfused": self.unfused,
+                "retiled": self.retiled, "tiled_ops": self.tiled, "arena_size": self.arena_size}
+
+
 class Session:
     """A graph compiled once and specialised per input shape signature: GE's dynamic execution plan.
 
-    The passes before the first shape-dependent one (tile, plan, lower) run once on the graph as
-    written, `?` dimensions and all. When the Runtime binds inputs of a new shape signature, GE
-    specialises a copy: shape inference, tiling, memory plan and lowering only. Programs are cached
-    by signature (the plan cache); a signature seen before costs nothing.
+    The passes before the first shape-dependent one (layout, tile, plan, lower) run once on the
+    graph as written, `?` dimensions and all; `fuse` decides there, optimistically where a fused
+    kernel's guard needs a dimension that is not known yet. When the Runtime binds inputs of a
+    new shape signature, GE specialises a copy: shape inference, the fused ops' shape guards
+    (`fusion-guards`: a fusion the kernel cannot take at this shape is undone, only there), then
+    layout, tiling (ops whose shapes did not change keep their tiling), memory plan and lowering.
+    Programs are cached by signature (the plan cache); a signature seen before costs nothing.
     """
 
-    def __init__(self, module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET, emit=None):
+    def __init__(self, module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET, emit=None,
+                 explain: bool = False):
         passes = lowering_pipeline(pipeline)
         cut = next(i for i, p in enumerate(passes) if p.NAME in SHAPE_DEPENDENT)
         self.target = target
         self.emit = emit
-        self.spans: list[tuple[str, float, float]] = []
+        self.explain = explain
+        self.spans: list[tuple] = []
         self.t0 = time.perf_counter()
+        self.tiling_memo: dict = {}
+        self._remarks: list = []  # the remarks of the step running now
+        self._last_tilings: dict = {}  # (location, op, n-th there) -> its tiling rule in the latest plan that had it
         self.generic = self._run(Module([module.graphs[0]], module.file, module.resources), passes[:cut],
                                  "compile").graphs[0]
-        self.specialise_passes = passes[cut:]
+        guards = [FusionGuards()] if any(p.NAME == "fuse" for p in passes[:cut]) else []
+        self.specialise_passes = guards + passes[cut:]
         self.cache: dict[tuple, Graph] = {}
+        self.replans: list[Replan] = []
         self.hits = 0
         self.misses = 0
         self.replan_s = 0.0
@@ -100,9 +138,19 @@ class Session:
     def _run(self, module: Module, passes: list, label: str, verify_each: bool = True) -> Module:
         """Run passes, recording each one and the whole step as GE spans."""
         start = (time.perf_counter() - self.t0) * 1e6
-        run_passes(module, passes, self.target, self.emit, self.spans, self.t0, verify_each)
+        run_passes(module, passes, self.target, self._emit, self.spans, self.t0, verify_each, explain=True,
+                   tiling_memo=self.tiling_memo)
         self.spans.append((label, start, (time.perf_counter() - self.t0) * 1e6))
         return module
+
+    def _emit(self, d) -> None:
+        # remarks are always collected (a re-plan reports what changed); printed only with --explain
+        if d.severity == "remark":
+            self._remarks.append(d)
+            if not self.explain:
+                return
+        if self.emit is not None:
+            self.emit(d)
 
     def signature(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
         """The shape signature of some inputs; ShapeMismatch when the graph cannot take them."""
@@ -132,13 +180,36 @@ class Session:
                     r.type = None  # inferred again from the concrete shapes
         verify_graph(g, None, fill_types=True)
         g.result_types = [v.type for v in g.terminator.operands]
+        self._remarks = []
         # the generic graph was verified after every pass; its specialisations are on the hot path of a run
-        program = self._run(Module([g], "<specialised>"), self.specialise_passes, f"specialise {list(sig)}",
+        label = "specialise [" + ", ".join("x".join(map(str, s)) for s in sig) + "]"
+        program = self._run(Module([g], "<specialised>"), self.specialise_passes, label,
                             verify_each=False).graphs[0]
-        self.replan_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.replan_s += elapsed
         self.misses += 1
         self.cache[sig] = program
+        self.replans.append(self._replan(sig, elapsed, program))
+        name, begin, end = self.spans[-1]
+        self.spans[-1] = (name, begin, end, self.replans[-1].as_dict())
         return program
+
+    def _replan(self, sig: tuple, elapsed: float, program: Graph) -> Replan:
+        """What this specialisation changed against the previous one (or the first plan)."""
+        tilings: dict[tuple[str, str, int], str] = {}
+        for m in self._remarks:
+            if m.message.startswith("tile: "):
+                op, _, rule = m.message.removeprefix("tile: ").partition(" ")
+                n = sum(1 for loc, o, _ in tilings if loc == str(m.loc) and o == op)  # ops sharing a location
+                tilings[(str(m.loc), op, n)] = rule
+        unfused = [f"{m.message.split(' unfused')[0]} at {m.loc}: {m.message.split(': ', 1)[1]}"
+                   for m in self._remarks if " unfused for this shape: " in m.message]
+        previous = self._last_tilings
+        retiled = [f"{op} at {loc}: {previous[(loc, op, n)]} -> {rule}" for (loc, op, n), rule in tilings.items()
+                   if (loc, op, n) in previous and previous[(loc, op, n)] != rule]
+        self._last_tilings.update(tilings)  # an op absent from this plan keeps its last tiling for the next comparison
+        memory = program.attributes.get("memory") or {}
+        return Replan(sig, elapsed * 1e3, unfused, retiled, len(tilings), int(memory.get("arena", 0)))
 
     @property
     def plan_cache(self) -> dict[str, float]:

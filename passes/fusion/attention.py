@@ -14,6 +14,8 @@ import numpy as np
 
 from geir.ir import Operation, Value
 from geir.opdef import ShapeError
+from geir.passes.fusion.guards import flash_attention_guard
+from geir.target_npu.target import DEFAULT_TARGET, load_target
 from geir.ops.linalg import FlashAttention
 from geir.passes.fusion.match import const_array, defining, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
@@ -45,6 +47,9 @@ class FuseFlashAttention(Pattern):
     """softmax(scale * q @ k^T + mask) @ v -> ge.flash_attention."""
 
     NAME, ROOT, BENEFIT, EXPLAIN = "flash_attention", "ge.matmul", 20, True
+
+    def __init__(self, target: str = DEFAULT_TARGET):
+        self.target = target  # the chip whose kernel must take the shapes (passes.fusion.guards)
 
     def match(self, pv: Operation) -> Match | Miss | None:
         p_val = pv.operands[0]
@@ -80,9 +85,6 @@ class FuseFlashAttention(Pattern):
             return Miss(f"q, k and v dtypes differ: {q.type.dtype}, {k_type.dtype}, {v.type.dtype}")
         if q.type.rank != 4 or k_type.rank != 4 or v.type.rank != 4:
             return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k_type.rank}, {v.type.rank}")
-        d = q.type.shape[-1]
-        if d is not None and d % 16:
-            return Miss(f"head dim {d} is not a multiple of 16")
         attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
         operands = [q, k, v] + ([mask] if mask is not None else [])
         try:
@@ -93,6 +95,10 @@ class FuseFlashAttention(Pattern):
             return Miss(f"the fused op would not type-check: {e}")
         if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:
             return Miss(f"the fused result {t} differs from the attention's result {pv.result.type}")
+        why = flash_attention_guard(q.type, k_type, v.type, None if mask is None else mask.type, causal, "BNSD",
+                                    load_target(self.target))
+        if why is not None:
+            return Miss(why)
         return Match(pv, operands=operands, attrs=attrs, k_perm=k_perm)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:

@@ -1,0 +1,82 @@
+"""Where fused FlashAttention stops paying off: unfused / fused device time across attention shapes.
+
+    python bench/fusion_crossover.py [--target ascend910b]
+
+Runs attention (f16, D=128) as one `ge.flash_attention` (the fused kernel, whatever the guard
+says) and written out op by op without fusion (matmul, scale, softmax, matmul), for
+prefill shapes (Sq = Skv) and decode shapes (few query rows against many keys), and prints the
+ratio beside the decision of the target's guard (`[fusion]` in its TOML file). A ratio below 1
+means the fused kernel lost; the guard should say "unfuse" there. This is the measurement the
+`flash_attention_decode_*` thresholds of each target cite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from geir.passes.fusion.guards import flash_attention_guard
+from geir.passes.tiling import choose_flash_tiling
+from geir.parser import parse
+from geir.runtime.profile import profile
+from geir.runtime.session import NO_FUSE_PIPELINE, compile_module, run_program
+from geir.target_npu.target import DEFAULT_TARGET, load_target
+from geir.types import DType, TensorType
+
+SHAPES = [  # (B, N, Sq, Skv)
+    (1, 8, 128, 128), (1, 8, 1024, 1024), (1, 8, 1, 1), (1, 8, 1, 128), (1, 8, 1, 512), (1, 8, 1, 2048),
+    (1, 8, 1, 8192), (1, 1, 1, 8192), (1, 8, 16, 8192), (1, 8, 64, 8192), (1, 8, 128, 8192),
+    (1, 24, 1, 8192), (1, 32, 1, 8192), (4, 8, 1, 8192),
+]
+D = 128
+
+
+def attention_text(b: int, n: int, sq: int, skv: int, fused: bool, d: int = D, dtype: str = "f16") -> str:
+    """The attention written out op by op, or (fused) as one ge.flash_attention, which no guard re-checks."""
+    tq, tk = f"tensor<{b}x{n}x{sq}x{d}x{dtype}>", f"tensor<{b}x{n}x{skv}x{d}x{dtype}>"
+    if fused:
+        return (f"ge.graph @main(%q: {tq}, %k: {tk}, %v: {tk}) -> {tq} {{\n"
+                f"  %o = ge.flash_attention %q, %k, %v\n  ge.return %o\n}}\n")
+    return (f"ge.graph @main(%q: {tq}, %k: {tk}, %v: {tk}) -> {tq} {{\n"
+            f"  %s = ge.matmul %q, %k {{transpose_b = true}}\n"
+            f"  %c = ge.const dense<{1 / math.sqrt(d)!r}> : tensor<{dtype}>\n"
+            f"  %ss = ge.mul %s, %c\n  %p = ge.softmax %ss {{axis = -1}}\n  %o = ge.matmul %p, %v\n"
+            f"  ge.return %o\n}}\n")
+
+
+def device_us(text: str, pipeline: str, target: str) -> float:
+    """Summed kernel time of one run (host copies, the same in both, left out)."""
+    import numpy as np
+
+    program = compile_module(parse(text, "<crossover>"), pipeline, target)[0].graphs[0]
+    rng = np.random.default_rng(0)
+    inputs = {a.name: rng.standard_normal(a.type.shape, dtype=np.float32).astype(np.float16) for a in program.args}
+    return sum(k["time_us"] for k in profile(run_program(program, inputs, target=target))["kernels"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    args = ap.parse_args(argv)
+    chip = load_target(args.target)
+    print(f"target {chip.name}: {chip.cube_cores} cube cores; guard {chip.data.get('fusion', {})}")
+    print(f"{'B':>2} {'N':>3} {'Sq':>5} {'Skv':>6} {'units':>5} {'unfused us':>11} {'fused us':>9} "
+          f"{'ratio':>6}  guard")
+    agree = 0
+    for b, n, sq, skv in SHAPES:
+        fused = device_us(attention_text(b, n, sq, skv, True), NO_FUSE_PIPELINE, args.target)
+        unfused = device_us(attention_text(b, n, sq, skv, False), NO_FUSE_PIPELINE, args.target)
+        q, k = TensorType((b, n, sq, D), DType.f16), TensorType((b, n, skv, D), DType.f16)
+        units = choose_flash_tiling(q, k, k, False, False, chip).work_units
+        why = flash_attention_guard(q, k, k, None, False, "BNSD", chip)
+        ratio = unfused / fused
+        agree += (why is None) == (ratio >= 1)
+        print(f"{b:>2} {n:>3} {sq:>5} {skv:>6} {units:>5} {unfused:>11.2f} {fused:>9.2f} {ratio:>6.2f}  "
+              f"{'fuse' if why is None else 'unfuse'}")
+    print(f"the guard agrees with the measurement on {agree} of {len(SHAPES)} shapes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""fusion-guards: re-check the shape guards of fused ops once shapes are known; undo what fails.
+
+GE runs this for every new shape signature of a dynamic graph (runtime.session), before the
+shape-dependent passes: a `ge.flash_attention` fused on `?` dims whose head dim or sequence
+length the kernel cannot take at this shape is expanded back into primitive ops here, and only
+that subgraph changes. Each undone fusion is an --explain remark with the guard's reason.
+"""
+
+from __future__ import annotations
+
+from geir.ir import Module
+from geir.passes.fusion.guards import FUSION_GUARDS
+from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.passes.pattern import Rewriter
+from geir.target_npu.target import load_target
+
+
+@register_pass("fusion-guards")
+class FusionGuards(Pass):
+    """Expand fused ops whose shape guards fail on the known shapes (a remark says why)."""
+
+    REQUIRES = ("infer-shapes",)
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        chip = load_target(ctx.target)
+        for graph in module.graphs:
+            rw = Rewriter(graph)
+            for op in list(graph.ops):
+                guard = FUSION_GUARDS.get(op.name)
+                if guard is None or any(v.type is None or None in v.type.shape for v in op.operands):
+                    continue
+                why = guard[0](op, chip)
+                if why is not None:
+                    ctx.remark(f"{op.name.partition('.')[2]} unfused for this shape: {why}", op.loc)
+                    guard[1](op, rw)
