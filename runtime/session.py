@@ -69,6 +69,20 @@ def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Map
     return Runtime(load_target(target), record_pipes=record_pipes).run(program, inputs, resources)
 
 
+def bind_shapes(graph: Graph, shapes: tuple[tuple[int, ...], ...]) -> Graph:
+    """A copy of `graph` whose arguments have these shapes and every result its inferred type."""
+    g = clone_graph(graph)
+    for a, shape in zip(g.args, shapes):
+        a.type = TensorType(shape, a.type.dtype, a.type.format)
+    for op in g.ops:
+        if not isinstance(op, Const):
+            for r in op.results:
+                r.type = None  # inferred again from the concrete shapes
+    verify_graph(g, None, fill_types=True)
+    g.result_types = [v.type for v in g.terminator.operands]
+    return g
+
+
 # passes whose results depend on the concrete shapes: they run again for every new shape signature
 # (layout too, so that a fusion undone for a shape gets its storage formats like any other op)
 SHAPE_DEPENDENT = ("layout", "tile", "plan", "lower")
@@ -171,15 +185,7 @@ class Session:
             self.hits += 1
             return cached
         start = time.perf_counter()
-        g = clone_graph(self.generic)
-        for a, shape in zip(g.args, sig):
-            a.type = TensorType(shape, a.type.dtype, a.type.format)
-        for op in g.ops:
-            if not isinstance(op, Const):
-                for r in op.results:
-                    r.type = None  # inferred again from the concrete shapes
-        verify_graph(g, None, fill_types=True)
-        g.result_types = [v.type for v in g.terminator.operands]
+        g = bind_shapes(self.generic, sig)
         self._remarks = []
         # the generic graph was verified after every pass; its specialisations are on the hot path of a run
         label = "specialise [" + ", ".join("x".join(map(str, s)) for s in sig) + "]"

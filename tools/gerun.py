@@ -14,6 +14,7 @@ Files written (all atomically, and only when the whole run succeeded):
   at top level (the spec's keys) plus `runs`, the list of every run's profile in order.
 - `--trace`: Chrome trace-event JSON: host GE (the passes, wall-clock) and Runtime (the tasks,
   simulated) tracks, one track per core and pipe; several runs follow one another on the time axis.
+- `--timeline`: the same as a PNG picture (geir.runtime.timeline), all runs one after another.
 
 Exit codes: 0 success, 1 bad input, a failed run or a failed --check, 2 bad usage.
 """
@@ -81,6 +82,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="print the run's profile")
     p.add_argument("--profile-json", metavar="P.json", help="write the profile as JSON (atomically)")
     p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome trace of the run (atomically)")
+    p.add_argument("--timeline", metavar="OUT.png",
+                   help="draw the run as a PNG (atomically): GE's passes, the Runtime's tasks, every pipe of the "
+                        "cores; several --inputs: all runs one after another (needs matplotlib: the plot extra)")
+    p.add_argument("--overlap-compile", type=int, metavar="PARTS",
+                   help="cut the graph into up to PARTS subgraphs; GE compiles the next on a background thread "
+                        "while the Runtime runs the current one (reports time to first kernel)")
+    p.add_argument("--explain", action="store_true",
+                   help="print GE's fusion and tiling remarks, and what each re-plan for a new shape changed")
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@N",
                    help=f"make the N-th task of KIND fail ({', '.join(FAULT_KINDS)})")
     return p
@@ -329,7 +338,7 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
 
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
     progress = _Progress(launches, label)
-    runtime = _make_runtime(args.target, bool(args.trace), faults, progress)
+    runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress)
     try:
         return runtime.run(program, inputs, weights)
     except RuntimeFailure as e:
@@ -426,27 +435,48 @@ def summary_line(name: str, a: np.ndarray, t: TensorType) -> str:
     return f"{name}: {t}  (empty)"
 
 
-def trace_json(results: list, spans: list[tuple[str, float, float]]) -> str:
-    """One Chrome trace for every run: the compile, then each run after the previous one on the time axis."""
+def trace_json(results: list, span_groups: list[list[tuple]]) -> str:
+    """One Chrome trace: the compile, then per run GE's re-plan (if it needed one) and the run.
+
+    Steps follow one another on one axis in the order they happened: GE's spans in host wall
+    time, each run in simulated time. A re-plan span's args say what it changed.
+    """
     from geir.runtime.profile import chrome_trace
 
     events: list[dict[str, Any]] = []
-    offset = max((end for _, _, end in spans), default=0.0)  # the first run starts after the compile
+    offset = 0.0
+
+    def add_spans(spans: list[tuple], run: int | None) -> float:
+        """GE spans shifted to start at `offset`; returns their length."""
+        if not spans:
+            return 0.0
+        first = min(s[1] for s in spans)
+        for span in spans:
+            name, start, end = span[:3]
+            e = {"ph": "X", "name": name, "pid": 0, "tid": 0, "ts": offset + start - first, "dur": max(end - start, 0.0)}
+            args = dict(span[3]) if len(span) > 3 else {}
+            if run is not None:
+                args["run"] = run
+            if args:
+                e["args"] = args
+            events.append(e)
+        return max(s[2] for s in spans) - first
+
+    offset += add_spans(span_groups[0], None)
     for r, result in enumerate(results):
-        trace = json.loads(chrome_trace(result, ge_events=spans if r == 0 else None))
+        if r + 1 < len(span_groups):
+            offset += add_spans(span_groups[r + 1], r)
+        trace = json.loads(chrome_trace(result))
         for e in trace["traceEvents"]:
             if e.get("ph") == "M":
                 if r == 0:
                     events.append(e)
                 continue
-            if r > 0:
-                if e.get("pid") == 0 and e.get("tid") == 0:
-                    continue  # GE spans belong to the compile, shown once
-                e["ts"] = e["ts"] + offset
+            e["ts"] = e["ts"] + offset
+            if len(results) > 1:
                 e.setdefault("args", {})["run"] = r
             events.append(e)
-        ends = [t.end_us for t in result.tasks]
-        offset += max(ends, default=0.0)
+        offset += max((t.end_us for t in result.tasks), default=0.0)
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})
 
 
@@ -457,6 +487,11 @@ def run(args: argparse.Namespace) -> int:
         load_target(args.target)
     except KeyError:
         raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})", EXIT_USAGE)
+    if args.timeline:
+        from geir.runtime.timeline import matplotlib_available
+
+        if not matplotlib_available():  # said before anything runs, not after a long run
+            raise ToolError("--timeline needs matplotlib: pip install 'geir[plot]'")
     faults: list[tuple[str, int]] = []
     requested_faults = [parse_fault(f) for f in args.inject_fault]
     sources = SourceManager()
@@ -493,13 +528,17 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     weights = load_weights(graph, args, printer)
 
+    if args.overlap_compile is not None:
+        return _run_overlapped(args, module, graph, text, name, weights, is_program, pipeline)
+
     session = None
     if is_program:
         program = graph
     else:
         reference = _select(parse(text, name), args.entry, name) if args.check else None
         try:
-            session = Session(Module([graph], module.file, module.resources), pipeline, args.target, emit=printer)
+            session = Session(Module([graph], module.file, module.resources), pipeline, args.target, emit=printer,
+                              explain=args.explain)
         except DiagnosticError:
             return EXIT_FAILURE  # the session printed the diagnostics
         except PipelineError as e:
@@ -521,9 +560,12 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     results = []
     plan_caches = []
     programs = []
+    # GE's spans by the step they belong to: [0] the compile, [r + 1] what run r's re-plan did
+    span_groups: list[list[tuple]] = [list(session.spans) if session is not None else []]
     for r, inputs in enumerate(runs):
         if session is not None:
             # the plan cache: a new shape signature is specialised by GE, a known one reused
+            before = (len(session.spans), session.misses)
             try:
                 program = session.program({k: v.shape for k, v in inputs.items()})
             except DiagnosticError:
@@ -531,9 +573,15 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
             except ShapeMismatch as e:
                 raise ToolError(f"{labels[r]}: {e}") from None
             plan_caches.append(dict(session.plan_cache))
+            span_groups.append(session.spans[before[0]:])
+            if args.explain and session.misses > before[1]:
+                print(f"{labels[r]}: {session.replans[-1].summary()}")
+                for line in session.replans[-1].unfused + session.replans[-1].retiled:
+                    print(f"  {line}")
+            elif args.explain:
+                print(f"{labels[r]}: plan cache hit, no re-plan")
         programs.append(program)
         results.append(run_once(program, inputs, weights, args, faults, f"run {r} " if several else ""))
-    spans = session.spans if session is not None else []
 
     failed_checks = 0
     for r, (inputs, result) in enumerate(zip(runs, results)):
@@ -571,7 +619,12 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
             doc["runs"] = profiles
         files.append((args.profile_json, json.dumps(_json_safe(doc), allow_nan=False)))
     if args.trace:
-        files.append((args.trace, trace_json(results, spans)))
+        files.append((args.trace, trace_json(results, span_groups)))
+    if args.timeline:
+        from geir.runtime.timeline import render_png, timeline_data
+
+        ge_spans = [span for group in span_groups for span in group]
+        files.append((args.timeline, render_png(timeline_data(results, ge_spans, f"{name} @{graph.name}"))))
     written: list[str] = []
     try:
         for path, payload in files:
@@ -584,6 +637,49 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
             except OSError:
                 pass
         raise
+    return EXIT_OK
+
+
+def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, weights: dict[str, np.ndarray],
+                    is_program: bool, pipeline: str) -> int:
+    """gerun --overlap-compile: one run, GE compiling part k+1 while the Runtime runs part k."""
+    from geir.runtime.pipelined import run_pipelined
+
+    if is_program or args.overlap_compile < 1 or len(args.inputs) > 1 or args.inject_fault or args.timeline:
+        raise ToolError("--overlap-compile takes a ge.graph, PARTS >= 1 and one set of inputs, without "
+                        "--inject-fault or --timeline", EXIT_USAGE)
+    inputs = npz_inputs(graph, args.inputs[0]) if args.inputs else random_inputs(graph, args.seed or 0)
+    try:
+        run = run_pipelined(Module([graph], module.file, module.resources), inputs, weights,
+                            parts=args.overlap_compile, pipeline=pipeline, target=args.target)
+    except DiagnosticError as e:
+        _print_all(e, DiagnosticPrinter(SourceManager()))
+        return EXIT_FAILURE
+    summary = run.summary()
+    result_types = list(graph.result_types)
+    for i, a in enumerate(run.outputs):
+        print(summary_line(f"result{i}", a, TensorType(a.shape, result_types[i].dtype)))
+    failed = False
+    if args.check:
+        reference = _select(parse(text, name), args.entry, name)
+        failed = not check_run(reference, inputs, weights, run.outputs,
+                               [TensorType(a.shape, t.dtype) for a, t in zip(run.outputs, result_types)], "")
+        print("check: PASS" if not failed else "check: FAIL (1 of 1 run(s) out of tolerance)")
+    print(f"compile overlap: {summary['parts']} parts; first kernel after {summary['time_to_first_kernel_ms']:.1f} ms; "
+          f"total {summary['total_ms']:.1f} ms (host); GE compiled for {summary['compile_ms']:.1f} ms, "
+          f"{summary['compile_hidden_ms']:.1f} ms of it while the Runtime ran; "
+          f"simulated device time {summary['simulated_time_us']:.1f} us")
+    if failed:
+        return EXIT_FAILURE
+    files: list[tuple[str, str | bytes]] = []
+    if args.output:
+        files.append((args.output, outputs_npz([run.outputs])))
+    if args.profile_json:
+        files.append((args.profile_json, json.dumps(_json_safe({"compile_overlap": summary}), allow_nan=False)))
+    if args.trace:
+        files.append((args.trace, run.trace()))
+    for path, payload in files:
+        write_atomically(path, payload)
     return EXIT_OK
 
 
