@@ -1,0 +1,230 @@
+"""Building a GEIR graph op by op for the PyTorch importer: typed emission, constants, names, errors.
+
+Each op is created with its result type inferred by the op's own shape rule, so a mapping mistake
+surfaces at the aten node that caused it (as a TorchImportError naming the node), never later
+inside a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from geir.attributes import DenseAttr, DenseResourceAttr
+from geir.diagnostics import UNKNOWN, Location
+from geir.ir import Operation, Value
+from geir.opdef import ShapeError, lookup
+from geir.types import Dim, DType, TensorType
+
+# torch dtypes GEIR can hold, and their GEIR names
+_DTYPES = {
+    torch.float32: DType.f32,
+    torch.float16: DType.f16,
+    torch.bfloat16: DType.bf16,
+    torch.int64: DType.i64,
+    torch.int32: DType.i32,
+    torch.int8: DType.i8,
+    torch.bool: DType.i1,
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+# Constants with more elements than this go to the weights mapping as dense_resource; smaller ones
+# (scales, epsilons, biases of tiny layers, masks the importer computed) stay dense literals.
+LITERAL_LIMIT = 16
+# Constants the importer computes itself (folded masks and the like) stay literals up to this size, so
+# fusion rules that read constant values (a causal mask) still see them.
+COMPUTED_LITERAL_LIMIT = 1 << 16
+
+
+class TorchImportError(Exception):
+    """A PyTorch program GEIR cannot represent; the message names the aten op and the fx node."""
+
+
+def node_description(node: Any) -> str:
+    """`aten.foo.default` at node 'foo_1' (file.py:12), for error messages."""
+    target = node.target
+    what = str(target) if node.op == "call_function" else node.op
+    where = source_location(node)
+    at = f" ({where.file}:{where.line})" if where is not UNKNOWN else ""
+    return f"{what} at node '{node.name}'{at}"
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def source_location(node: Any) -> Location:
+    """Where the user's Python code produced this node: the innermost frame outside torch itself."""
+    trace = node.meta.get("stack_trace") if hasattr(node, "meta") else None
+    frames = _FRAME.findall(trace or "")
+    if not frames:
+        return UNKNOWN
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    file, line = (user or frames)[-1]
+    return Location(file, int(line), 1)
+
+
+def dims_of(shape: Any) -> tuple[Dim, ...]:
+    """A torch shape as GEIR dims: ints, None where the size is symbolic (a dynamic-shape export)."""
+    return tuple(d if isinstance(d, int) else _static_size(d) for d in shape)
+
+
+def _static_size(d: Any) -> Dim:
+    try:
+        n = d.node.maybe_as_int()
+    except AttributeError:
+        return None
+    return None if n is None else int(n)
+
+
+def geir_dtype(dtype: torch.dtype, what: str) -> DType:
+    """The GEIR dtype of a torch dtype; TorchImportError when GEIR has none."""
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
+        raise TorchImportError(f"{what} has dtype {str(dtype).removeprefix('torch.')}, which GEIR does not "
+                               f"have (it takes {supported})") from None
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch dtype of a GEIR dtype."""
+    return _TORCH_DTYPES[dtype]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A torch tensor as a numpy array of the matching GEIR dtype (bf16 through ml_dtypes)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(DType.bf16.np)
+    return t.contiguous().numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: DType) -> torch.Tensor:
+    """A numpy array (as the Runtime returns it) as a torch tensor of the GEIR dtype."""
+    a = np.asarray(a)
+    if dtype is DType.bf16:
+        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a.astype(dtype.np, copy=False)))
+
+
+class GraphBuilder:
+    """Appends ops to a new graph, inferring result types and keeping value names unique."""
+
+    def __init__(self) -> None:
+        self.ops: list[Operation] = []
+        self.weights: dict[str, np.ndarray] = {}
+        self._names: set[str] = set()
+        self.loc: Location = UNKNOWN  # where the node being converted came from
+        self.node: Any = None  # the fx node being converted, for error messages
+
+    def fresh_name(self, hint: str) -> str:
+        """A value name not used yet, close to `hint`."""
+        base = re.sub(r"[^A-Za-z0-9_]", "_", hint) or "v"
+        name, i = base, 1
+        while name in self._names:
+            name = f"{base}_{i}"
+            i += 1
+        self._names.add(name)
+        return name
+
+    def error(self, message: str) -> TorchImportError:
+        """A TorchImportError about the node being converted."""
+        if self.node is None:
+            return TorchImportError(message)
+        return TorchImportError(f"{node_description(self.node)}: {message}")
+
+    def emit(self, name: str, operands: list[Value], attributes: dict[str, Any] | None = None,
+             hint: str | None = None) -> Operation:
+        """Append op `name` with its result type(s) from the op's shape rule."""
+        cls = lookup(name)
+        op = cls(name, list(operands), [], dict(attributes or {}), self.loc)
+        try:
+            inferred = op.infer(*[v.type for v in operands])
+        except ShapeError as e:
+            raise self.error(f"{name} does not type-check: {e}") from None
+        types = list(inferred) if isinstance(inferred, tuple) else [inferred]
+        for v in op.operands:
+            v.uses.append(op)
+        hint = hint or (self.node.name if self.node is not None else name.split(".")[-1])
+        op.results = [Value(t, self.fresh_name(hint if len(types) == 1 else f"{hint}_{i}"), op, i, self.loc)
+                      for i, t in enumerate(types)]
+        why = op.verify()
+        if why:
+            raise self.error(f"{name}: {why}")
+        self.ops.append(op)
+        return op
+
+    def value(self, name: str, operands: list[Value], attributes: dict[str, Any] | None = None,
+              hint: str | None = None) -> Value:
+        """The single result of a newly emitted op."""
+        return self.emit(name, operands, attributes, hint).result
+
+    def const(self, array: np.ndarray, dtype: DType, hint: str = "c", key: str | None = None,
+              limit: int = LITERAL_LIMIT) -> Value:
+        """A constant: a dense literal when small, else `dense_resource<key>` with the array in `weights`."""
+        array = np.asarray(array)
+        t = TensorType(tuple(int(d) for d in array.shape), dtype)
+        if array.size <= limit or _is_splat(array):
+            values = array if array.size <= limit else array.reshape(-1)[:1].reshape(())
+            attr: Any = DenseAttr(_literal_values(values, dtype))
+        else:
+            key = self._resource_key(key or hint)
+            self.weights[key] = np.array(array, dtype=dtype.np, order="C")  # np.array keeps rank 0
+            attr = DenseResourceAttr(key)
+        op = _const_op(attr, t, self.fresh_name(hint), self.loc)
+        self.ops.append(op)
+        return op.result
+
+    def scalar(self, value: float | bool, dtype: DType, hint: str = "c") -> Value:
+        """A rank-0 constant of `dtype`."""
+        return self.const(np.array(value, dtype=np.float64 if dtype.is_float else dtype.np), dtype, hint)
+
+    def cast(self, v: Value, dtype: DType) -> Value:
+        """`v` converted to `dtype` (itself when it already is)."""
+        if v.type.dtype is dtype:
+            return v
+        return self.value("ge.cast", [v], {"to": dtype}, hint=f"{v.name}_{dtype.value}")
+
+    def _resource_key(self, hint: str) -> str:
+        key, i = hint, 1
+        while key in self.weights:
+            key = f"{hint}_{i}"
+            i += 1
+        return key
+
+
+def literal_array(v: Value) -> np.ndarray | None:
+    """The elements of `v` when a dense literal defines it (splats broadcast), else None."""
+    op = v.owner
+    if op is not None and op.name == "ge.const" and isinstance(op.attributes.get("value"), DenseAttr):
+        return op.attributes["value"].to_array(v.type)
+    return None
+
+
+def _is_splat(array: np.ndarray) -> bool:
+    if array.size == 0:
+        return False
+    flat = array.reshape(-1)
+    if flat.dtype.kind == "f" or flat.dtype.name == "bfloat16":
+        bits = flat.view(f"u{flat.dtype.itemsize}")
+        return bool(np.all(bits == bits[0]))
+    return bool(np.all(flat == flat[0]))
+
+
+def _literal_values(values: np.ndarray, dtype: DType) -> np.ndarray:
+    """Literal elements as the parser holds them: float64, int64 or bool (exact for every GEIR dtype)."""
+    kind = np.float64 if dtype.is_float else np.bool_ if dtype is DType.i1 else np.int64
+    return np.array(values, dtype=kind, order="C")  # np.ascontiguousarray would make a scalar 1-D
+
+
+def _const_op(attr: Any, t: TensorType, name: str, loc: Location) -> Operation:
+    """A ge.const op with value `attr` and result type `t`."""
+    cls = lookup("ge.const")
+    op = cls("ge.const", [], [], {"value": attr}, loc)
+    op.results = [Value(t, name, op, 0, loc)]
+    return op

@@ -1,0 +1,560 @@
+"""How each aten op of an exported PyTorch program becomes GEIR ops.
+
+A converter takes the builder, the fx node and the node's arguments by their schema names (tensors
+already GEIR values, everything else plain Python), and returns the GEIR value(s) standing for the
+node's result(s). CONVERTERS maps an aten overload packet name (`aten.linear`) to its converter;
+an op without one is a TorchImportError naming it.
+
+The mapping keeps the shapes GE's fusion rules look for: `aten.linear` is a matmul with
+`transpose_b` plus a bias add (`fuse` makes it a `ge.fused_matmul`), `aten.matmul` is one
+`ge.matmul` with batch broadcasting (not torch's expand/bmm/view decomposition), a transpose stays a
+`ge.transpose`, and `scaled_dot_product_attention` is `ge.flash_attention` directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from geir.frontends.torch_builder import GraphBuilder, dims_of, geir_dtype, literal_array
+from geir.ir import Value
+from geir.ops.numerics import normalize_axis
+from geir.types import Dim, DType, TensorType
+
+
+Converter = Callable[[GraphBuilder, Any, dict[str, Any]], Any]
+CONVERTERS: dict[str, Converter] = {}
+
+
+def converts(*names: str) -> Callable[[Converter], Converter]:
+    """Register a converter for the aten overload packets `names` (`aten.add`, ...)."""
+
+    def register(fn: Converter) -> Converter:
+        for name in names:
+            CONVERTERS[name] = fn
+        return fn
+
+    return register
+
+
+# --- what torch says about a node's result ------------------------------------------------------------
+
+def result_meta(node: Any, i: int | None = None) -> Any:
+    """The fake tensor torch traced for the node's result (result `i` of a multi-result node)."""
+    val = node.meta.get("val")
+    return val[i] if i is not None else val
+
+
+def result_type(b: GraphBuilder, node: Any, i: int | None = None) -> TensorType:
+    """The GEIR type of the node's result as torch traced it."""
+    val = result_meta(node, i)
+    return TensorType(dims_of(val.shape), geir_dtype(val.dtype, f"the result of node '{node.name}'"))
+
+
+def result_dtype(b: GraphBuilder, node: Any) -> DType:
+    return result_type(b, node).dtype
+
+
+def operand(b: GraphBuilder, x: Any, dtype: DType, hint: str = "c") -> Value:
+    """A tensor operand in `dtype`: a value cast when needed, or a Python number as a scalar constant."""
+    if isinstance(x, Value):
+        return b.cast(x, dtype)
+    if isinstance(x, (bool, int, float)):
+        return b.scalar(x, dtype, hint)
+    raise b.error(f"expected a tensor or a number, got {type(x).__name__}")
+
+
+def _input(a: dict) -> Any:
+    """The op's main operand (`self` in the aten schema, `input` once fx normalises it)."""
+    return a["input"] if "input" in a else a["self"]
+
+
+def tensor(b: GraphBuilder, x: Any, what: str) -> Value:
+    """`x` when it is a tensor value; an error naming `what` otherwise."""
+    if not isinstance(x, Value):
+        raise b.error(f"{what} must be a tensor, got {type(x).__name__}")
+    return x
+
+
+def _axis(b: GraphBuilder, dim: int, rank: int) -> int:
+    try:
+        return normalize_axis(dim, rank)
+    except Exception:  # noqa: BLE001 - ShapeError or IndexError from a bad dim
+        raise b.error(f"dimension {dim} is out of range for rank {rank}") from None
+
+
+# --- elementwise ------------------------------------------------------------------------------------
+
+def _binary(b: GraphBuilder, node: Any, name: str, x: Any, y: Any, dtype: DType) -> Value:
+    return b.value(name, [operand(b, x, dtype), operand(b, y, dtype)])
+
+
+@converts("aten.add", "aten.sub")
+def _add_sub(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    other = a["other"]
+    alpha = a.get("alpha", 1)
+    if alpha != 1:
+        other = other * alpha if not isinstance(other, Value) else b.value("ge.mul", [
+            operand(b, other, dtype), b.scalar(alpha, dtype, "alpha")], hint=f"{node.name}_alpha")
+    name = "ge.add" if str(node.target.overloadpacket) == "aten.add" else "ge.sub"
+    return _binary(b, node, name, _input(a), other, dtype)
+
+
+@converts("aten.rsub")
+def _rsub(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    x = operand(b, _input(a), dtype)
+    if a.get("alpha", 1) != 1:
+        x = b.value("ge.mul", [x, b.scalar(a["alpha"], dtype, "alpha")], hint=f"{node.name}_alpha")
+    return b.value("ge.sub", [operand(b, a["other"], dtype), x])
+
+
+_SIMPLE_BINARY = {"aten.mul": "ge.mul", "aten.maximum": "ge.max", "aten.minimum": "ge.min", "aten.pow": "ge.pow"}
+
+
+@converts(*_SIMPLE_BINARY)
+def _simple_binary(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = _input(a)
+    y = a["other"] if "other" in a else a["exponent"]
+    return _binary(b, node, _SIMPLE_BINARY[str(node.target.overloadpacket)], x, y, result_dtype(b, node))
+
+
+@converts("aten.div")
+def _div(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    mode = a.get("rounding_mode")
+    if mode is not None and not (mode == "trunc" and not dtype.is_float):
+        raise b.error(f"division with rounding_mode='{mode}' on {dtype} is not supported (GEIR's ge.div is true "
+                      f"division for floats and truncating for integers)")
+    return _binary(b, node, "ge.div", _input(a), a["other"], dtype)
+
+
+def _compare_dtype(b: GraphBuilder, node: Any) -> DType:
+    """The dtype torch compares in (its type promotion of the two operands)."""
+    args = list(node.args[:2]) + [node.kwargs.get("other")] * (2 - len(node.args[:2]))
+    metas = [arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args]
+    return geir_dtype(torch.result_type(*metas), f"the operands of node '{node.name}'")
+
+
+# torch comparison -> (GEIR op, negate its result): a >= b is not (a < b)
+_COMPARISONS = {
+    "aten.gt": ("ge.greater", False), "aten.lt": ("ge.less", False), "aten.eq": ("ge.equal", False),
+    "aten.ne": ("ge.equal", True), "aten.ge": ("ge.less", True), "aten.le": ("ge.greater", True),
+}
+
+
+@converts(*_COMPARISONS)
+def _compare(b: GraphBuilder, node: Any, a: dict) -> Value:
+    name, negate = _COMPARISONS[str(node.target.overloadpacket)]
+    x, y = _input(a), a["other"]
+    dtype = _compare_dtype(b, node)
+    v = b.value(name, [operand(b, x, dtype), operand(b, y, dtype)], hint=f"{node.name}_not" if negate else None)
+    return logical_not(b, v, node.name) if negate else v
+
+
+_UNARY = {
+    "aten.relu": "ge.relu", "aten.silu": "ge.silu", "aten.sigmoid": "ge.sigmoid", "aten.tanh": "ge.tanh",
+    "aten.exp": "ge.exp", "aten.log": "ge.log", "aten.sqrt": "ge.sqrt", "aten.rsqrt": "ge.rsqrt",
+    "aten.neg": "ge.neg", "aten.abs": "ge.abs", "aten.erf": "ge.erf",
+}
+
+
+@converts(*_UNARY)
+def _unary(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = operand(b, tensor(b, _input(a), "the input"), result_dtype(b, node))
+    return b.value(_UNARY[str(node.target.overloadpacket)], [x])
+
+
+@converts("aten.gelu")
+def _gelu(b: GraphBuilder, node: Any, a: dict) -> Value:
+    approximate = a.get("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        raise b.error(f"gelu approximate='{approximate}' is not supported (GEIR takes 'none' or 'tanh')")
+    return b.value("ge.gelu", [tensor(b, _input(a), "the input")], {"approximate": approximate})
+
+
+@converts("aten.reciprocal")
+def _reciprocal(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    return b.value("ge.div", [b.scalar(1.0, dtype, "one"), operand(b, _input(a), dtype)])
+
+
+@converts("aten.square")
+def _square(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = operand(b, _input(a), result_dtype(b, node))
+    return b.value("ge.mul", [x, x])
+
+
+@converts("aten.where")
+def _where(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    cond = tensor(b, a["condition"], "the condition")
+    return b.value("ge.select", [b.cast(cond, DType.i1), operand(b, _input(a), dtype),
+                                 operand(b, a["other"], dtype)])
+
+
+@converts("aten.masked_fill")
+def _masked_fill(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # select(keep, x, fill) with keep = not mask: the spelling the attention fusion reads (true = keep)
+    dtype = result_dtype(b, node)
+    keep = logical_not(b, b.cast(tensor(b, a["mask"], "the mask"), DType.i1), f"{node.name}_keep")
+    return b.value("ge.select", [keep, operand(b, _input(a), dtype), operand(b, a["value"], dtype, "fill")])
+
+
+def logical_not(b: GraphBuilder, v: Value, hint: str) -> Value:
+    """Not `v` (i1): a new literal when `v` is one, else select(v, false, true) (GEIR has no `not`)."""
+    values = literal_array(v)
+    if values is not None:
+        return b.const(np.logical_not(values), DType.i1, hint, limit=values.size)
+    return b.value("ge.select", [v, b.scalar(False, DType.i1, "false"), b.scalar(True, DType.i1, "true")], hint=hint)
+
+
+@converts("aten.bitwise_not", "aten.logical_not")
+def _not(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    if x.type.dtype is not DType.i1 and str(node.target.overloadpacket) == "aten.bitwise_not":
+        raise b.error(f"bitwise not of {x.type.dtype} is not supported (only of booleans)")
+    return logical_not(b, b.cast(x, DType.i1), node.name)
+
+
+@converts("aten._to_copy", "aten.to", "aten.type_as")
+def _to(b: GraphBuilder, node: Any, a: dict) -> Value:
+    return b.cast(tensor(b, _input(a), "the input"), result_dtype(b, node))
+
+
+@converts("aten.clone", "aten.contiguous", "aten.alias", "aten.detach", "aten.lift_fresh_copy", "aten.lift_fresh")
+def _identity(b: GraphBuilder, node: Any, a: dict) -> Value:
+    return tensor(b, _input(a), "the input")
+
+
+@converts("aten.dropout", "aten.feature_dropout")
+def _dropout(b: GraphBuilder, node: Any, a: dict) -> Value:
+    if a.get("train") and a.get("p", 0.0) > 0:
+        raise b.error(f"dropout with p={a['p']} in training mode; export the module in eval mode "
+                      f"(module.eval()) to import it")
+    return tensor(b, _input(a), "the input")
+
+
+@converts("aten.full_like", "aten.zeros_like", "aten.ones_like")
+def _full_like(b: GraphBuilder, node: Any, a: dict) -> Value:
+    t = result_type(b, node)
+    fill = {"aten.zeros_like": 0, "aten.ones_like": 1}.get(str(node.target.overloadpacket), a.get("fill_value"))
+    return _splat(b, fill, t, node.name)
+
+
+def _splat(b: GraphBuilder, fill: Any, t: TensorType, hint: str) -> Value:
+    """A constant of type `t` whose elements are all `fill` (printed as one splat)."""
+    return b.const(np.full(t.shape, fill, dtype=np.float64 if t.dtype.is_float else t.dtype.np), t.dtype, hint)
+
+
+# --- matmul and linear --------------------------------------------------------------------------------
+
+def matmul(b: GraphBuilder, x: Value, y: Value, hint: str, transpose_b: bool = False) -> Value:
+    """numpy matmul of two values, 1-D operands included (GEIR's ge.matmul takes rank 2 and more)."""
+    vector_x, vector_y = x.type.rank == 1, y.type.rank == 1
+    if vector_x:
+        x = reshape_to(b, x, (1,) + x.type.shape, hint=f"{hint}_row")
+    if vector_y:
+        y = reshape_to(b, y, y.type.shape + (1,), hint=f"{hint}_col")
+        transpose_b = False
+    attrs = {"transpose_b": True} if transpose_b else {}
+    out = b.value("ge.matmul", [x, y], attrs, hint=hint if not (vector_x or vector_y) else f"{hint}_mm")
+    if vector_x or vector_y:
+        shape = list(out.type.shape)
+        if vector_y:
+            shape.pop(-1)
+        if vector_x:
+            shape.pop(-2 if not vector_y else -1)
+        out = reshape_to(b, out, tuple(shape), hint=hint)
+    return out
+
+
+@converts("aten.matmul", "aten.mm", "aten.bmm")
+def _matmul(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    x = operand(b, tensor(b, _input(a), "the left operand"), dtype)
+    y = operand(b, tensor(b, a["other"] if "other" in a else a["mat2"], "the right operand"), dtype)
+    return matmul(b, x, y, node.name)
+
+
+@converts("aten.linear")
+def _linear(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    w = tensor(b, a["weight"], "the weight")
+    bias = a.get("bias")
+    if w.type.rank != 2:
+        raise b.error(f"linear weight must be 2-D [out, in], got {w.type}")
+    if x.type.rank == 1:
+        out = matmul(b, w, x, f"{node.name}_mm" if bias is not None else node.name)
+    else:
+        out = matmul(b, x, w, f"{node.name}_mm" if bias is not None else node.name, transpose_b=True)
+    if bias is not None:
+        out = b.value("ge.add", [out, tensor(b, bias, "the bias")])
+    return out
+
+
+@converts("aten.addmm")
+def _addmm(b: GraphBuilder, node: Any, a: dict) -> Value:
+    dtype = result_dtype(b, node)
+    out = matmul(b, operand(b, a["mat1"], dtype), operand(b, a["mat2"], dtype), f"{node.name}_mm")
+    if a.get("alpha", 1) != 1:
+        out = b.value("ge.mul", [out, b.scalar(a["alpha"], dtype, "alpha")], hint=f"{node.name}_alpha")
+    bias = operand(b, _input(a), dtype)
+    if a.get("beta", 1) != 1:
+        bias = b.value("ge.mul", [bias, b.scalar(a["beta"], dtype, "beta")], hint=f"{node.name}_beta")
+    return b.value("ge.add", [out, bias])
+
+
+# --- shapes -------------------------------------------------------------------------------------------
+
+def _transpose(b: GraphBuilder, x: Value, perm: list[int], hint: str | None = None) -> Value:
+    if perm == list(range(len(perm))):
+        return x
+    return b.value("ge.transpose", [x], {"perm": perm}, hint=hint)
+
+
+@converts("aten.permute")
+def _permute(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    return _transpose(b, x, [_axis(b, d, x.type.rank) for d in a["dims"]])
+
+
+@converts("aten.transpose", "aten.swapaxes", "aten.swapdims")
+def _transpose_dims(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    d0 = _axis(b, a["dim0"] if "dim0" in a else a["axis0"], x.type.rank)
+    d1 = _axis(b, a["dim1"] if "dim1" in a else a["axis1"], x.type.rank)
+    perm = list(range(x.type.rank))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _transpose(b, x, perm)
+
+
+@converts("aten.t", "aten.numpy_T")
+def _t(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    return _transpose(b, x, list(reversed(range(x.type.rank))))
+
+
+def reshape_to(b: GraphBuilder, x: Value, shape: tuple[Dim, ...], hint: str | None = None) -> Value:
+    """`x` reshaped to `shape` (None: a run-time size, at most one); itself when it already has it."""
+    if x.type.shape == tuple(shape) and x.type.is_static:
+        return x
+    if sum(d is None for d in shape) > 1:
+        shown = "x".join("?" if d is None else str(d) for d in shape)
+        raise b.error(f"reshape to {shown} has more than one run-time dimension; ge.reshape infers only one (-1): "
+                      f"make at most one of the dimensions it touches dynamic")
+    return b.value("ge.reshape", [x], {"shape": [-1 if d is None else int(d) for d in shape]}, hint=hint)
+
+
+# reshapes take their target shape from what torch traced, so run-time sizes among their arguments are fine
+TAKES_RUNTIME_SIZES = frozenset({
+    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.squeeze", "aten.flatten",
+    "aten.unflatten", "aten.view_copy", "aten._reshape_alias", "aten.expand_dims",
+})
+
+
+@converts(*TAKES_RUNTIME_SIZES)
+def _reshape(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    if "dtype" in a and not isinstance(a.get("size"), (list, tuple)):
+        raise b.error("view as another dtype (a bit cast) is not supported")
+    return reshape_to(b, x, result_type(b, node).shape)
+
+
+@converts("aten.expand", "aten.broadcast_to", "aten.expand_copy")
+def _expand(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    t = result_type(b, node)
+    if x.type.shape == t.shape:
+        return x
+    # GEIR has no broadcast op: multiplying by a splat of ones (or selecting, for i1) of the expanded
+    # shape broadcasts exactly, and canonicalize keeps it because the result shape differs
+    if t.dtype is DType.i1:
+        return b.value("ge.select", [x, _splat(b, True, t, "true"), _splat(b, False, t, "false")])
+    return b.value("ge.mul", [x, _splat(b, 1, t, f"{node.name}_ones")])
+
+
+@converts("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.tensor_split", "aten.unsafe_split")
+def _split(b: GraphBuilder, node: Any, a: dict) -> tuple:
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a.get("dim", 0), x.type.rank)
+    sizes = [dims_of(t.shape)[axis] for t in result_meta(node)]
+    if None in sizes:
+        raise b.error("splitting a run-time dimension is not supported (ge.split takes static sizes)")
+    if len(sizes) == 1:
+        return (x,)
+    return tuple(b.emit("ge.split", [x], {"axis": axis, "sizes": sizes}).results)
+
+
+@converts("aten.unbind")
+def _unbind(b: GraphBuilder, node: Any, a: dict) -> tuple:
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a.get("dim", 0), x.type.rank)
+    n = x.type.shape[axis]
+    pieces = b.emit("ge.split", [x], {"axis": axis, "sizes": [1] * n}, hint=f"{node.name}_piece").results \
+        if n > 1 else [x]
+    return tuple(reshape_to(b, p, result_type(b, node, i).shape, hint=f"{node.name}_{i}") for i, p in enumerate(pieces))
+
+
+@converts("aten.cat", "aten.concat", "aten.concatenate")
+def _cat(b: GraphBuilder, node: Any, a: dict) -> Value:
+    t = result_type(b, node)
+    xs = [operand(b, tensor(b, x, "each input"), t.dtype) for x in a["tensors"]]
+    xs = [x for x in xs if x.type.shape != (0,)]  # torch lets an empty 1-D tensor join anything
+    if len(xs) == 1:
+        return xs[0]
+    return b.value("ge.concat", xs, {"axis": _axis(b, a.get("dim", 0), t.rank)})
+
+
+@converts("aten.stack")
+def _stack(b: GraphBuilder, node: Any, a: dict) -> Value:
+    t = result_type(b, node)
+    axis = _axis(b, a.get("dim", 0), t.rank)
+    xs = []
+    for i, x in enumerate(a["tensors"]):
+        x = operand(b, tensor(b, x, "each input"), t.dtype)
+        shape = list(x.type.shape)
+        shape.insert(axis, 1)
+        xs.append(reshape_to(b, x, tuple(shape), hint=f"{node.name}_in{i}"))
+    return xs[0] if len(xs) == 1 else b.value("ge.concat", xs, {"axis": axis})
+
+
+def _slice(b: GraphBuilder, x: Value, axis: int, start: int, end: int, hint: str | None = None) -> Value:
+    dim = x.type.shape[axis]
+    start, end, _ = slice(start, end).indices(dim)
+    if start == 0 and end == dim:
+        return x
+    return b.value("ge.slice", [x], {"axes": [axis], "starts": [start], "ends": [max(end, start)]}, hint=hint)
+
+
+@converts("aten.slice", "aten.narrow")
+def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a.get("dim", 0), x.type.rank)
+    if "length" in a:  # narrow
+        start = a["start"] % x.type.shape[axis] if a["start"] < 0 else a["start"]
+        return _slice(b, x, axis, start, start + a["length"])
+    if a.get("step", 1) != 1:
+        raise b.error(f"slicing with step {a['step']} is not supported (ge.slice takes step 1)")
+    start = 0 if a.get("start") is None else a["start"]
+    end = x.type.shape[axis] if a.get("end") is None else a["end"]
+    return _slice(b, x, axis, start, end)
+
+
+@converts("aten.select")
+def _select_index(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a["dim"], x.type.rank)
+    index = a["index"] % x.type.shape[axis]
+    piece = _slice(b, x, axis, index, index + 1, hint=f"{node.name}_slice")
+    return reshape_to(b, piece, result_type(b, node).shape)
+
+
+# --- reductions and normalisation ---------------------------------------------------------------------
+
+_REDUCTIONS = {"aten.mean": "ge.reduce_mean", "aten.sum": "ge.reduce_sum", "aten.amax": "ge.reduce_max"}
+
+
+@converts(*_REDUCTIONS)
+def _reduce(b: GraphBuilder, node: Any, a: dict) -> Value:
+    t = result_type(b, node)
+    x = operand(b, tensor(b, _input(a), "the input"), t.dtype)
+    dims = a.get("dim")
+    if dims is None or dims == []:
+        axes = list(range(x.type.rank))
+    else:
+        axes = sorted({_axis(b, d, x.type.rank) for d in ([dims] if isinstance(dims, int) else dims)})
+    if not axes:
+        return x
+    return b.value(_REDUCTIONS[str(node.target.overloadpacket)], [x], {"axes": axes, "keepdims": bool(a.get("keepdim"))})
+
+
+@converts("aten.softmax", "aten._softmax", "aten._safe_softmax")
+def _softmax(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = operand(b, tensor(b, _input(a), "the input"), result_dtype(b, node))
+    return b.value("ge.softmax", [x], {"axis": _axis(b, a["dim"], x.type.rank)})
+
+
+def _affine_param(b: GraphBuilder, p: Any, fill: float, shape: tuple[int, ...], dtype: DType, hint: str) -> Value:
+    if p is None:
+        return _splat(b, fill, TensorType(shape, dtype), hint)
+    return b.cast(tensor(b, p, hint), dtype)
+
+
+@converts("aten.layer_norm", "aten.native_layer_norm")
+def _layer_norm(b: GraphBuilder, node: Any, a: dict) -> Any:
+    x = tensor(b, _input(a), "the input")
+    normalized = tuple(int(d) for d in a["normalized_shape"])
+    if x.type.shape[x.type.rank - len(normalized):] != normalized:
+        raise b.error(f"normalized_shape {list(normalized)} is not the trailing shape of {x.type}")
+    dtype = x.type.dtype
+    gamma = _affine_param(b, a.get("weight"), 1.0, normalized, dtype, f"{node.name}_gamma")
+    beta = _affine_param(b, a.get("bias"), 0.0, normalized, dtype, f"{node.name}_beta")
+    out = b.value("ge.layer_norm", [x, gamma, beta], {"axis": -len(normalized), "epsilon": float(a["eps"])})
+    if str(node.target.overloadpacket) == "aten.native_layer_norm":
+        return (out, Unavailable("the mean of native_layer_norm"), Unavailable("the rstd of native_layer_norm"))
+    return out
+
+
+@converts("aten.rms_norm")
+def _rms_norm(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    normalized = tuple(int(d) for d in a["normalized_shape"])
+    if len(normalized) != 1 or x.type.shape[-1] != normalized[0]:
+        raise b.error(f"rms_norm over {list(normalized)}: ge.rms_norm normalises the last axis only")
+    eps = a.get("eps")
+    if eps is None:
+        eps = float(torch.finfo(result_meta(node).dtype).eps)  # torch's default
+    gamma = _affine_param(b, a.get("weight"), 1.0, normalized, x.type.dtype, f"{node.name}_gamma")
+    return b.value("ge.rms_norm", [x, gamma], {"epsilon": float(eps)})
+
+
+class Unavailable:
+    """A result of a multi-result aten op that GEIR does not compute; using it is an error."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+
+# --- attention ----------------------------------------------------------------------------------------
+
+@converts("aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention_for_cpu")
+def _sdpa(b: GraphBuilder, node: Any, a: dict) -> Any:
+    q = tensor(b, a["query"], "query")
+    k = tensor(b, a["key"], "key")
+    v = tensor(b, a["value"], "value")
+    if a.get("dropout_p", 0.0):
+        raise b.error(f"attention dropout_p={a['dropout_p']} is not supported (export in eval mode with dropout 0)")
+    mask = a.get("attn_mask")
+    causal = bool(a.get("is_causal", False))
+    if mask is not None and causal:
+        raise b.error("attn_mask together with is_causal=True")
+    rank = q.type.rank
+    if rank not in (3, 4) or k.type.rank != rank or v.type.rank != rank:
+        raise b.error(f"attention takes [B, N, S, D] or [B, S, D] tensors, got {q.type}, {k.type}, {v.type}")
+    head_dim = q.type.shape[-1]
+    scale = a.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+    if rank == 3:  # one head: [B, S, D] -> [B, 1, S, D]
+        q, k, v = (reshape_to(b, t, (t.type.shape[0], 1) + t.type.shape[1:], hint=f"{node.name}_{n}")
+                   for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    operands = [q, k, v]
+    if mask is not None:
+        mask = tensor(b, mask, "attn_mask")
+        if mask.type.dtype is not DType.i1:
+            mask = b.cast(mask, q.type.dtype)
+        if rank == 3 and mask.type.rank == 3:
+            mask = reshape_to(b, mask, (mask.type.shape[0], 1) + mask.type.shape[1:], hint=f"{node.name}_mask")
+        operands.append(mask)
+    out = b.value("ge.flash_attention", operands, {"scale": scale, "causal": causal, "layout": "BNSD"},
+                  hint=node.name if rank == 4 else f"{node.name}_bnsd")
+    if rank == 3:
+        out = reshape_to(b, out, (out.type.shape[0],) + out.type.shape[2:], hint=node.name)
+    if str(node.target.overloadpacket) != "aten.scaled_dot_product_attention":
+        return (out,) + tuple(Unavailable("the attention's logsumexp") for _ in range(len(result_meta(node)) - 1))
+    return out
