@@ -8,6 +8,7 @@ import sys
 import time
 
 from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location, SourceManager
+from geir.dot import FusionRecorder, graph_title, to_dot
 from geir.parser import decode_source, parse
 from geir.passes import (
     PASSES,
@@ -59,6 +60,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-diagnostics", action="store_true",
                    help="check diagnostics against expected-error/warning/remark comments")
     p.add_argument("--no-verify", action="store_true", help="do not verify the IR after each pass")
+    p.add_argument("--dot", metavar="OUT.dot",
+                   help="also write the resulting graph as Graphviz DOT (atomically), the ops that fuse made "
+                        "filled by rule; '--dot -' prints the DOT on stdout in place of the IR")
     return p
 
 
@@ -148,22 +152,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"// -----// IR Dump {when} {p.NAME} //----- //", file=sys.stderr)
         print(print_module(module), file=sys.stderr, end="")
 
+    recorder = FusionRecorder()  # which ops fuse made, for --dot
+
     def dump_before(p, module) -> None:
+        if args.dot:
+            recorder.before(p, module)
         if p.NAME in before:
             dump("Before", p, module)
 
     def dump_after(p, module) -> None:
+        if args.dot:
+            recorder.after(p, module)
         if args.print_ir_after_all or p.NAME in after:
             dump("After", p, module)
 
     pm = PassManager(pipeline, verify_each=not args.no_verify, before=dump_before, after=dump_after)
 
     outputs: list[str] = []
+    modules: list = []  # what each chunk became, for --dot
     failed = False
     for chunk, offset in split_chunks(text, args.split_input_file):
         produced: list[Diagnostic] = []
         engine = DiagnosticEngine(produced.append if args.verify_diagnostics else printer)
-        out = _process_chunk(chunk, name, offset, engine, pm, args, timer)
+        out = _process_chunk(chunk, name, offset, engine, pm, args, timer, modules if args.dot else None)
         if out is not None:
             outputs.append(out)
         if args.verify_diagnostics:
@@ -176,10 +187,19 @@ def run(args: argparse.Namespace) -> int:
             failed |= out is None or engine.error_count > 0
 
     result = "// -----\n".join(outputs)
-    if args.output:
-        if not failed:
-            write_atomically(args.output, result)
-    else:
+    dot = None
+    if args.dot and not failed:
+        graphs = [g for m in modules for g in m.graphs]
+        dot = to_dot(graphs, recorder.marks(graphs), graph_title(name, pipeline_text(pipeline)))
+    if args.output and not failed:
+        write_atomically(args.output, result)
+    if dot is not None and args.dot != "-":
+        write_atomically(args.dot, dot)
+    if args.dot == "-":
+        if dot is not None:
+            sys.stdout.write(dot)
+            sys.stdout.flush()
+    elif not args.output:
         sys.stdout.write(result)
         sys.stdout.flush()
     if args.timing:
@@ -188,8 +208,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _process_chunk(source: str, name: str, offset: int, engine: DiagnosticEngine, pm: PassManager,
-                   args: argparse.Namespace, timer: Timer) -> str | None:
-    """Parse, verify, run the pipeline and print one chunk; None when it failed (diagnostics emitted)."""
+                   args: argparse.Namespace, timer: Timer, modules: list | None = None) -> str | None:
+    """Parse, verify, run the pipeline and print one chunk; None when it failed (diagnostics emitted).
+
+    When `modules` is given, the module the chunk became is appended to it.
+    """
     t0 = time.perf_counter()
     try:
         module = parse(source, name, offset)
@@ -214,6 +237,8 @@ def _process_chunk(source: str, name: str, offset: int, engine: DiagnosticEngine
     t0 = time.perf_counter()
     text = print_module(module)
     timer.add("print", time.perf_counter() - t0)
+    if modules is not None:
+        modules.append(module)
     return text
 
 
