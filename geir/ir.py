@@ -240,6 +240,17 @@ class Module:
         raise KeyError("main")
 
 
+def clone_op(op: Operation, operands: list[Value], mapping: dict[int, Value]) -> Operation:
+    """A copy of `op` on new operands, with new results; `mapping` gets old result id -> new result."""
+    new = type(op)(op.name, operands, [], dict(op.attributes), op.loc, op.attr_locs)
+    for v in new.operands:
+        v.uses.append(new)
+    new.results = [Value(r.type, r.name, new, i, r.loc) for i, r in enumerate(op.results)]
+    for r, nr in zip(op.results, new.results):
+        mapping[id(r)] = nr
+    return new
+
+
 def clone_graph(graph: Graph) -> Graph:
     """A copy of a graph with new values and ops (attribute dictionaries copied, their values shared)."""
     mapping: dict[int, Value] = {}
@@ -247,13 +258,5 @@ def clone_graph(graph: Graph) -> Graph:
     for i, a in enumerate(graph.args):
         mapping[id(a)] = Value(a.type, a.name, None, i, a.loc)
         args.append(mapping[id(a)])
-    ops = []
-    for op in graph.ops:
-        new = type(op)(op.name, [mapping[id(v)] for v in op.operands], [], dict(op.attributes), op.loc, op.attr_locs)
-        for v in new.operands:
-            v.uses.append(new)
-        new.results = [Value(r.type, r.name, new, i, r.loc) for i, r in enumerate(op.results)]
-        for r, nr in zip(op.results, new.results):
-            mapping[id(r)] = nr
-        ops.append(new)
+    ops = [clone_op(op, [mapping[id(v)] for v in op.operands], mapping) for op in graph.ops]
     return Graph(graph.name, args, list(graph.result_types), ops, dict(graph.attributes), graph.loc, kind=graph.kind)

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import attrs
 import numpy as np
 
-from geir.ir import Graph, Module, Operation, Value
-from geir.ops.core import Const
+from geir.ir import Graph, Module, Operation, Value, clone_op
+from geir.ops.core import Const, Return
 from geir.runtime.interpreter import RunResult
 from geir.runtime.profile import profile
 from geir.runtime.session import DEFAULT_PIPELINE, bind_shapes, compile_module, run_program
@@ -95,15 +95,8 @@ def _subgraph(graph: Graph, n: int, piece: list[Operation], needed_later: set[in
             v.name = f"v{id(v) & 0xFFFFFF:x}"
         return v.name
 
-    def clone(op: Operation) -> Operation:
-        new = type(op)(op.name, [value(v) for v in op.operands], [], dict(op.attributes), op.loc, op.attr_locs)
-        for v in new.operands:
-            v.uses.append(new)
-        new.results = [Value(r.type, r.name, new, i, r.loc) for i, r in enumerate(op.results)]
-        for r, nr in zip(op.results, new.results):
-            mapping[id(r)] = nr
-        ops.append(new)
-        return new
+    def clone(op: Operation) -> None:
+        ops.append(clone_op(op, [value(v) for v in op.operands], mapping))
 
     def value(v: Value) -> Value:
         if id(v) not in mapping:
@@ -119,8 +112,6 @@ def _subgraph(graph: Graph, n: int, piece: list[Operation], needed_later: set[in
     outs = [mapping[id(r)] for op in piece for r in op.results if id(r) in needed_later]
     for v in outs:
         name_of(v)
-    from geir.ops.core import Return
-
     ret = Return("ge.return", outs, [], {}, graph.loc)
     for v in outs:
         v.uses.append(ret)
