@@ -8,14 +8,23 @@ relative to other tasks: the Runtime orders launches.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 import attrs
 import numpy as np
 
 from geir.ir import Operation
-from geir.target_npu.sim import PIPES, Cores, GlobalMemory, buffers_of
+from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, buffers_of
 from geir.target_npu.target import Target
+
+
+@attrs.define
+class PipeWaits:
+    """Cycles each pipe sat idle before its instructions, summed over cores, by what held it back:
+    a data flag (an operand was not ready yet) or a free buffer slot (its destination was still in use)."""
+
+    flag: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PIPES, 0.0))
+    slot: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PIPES, 0.0))
 
 
 @attrs.define
@@ -30,6 +39,8 @@ class LaunchContext:
     result_names: list[str] = attrs.field(factory=list)
     # a fault the Runtime injects into this launch ("ub_overflow"), or None
     fault: str | None = None
+    # where the pipes' idle time is booked (gedoctor asks for it); None: not counted, no cost
+    waits: PipeWaits | None = None
 
 
 @attrs.define
@@ -47,6 +58,8 @@ class KernelStats:
     hbm_read_bytes: int
     hbm_write_bytes: int
     flops: float
+    # the pipes' idle time by cause, when the Runtime counted it
+    waits: PipeWaits | None = None
 
     @property
     def cycles(self) -> float:
@@ -89,8 +102,29 @@ def measure(ctx: LaunchContext, name: str, tiling: dict[str, Any], flops: float,
     delta = [b - a for a, b in zip(counters0, counters)]
     used = int(np.count_nonzero(busy.sum(axis=0)))
     stats = KernelStats(name, tiling, start, cores.finish, used, dict(zip(PIPES, busy.sum(axis=1).tolist())),
-                        *delta, flops)
+                        *delta, flops, ctx.waits)
     return outputs, stats
+
+
+def issue(cores: Cores, waits: PipeWaits | None, pipe: str, on: np.ndarray, cost: np.ndarray | float,
+          flags: Iterable[np.ndarray] = (), slots: Iterable[np.ndarray] = (), name: str = "") -> np.ndarray:
+    """`cores.issue` with the events told apart: `flags` (operands ready) and `slots` (a buffer slot free).
+
+    The instruction waits for all of them alike; when `waits` is given, the pipe's idle cycles before it
+    are booked to the flags first and whatever the slot alone held back to the slot.
+    """
+    flags, slots = tuple(flags), tuple(slots)
+    if waits is not None:
+        free = cores.free[PIPE_INDEX[pipe], on]
+        ready = free
+        for event in flags:
+            ready = np.maximum(ready, event)
+        start = ready
+        for event in slots:
+            start = np.maximum(start, event)
+        waits.flag[pipe] += float(np.sum(ready - free))
+        waits.slot[pipe] += float(np.sum(start - ready))
+    return cores.issue(pipe, on, cost, flags + slots, name=name)
 
 
 def flops_of(op: Operation) -> float:

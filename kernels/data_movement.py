@@ -32,7 +32,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_kernel
 from geir.target_npu.sim import Buffer, CapacityError, Cores, GlobalMemory, buffers_of, spread, vector_cycles
 
 FRACTAL = 16  # rows and columns of one GM residency block
@@ -217,8 +217,9 @@ class UbSlots:
     """Double-buffered UB slots of a streaming vector kernel, as set/wait flags: a load waits until its
     slot's previous tile was computed, a computation until its slot's previous result was stored."""
 
-    def __init__(self, cores: Cores, buffers: int):
+    def __init__(self, cores: Cores, buffers: int, waits: PipeWaits | None = None):
         self.cores = cores
+        self.waits = waits  # where the pipes' idle time is booked, if counted
         self.nbuf = max(int(buffers), 1)
         self.in_free = np.zeros((self.nbuf, cores.count))
         self.out_free = np.zeros((self.nbuf, cores.count))
@@ -229,13 +230,13 @@ class UbSlots:
         (None: the result stays in UB); returns when the tile is ready in UB."""
         s = self.n % self.nbuf
         self.n += 1
-        cores = self.cores
-        ready = cores.issue("MTE2", lanes, load, [self.in_free[s, lanes], *after], name=names[0])
+        cores, waits = self.cores, self.waits
+        ready = issue(cores, waits, "MTE2", lanes, load, after, [self.in_free[s, lanes]], name=names[0])
         if vector is not None:
-            ready = cores.issue("VECTOR", lanes, vector, [ready, self.out_free[s, lanes]], name=names[1])
+            ready = issue(cores, waits, "VECTOR", lanes, vector, [ready], [self.out_free[s, lanes]], name=names[1])
             self.in_free[s, lanes] = ready
         if store is not None:
-            done = cores.issue("MTE3", lanes, store, [ready], name=names[2])
+            done = issue(cores, waits, "MTE3", lanes, store, [ready], name=names[2])
             self.out_free[s, lanes] = done
             if vector is None:
                 self.in_free[s, lanes] = done
@@ -307,7 +308,7 @@ def copy_kernel(pairs: list[CopyPair], elems: int, buffers: int, ctx: LaunchCont
     MTE3 UB -> destination."""
     cores, gm = ctx.cores, ctx.gm
     lanes = VectorLanes(ctx)
-    slots = UbSlots(cores, buffers)
+    slots = UbSlots(cores, buffers, ctx.waits)
     for pair in pairs:
         total = pair.src.size
         if total == 0:

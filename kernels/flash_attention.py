@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import Kernel, LaunchContext, allocate, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
 from geir.ops.numerics import round_in_f32, round_to
 from geir.passes.tiling import flash_budget
 from geir.types import DType
@@ -191,7 +191,7 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
                 ctx: LaunchContext) -> None:
     """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing)."""
-    target, cores, gm = ctx.target, ctx.cores, ctx.gm
+    target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     B, N, Sq, D = q_shape
     Nkv, Skv = k_shape[1], k_shape[2]
     group = N // Nkv
@@ -228,7 +228,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
 
         # Q block: GM -> L1 -> L0A once per unit
         q_ready = cores.issue("MTE2", on, gm.read(qname, bn * nq + qi, q_bytes), name="load Q")
-        q_ready = cores.issue("MTE1", on, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
+        q_ready = issue(cores, waits, "MTE1", on, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
         pending = None  # the previous block's (cores, P event, V event, softmax event, slot)
 
         for step in range(int(trips.max(initial=0))):
@@ -239,37 +239,38 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
             # each load waits until its slot's previous block is done with it: K once it is in L0B,
             # V (and P) once the second matmul has read them
             kv_block = (b[act] * Nkv + nkv[act]) * nk + t
-            k_ready = cores.issue("MTE2", core, gm.read(kname, kv_block, kv_bytes), [k_free[slot][core]], name="load K")
-            kv_ready = cores.issue("MTE2", core, gm.read(vname, kv_block, kv_bytes), [slot_free[slot][core]],
-                                   name="load V")
+            k_ready = issue(cores, waits, "MTE2", core, gm.read(kname, kv_block, kv_bytes),
+                            slots=[k_free[slot][core]], name="load K")
+            kv_ready = issue(cores, waits, "MTE2", core, gm.read(vname, kv_block, kv_bytes),
+                             slots=[slot_free[slot][core]], name="load V")
             if mname is not None:
                 mtile = cores.issue("MTE2", core, gm.read(mname, ((bn[act] * nq) + qi[act]) * nk + t,
                                                          s1 * s2 * _bytes(mask.dtype)), name="load mask")
                 k_ready = np.maximum(k_ready, mtile)
-            k_l0 = cores.issue("MTE1", core, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
+            k_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
             k_free[slot][core] = k_l0
-            s_done = cores.issue("CUBE", core, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
-                                 name="S = Q K^T")
-            s_ub = cores.issue("FIXP", core, local_copy_cycles(target, s1 * s2 * 4), [s_done, score_free[slot][core]],
-                               name="S to UB")
-            sm_done = cores.issue("VECTOR", core, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
-                                  name="online softmax")
+            s_done = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
+                           name="S = Q K^T")
+            s_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, s1 * s2 * 4), [s_done],
+                         [score_free[slot][core]], name="S to UB")
+            sm_done = issue(cores, waits, "VECTOR", core, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
+                            name="online softmax")
             score_free[slot][core] = sm_done
-            p_l1 = cores.issue("MTE3", core, local_copy_cycles(target, p_bytes), [sm_done, slot_free[slot][core]],
-                               name="P to L1")
+            p_l1 = issue(cores, waits, "MTE3", core, local_copy_cycles(target, p_bytes), [sm_done],
+                         [slot_free[slot][core]], name="P to L1")
             # with two buffers the second matmul of the previous block follows this block's first on the
             # cube, and runs while the vector units work on this block's softmax; with one buffer the
             # next load needs this block's slot back, so its second matmul runs now
             if pending is not None:
-                _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
+                _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
                 pending = None
 
             pending = (core, p_l1, kv_ready, sm_done, slot)
             if nbuf == 1:
-                _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
+                _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
                 pending = None
         if pending is not None:
-            _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free)
+            _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
         if segments == 1:
             cores.issue("VECTOR", on, vector_cycles(target, s1 * D * 4, 1), name="O / l")
             cores.issue("MTE3", on, gm.write(oname, bn * nq + qi, s1 * D * isz), name="store O")
@@ -280,15 +281,15 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
         _time_combine(ctx, oname, units // segments, segments, s1, D, isz)
 
 
-def _issue_pv(cores, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
+def _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
     """Timing of the second matmul of a block and the accumulation that follows it."""
     core, p_l1, kv_ready, sm_done, slot = pending
-    p_l0 = cores.issue("MTE1", core, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
-    pv = cores.issue("CUBE", core, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
+    p_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
+    pv = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
     slot_free[slot][core] = pv
-    o_ub = cores.issue("FIXP", core, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
-    cores.issue("VECTOR", core, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
-                name="rescale and accumulate O")
+    o_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
+    issue(cores, waits, "VECTOR", core, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
+          name="rescale and accumulate O")
 
 
 def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
@@ -297,6 +298,6 @@ def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1:
     for wave, on in spread(units, cores.count):
         read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
         ready = cores.issue("MTE2", on, read, name="load partials")
-        done = cores.issue("VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
-                           name="combine segments")
-        cores.issue("MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
+        done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
+                     name="combine segments")
+        issue(cores, ctx.waits, "MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")

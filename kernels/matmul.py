@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import Kernel, LaunchContext, allocate, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
 from geir.passes.tiling import matmul_budget
 from geir.kernels.data_movement import (
     check_fault,
@@ -107,7 +107,7 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
                    out_dt: np.dtype, tiling: dict, ctx: LaunchContext, epilogue=None,
                    activation: str = "none") -> np.ndarray:
     """The kernel proper; timing goes to ctx.cores and ctx.gm."""
-    target, cores, gm = ctx.target, ctx.cores, ctx.gm
+    target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     m, n, k = int(tiling["m"]), int(tiling["n"]), int(tiling["k"])
     nbuf = max(int(tiling.get("buffers", 2)), 1)
     dt = a.dtype
@@ -173,26 +173,27 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
             # cores loading the same block in this step share it (the first one brings it into L2)
             load_a = gm_read(gm, ag, rect_pieces(ag, *a_rect), key=ba * tm + mi)
             load_b = gm_read(gm, bg, rect_pieces(bg, *b_rect), key=bb * tn + ni)
-            a_l1 = cores.issue("MTE2", lanes, load_a, [l1_free[s, lanes]], name="load A")
-            b_l1 = cores.issue("MTE2", lanes, load_b, [l1_free[s, lanes]], name="load B")
-            l0 = cores.issue("MTE1", lanes, costs.local((m_eff + n_eff) * k_eff * isz),
-                             [a_l1, b_l1, l0_free[s, lanes]], name="A, B to L0A, L0B")
+            a_l1 = issue(cores, waits, "MTE2", lanes, load_a, slots=[l1_free[s, lanes]], name="load A")
+            b_l1 = issue(cores, waits, "MTE2", lanes, load_b, slots=[l1_free[s, lanes]], name="load B")
+            l0 = issue(cores, waits, "MTE1", lanes, costs.local((m_eff + n_eff) * k_eff * isz), [a_l1, b_l1],
+                       [l0_free[s, lanes]], name="A, B to L0A, L0B")
             l1_free[s, lanes] = l0
-            after = [l0] if kk else [l0, l0c_free[cs, lanes], bias_ready]
-            mmad = cores.issue("CUBE", lanes, costs.mmad(m_eff, k_eff, n_eff), after, name="mmad")
+            flags, slots = ([l0], []) if kk else ([l0, bias_ready], [l0c_free[cs, lanes]])
+            mmad = issue(cores, waits, "CUBE", lanes, costs.mmad(m_eff, k_eff, n_eff), flags, slots, name="mmad")
             l0_free[s, lanes] = mmad
 
         store_pieces = rect_pieces(og, bo * M + m0, bo * M + m0 + m_eff, n0, n0 + n_eff)
         if vector_act:
-            to_ub = cores.issue("FIXP", lanes, costs.local(m_eff * n_eff * 4), [mmad, ub_free[cs, lanes]],
-                                name="L0C to UB")
+            to_ub = issue(cores, waits, "FIXP", lanes, costs.local(m_eff * n_eff * 4), [mmad], [ub_free[cs, lanes]],
+                          name="L0C to UB")
             l0c_free[cs, lanes] = to_ub
-            act = cores.issue("VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes), [to_ub],
-                              name=f"{activation} and cast")
-            ub_free[cs, lanes] = cores.issue("MTE3", lanes, gm_write(gm, og, store_pieces), [act], name="store C")
+            act = issue(cores, waits, "VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes), [to_ub],
+                        name=f"{activation} and cast")
+            ub_free[cs, lanes] = issue(cores, waits, "MTE3", lanes, gm_write(gm, og, store_pieces), [act],
+                                       name="store C")
         else:
-            l0c_free[cs, lanes] = cores.issue("FIXP", lanes, gm_write(gm, og, store_pieces), [mmad],
-                                              name="L0C to GM")
+            l0c_free[cs, lanes] = issue(cores, waits, "FIXP", lanes, gm_write(gm, og, store_pieces), [mmad],
+                                        name="L0C to GM")
 
     return _compute(A, B, bias, batch, k, m, out_dt, epilogue)
 

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, issue, register_kernel
 from geir.kernels.data_movement import (
     GmTensor,
     UbSlots,
@@ -118,7 +118,8 @@ class _Streams:
         for t in tensors:
             pieces = flat_pieces(t, np.zeros(movers, np.int64), np.full(movers, t.size))
             cost = self.lanes.per_lane(on, gm_read(self.gm, t, pieces, key=np.zeros(movers)))
-            ready[used] = cores.issue("MTE2", used, cost, [ready[used]], name=f"load resident {t.name}")
+            ready[used] = issue(cores, self.ctx.waits, "MTE2", used, cost, [ready[used]],
+                                name=f"load resident {t.name}")
         return ready
 
 
@@ -164,7 +165,7 @@ class ElementwiseKernel(Kernel):
         nt = -(-total // elems)
         ready = io.load_resident([g for g, r in zip(in_gm, resident) if r], nt)
         lanes = io.lanes
-        slots = UbSlots(ctx.cores, nbuf)
+        slots = UbSlots(ctx.cores, nbuf, ctx.waits)
         names = [s["op"] for s in body] or [op.name]
         passes = sum(elementwise_passes(n) for n in names) + (CAST_PASSES if halves else 0)
         work_bytes = max([a.dtype.itemsize for a in inputs] + [out.dtype.itemsize] + [4 if halves else 0])
@@ -306,7 +307,7 @@ class RowKernel(Kernel):
         segments = -(-C // seg)
         ready = io.load_resident([g for g, r in zip(pg, resident) if r], nt)
         streamed = [(g, p) for g, p, r in zip(pg, params, resident) if not r]
-        slots = UbSlots(cores, nbuf)
+        slots = UbSlots(cores, nbuf, ctx.waits)
         row_op = _row_op(op)
         passes = ROW_PASSES[op.name]
         casts = CAST_PASSES if halves else 0
@@ -362,7 +363,8 @@ class RowKernel(Kernel):
             if reduce:
                 res = _cast(stats.result(C), out2.dtype)
                 out2[lo:hi] = res.reshape(-1)[:hi - lo]
-                cores.issue("MTE3", used, store(wave, on, r0, r1, 0, C, 0), [done], name="store row results")
+                issue(cores, ctx.waits, "MTE3", used, store(wave, on, r0, r1, 0, C, 0), [done],
+                      name="store row results")
                 continue
             for s, c0, c1 in cuts:
                 res = _cast(stats.apply(xt[..., c0:c1], [p[..., c0:c1] for p in pt], C), out2.dtype)

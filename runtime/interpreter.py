@@ -15,7 +15,7 @@ import numpy as np
 
 from geir.ir import Graph, Operation, Value
 from geir.kernels import KERNELS
-from geir.kernels.base import KernelStats, LaunchContext, flops_of, measure
+from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
 from geir.opdef import lookup
 from geir.passes.tiling import smaller_tiling
 from geir.runtime.device import DeviceFault, DeviceMemory
@@ -57,9 +57,12 @@ class RunResult:
 class Runtime:
     """Runs rt.programs on one simulated chip."""
 
-    def __init__(self, target: Target, record_pipes: bool = False, faults: Iterable[tuple[str, int]] = ()):
+    def __init__(self, target: Target, record_pipes: bool = False, faults: Iterable[tuple[str, int]] = (),
+                 count_waits: bool = False):
         self.target = target
         self.record_pipes = record_pipes
+        # book every pipe's idle time to the flag or buffer slot it waited for (KernelStats.waits; gedoctor)
+        self.count_waits = count_waits
         # faults to inject, each once: ("dma", n) fails the n-th host-device transfer, ("core", n) stops a
         # core during the n-th kernel, ("ub_overflow", n) makes the n-th kernel's tiling not fit (0-based)
         self.faults = {(kind, n) for kind, n in faults}
@@ -206,7 +209,7 @@ class Runtime:
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
         cores.sync_to(start_cycles)
         ctx = LaunchContext(self.target, cores, gm, [_gm_name(where[id(v)]) for v in op.operands],
-                            [_gm_name(o) for o in op.offsets], fault)
+                            [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None)
         outs, stats = measure(ctx, op.kernel, dict(op.tiling), flops_of(kernel_op),
                               lambda: kernel.run(kernel_op, args, ctx))
         # results are stored only now: with an in-place plan they may overwrite an operand the kernel read

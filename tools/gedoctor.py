@@ -1,0 +1,288 @@
+"""gedoctor: compile and run a program on the simulated NPU and say which layer to look at first.
+
+    gedoctor FILE [--json] [--entry NAME] [--passes=PIPELINE | --no-fuse] [--target NAME]
+             [--inputs IN.npz | --seed N] [--weights W.npz]
+
+FILE is a `.geir` holding a ge.graph (compiled with the pipeline, gerun's default unless told), a
+`.geir` holding an rt.program (already lowered: the Runtime and kernel layers are judged), or an
+`.onnx` model (imported by geir.frontends.onnx). The report answers, in this order: did fusion
+take effect, did the Runtime overlap data movement with compute, is each kernel near its limit,
+and the single layer to look at first with the evidence. `--json` prints exactly
+`{"culprit": "fusion" | "runtime" | "kernel" | "none", "findings": [...]}`.
+
+Exit codes: 0 a diagnosis (whatever the culprit), 1 bad input or a failed run, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
+from geir.ir import Graph, Module
+from geir.parser import decode_source, parse
+from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
+from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.tools.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    DiagnosticPrinter,
+    ToolError,
+    read_input,
+    tool_error,
+)
+from geir.verifier import verify_module
+
+
+if TYPE_CHECKING:
+    from geir.runtime.doctor import Diagnosis, KernelView
+
+TOOL = "gedoctor"
+SECTIONS = {
+    "fusion": "1. GE fusion: did fusion take effect?",
+    "runtime": "2. Runtime: did data movement overlap compute?",
+    "kernel": "3. Kernels: is each near its limit?",
+}
+TABLE_ROWS = 10  # kernels shown per table, the slowest first
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=TOOL,
+        description="Compile and run a program on the simulated NPU and say which layer to look at first: "
+                    "GE fusion, the Runtime's overlap, or the kernels.",
+    )
+    p.add_argument("input", metavar="FILE", help="a .geir (ge.graph or rt.program, - for stdin) or an .onnx model")
+    p.add_argument("--json", action="store_true", help='print {"culprit": ..., "findings": [...]} as JSON')
+    p.add_argument("--entry", metavar="NAME", help="the graph to diagnose (default @main, else the only graph)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--inputs", metavar="IN.npz", help="inputs by argument name (default: random, --seed 0)")
+    src.add_argument("--seed", type=int, default=0, metavar="N", help="random normal inputs from this seed")
+    p.add_argument("--weights", metavar="W.npz",
+                   help="arrays for dense_resource constants (default: the .npz beside FILE with its stem)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"simulated chip (default {DEFAULT_TARGET})")
+    pipe = p.add_mutually_exclusive_group()
+    pipe.add_argument("--passes", metavar="PIPELINE", help="GE pipeline (lower is added at the end)")
+    pipe.add_argument("--no-fuse", action="store_true", help="the default pipeline without fusion")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ToolError as e:
+        if str(e):
+            tool_error(TOOL, str(e))
+        return e.code
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        tool_error(TOOL, "interrupted")
+        return EXIT_FAILURE
+    except Exception as e:
+        if os.environ.get("GEIR_TRACEBACK"):
+            raise
+        tool_error(TOOL, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
+        return EXIT_FAILURE
+
+
+def pipeline_of(args: argparse.Namespace, sources: SourceManager) -> str:
+    """The pipeline text to compile with; a mistake in it is a usage error (with a caret under it)."""
+    from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE
+
+    if args.no_fuse:
+        return NO_FUSE_PIPELINE
+    if args.passes is None:
+        return DEFAULT_PIPELINE
+    try:
+        passes = complete_pipeline(parse_pipeline(args.passes))
+    except PipelineError as e:
+        sources.add("--passes", args.passes)
+        print(sources.render(Diagnostic("error", str(e), Location("--passes", 1, e.column + 1))), file=sys.stderr)
+        raise ToolError("", EXIT_USAGE) from None
+    if "lower" in [p.NAME for p in passes][:-1]:
+        raise ToolError(f"--passes: lower must be the last pass (pipeline: {pipeline_text(passes)})", EXIT_USAGE)
+    return args.passes if passes else "lower"
+
+
+def read_module(args: argparse.Namespace, sources: SourceManager,
+                printer: DiagnosticPrinter) -> tuple[Module, dict[str, np.ndarray] | None]:
+    """The module to diagnose and, for an ONNX model, its weights (None: from --weights or beside FILE)."""
+    if args.input.lower().endswith(".onnx"):
+        if args.weights:
+            raise ToolError("--weights applies to a .geir file; an ONNX model carries its own weights", EXIT_USAGE)
+        return import_model(args.input)
+    name, data = read_input(args.input)
+    try:
+        text = decode_source(data, name)
+        sources.add(name, text)
+        module = parse(text, name)
+    except DiagnosticError as e:
+        sources.add(name, data.decode("utf-8", errors="replace"))
+        for d in e.diagnostics:
+            printer(d)
+        raise ToolError("") from None
+    errors: list[Diagnostic] = []
+    if not verify_module(module, errors.append):
+        for d in errors:
+            printer(d)
+        raise ToolError("")
+    return module, None
+
+
+def import_model(path: str) -> tuple[Module, dict[str, np.ndarray]]:
+    """An ONNX model through the ONNX frontend; a clean error when it or onnx is missing."""
+    if not Path(path).is_file():
+        raise ToolError(f"cannot read '{path}': no such file")
+    try:
+        from geir.frontends.onnx import OnnxImportError, import_onnx
+    except ImportError as e:
+        raise ToolError(f"cannot read ONNX models here: {e} (install the extra: pip install -e '.[onnx]')") from None
+    try:
+        module, weights = import_onnx(path)
+    except OnnxImportError as e:
+        raise ToolError(f"{path}: {e}") from None
+    except ImportError as e:
+        raise ToolError(f"cannot read ONNX models here: {e} (install the extra: pip install -e '.[onnx]')") from None
+    return module, dict(weights)
+
+
+def select(module: Module, entry: str | None, name: str) -> Graph:
+    """The graph named by --entry, else @main, else the only graph."""
+    names = ", ".join(f"@{g.name}" for g in module.graphs)
+    try:
+        return module.graph(entry)
+    except KeyError:
+        if entry is not None:
+            raise ToolError(f"{name} has no graph @{entry} (it holds {names or 'none'})") from None
+        raise ToolError(f"{name} holds several graphs ({names}) and none is @main: choose one with --entry") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from geir.runtime.doctor import diagnose_graph, diagnose_program
+    from geir.runtime.interpreter import RuntimeFailure
+    from geir.tools.gerun import (
+        check_inputs_match,
+        load_weights,
+        npz_inputs,
+        random_inputs,
+    )
+
+    try:
+        load_target(args.target)
+    except KeyError:
+        raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})",
+                        EXIT_USAGE) from None
+    sources = SourceManager()
+    printer = DiagnosticPrinter(sources)
+    pipeline = pipeline_of(args, sources)
+    module, onnx_weights = read_module(args, sources, printer)
+    graph = select(module, args.entry, args.input)
+    lowered = graph.kind == "rt.program"
+    if lowered and (args.passes is not None or args.no_fuse):
+        raise ToolError(f"@{graph.name} in {args.input} is an rt.program (already lowered): --passes and --no-fuse "
+                        f"apply to a ge.graph", EXIT_USAGE)
+    weights = onnx_weights if onnx_weights is not None else load_weights(graph, args, printer)
+    inputs = npz_inputs(graph, args.inputs) if args.inputs else random_inputs(graph, args.seed)
+    try:
+        if lowered:
+            check_inputs_match(graph, inputs, f"--inputs {args.inputs}" if args.inputs else f"--seed {args.seed}")
+            diagnosis = diagnose_program(graph, inputs, weights, args.target)
+        else:
+            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, args.target, module.file)
+    except DiagnosticError as e:
+        for d in e.diagnostics:
+            printer(d)
+        return EXIT_FAILURE
+    except RuntimeFailure as e:
+        raise ToolError(str(e)) from None
+    if args.json:
+        print(json.dumps(diagnosis.to_json(), indent=2, allow_nan=False))
+    else:
+        print(report(diagnosis, args.input, None if lowered else pipeline, sources))
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+# --- the text report ---------------------------------------------------------------------------------
+
+def report(d: Diagnosis, name: str, pipeline: str | None, sources: SourceManager) -> str:
+    """The three sections in order, then the layer to look at first with its evidence."""
+    totals = (f"device time {d.device_us:.1f} us in {len(d.kernels)} kernel(s); end to end {d.end_to_end_us:.1f} us "
+              f"(host-device copies {d.copies_us:.1f} us)")
+    lines = [f"gedoctor: {name} on {d.target}" + (f", pipeline {pipeline}" if pipeline else " (an rt.program)"),
+             totals, ""]
+    for layer, title in SECTIONS.items():
+        lines.append(title)
+        if layer == "runtime":
+            lines += _runtime_table(d)
+        elif layer == "kernel":
+            lines += _kernel_table(d)
+        for f in d.findings:
+            if f.layer == layer:
+                where = f"{f.location}: " if f.location else ""
+                lines.append(f"  [{f.severity}] {where}{f.message}")
+        lines.append("")
+    deciding = d.deciding()
+    if deciding is None:
+        lines.append(f"Look first at: none - no layer stands out: {d.calm()}")
+    else:
+        lines.append(f"Look first at: {d.culprit} - {deciding.message}")
+        if deciding.location:  # the source line it is about, as a diagnostic shows it
+            lines += ["", sources.render(Diagnostic("note", "look here", deciding.loc))]
+    return "\n".join(lines)
+
+
+def _slowest(d: Diagnosis) -> list:
+    return sorted(d.kernels, key=lambda v: -v.time_us)[:TABLE_ROWS]
+
+
+def _more(d: Diagnosis) -> list[str]:
+    rest = len(d.kernels) - TABLE_ROWS
+    return [f"  ... {rest} more kernel(s), each shorter"] if rest > 0 else []
+
+
+def _runtime_table(d: Diagnosis) -> list[str]:
+    from geir.runtime.doctor import pipe_waits
+
+    head = (f"  {'kernel':<36}{'time_us':>9}{'share':>7}{'buf':>5}{'overlap':>9}{'mem_bnd':>9}{'mte2':>6}{'cube':>6}"
+            f"{'vec':>6}  compute waits (flag/slot)")
+    rows = [head]
+    for v in _slowest(d):
+        f, k = v.figures, v.stats
+        compute = max(("CUBE", "VECTOR"), key=lambda p: k.busy[p])
+        flag, slot = pipe_waits(k, compute)
+        buf = k.tiling.get("buffers", "-") if k.tiling else "-"
+        waits = f"{compute.lower()} {100 * flag:.0f}% / {100 * slot:.0f}%" if k.busy[compute] else "- (no compute)"
+        rows.append(f"  {_short(v):<36}{v.time_us:>9.1f}{100 * v.share:>6.0f}%{buf!s:>5}{f['overlap_ratio']:>9.2f}"
+                    f"{f['memory_bound']:>9.2f}{f['mte2_ratio']:>6.2f}{f['cube_ratio']:>6.2f}{f['vec_ratio']:>6.2f}"
+                    f"  {waits}")
+    return rows + _more(d)
+
+
+def _kernel_table(d: Diagnosis) -> list[str]:
+    rows = [f"  {'kernel':<36}{'time_us':>9}{'TFLOP/s':>9}{'roof':>8}{'of roof':>9}  bound"]
+    for v in _slowest(d):
+        r = v.roof
+        rows.append(f"  {_short(v):<36}{v.time_us:>9.1f}{r.achieved_tflops:>9.2f}{r.roof_tflops:>8.1f}"
+                    f"{100 * r.fraction:>8.0f}%  {r.bound}")
+    return rows + _more(d)
+
+
+def _short(v: KernelView) -> str:
+    """A kernel's name and line, short enough for a table column."""
+    where = f":{v.loc.line}" if v.loc is not None and v.loc.line else ""
+    text = f"{v.name.removeprefix('ge.')}{where}"
+    return text if len(text) <= 35 else text[:34] + "~"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
