@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from geir.diagnostics import Diagnostic, SourceManager
+from geir.diagnostics import Diagnostic, Location, SourceManager
+from geir.ir import Graph, Module
+from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -65,3 +68,33 @@ class DiagnosticPrinter:
 
 def tool_error(tool: str, message: str) -> None:
     print(f"{tool}: error: {message}", file=sys.stderr)
+
+
+def checked_pipeline(args: argparse.Namespace, sources: SourceManager) -> str:
+    """--passes / --no-fuse as the pipeline text to compile with; a mistake in it is a usage error (with a caret)."""
+    from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE
+
+    if args.no_fuse:
+        return NO_FUSE_PIPELINE
+    if args.passes is None:
+        return DEFAULT_PIPELINE
+    try:
+        passes = complete_pipeline(parse_pipeline(args.passes))
+    except PipelineError as e:
+        sources.add("--passes", args.passes)
+        print(sources.render(Diagnostic("error", str(e), Location("--passes", 1, e.column + 1))), file=sys.stderr)
+        raise ToolError("", EXIT_USAGE) from None
+    if "lower" in [p.NAME for p in passes][:-1]:
+        raise ToolError(f"--passes: lower must be the last pass (pipeline: {pipeline_text(passes)})", EXIT_USAGE)
+    return args.passes if passes else "lower"
+
+
+def select_graph(module: Module, entry: str | None, name: str) -> Graph:
+    """The graph named by --entry, else @main, else the only graph."""
+    names = ", ".join(f"@{g.name}" for g in module.graphs)
+    try:
+        return module.graph(entry)
+    except KeyError:
+        if entry is not None:
+            raise ToolError(f"{name} has no graph @{entry} (it holds {names or 'none'})") from None
+        raise ToolError(f"{name} holds several graphs ({names}) and none is @main: choose one with --entry") from None

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
-from geir.ir import Graph, Module
+from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
+from geir.ir import Module
 from geir.parser import decode_source, parse
-from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
+    checked_pipeline,
+    select_graph,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -94,25 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
-def pipeline_of(args: argparse.Namespace, sources: SourceManager) -> str:
-    """The pipeline text to compile with; a mistake in it is a usage error (with a caret under it)."""
-    from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE
-
-    if args.no_fuse:
-        return NO_FUSE_PIPELINE
-    if args.passes is None:
-        return DEFAULT_PIPELINE
-    try:
-        passes = complete_pipeline(parse_pipeline(args.passes))
-    except PipelineError as e:
-        sources.add("--passes", args.passes)
-        print(sources.render(Diagnostic("error", str(e), Location("--passes", 1, e.column + 1))), file=sys.stderr)
-        raise ToolError("", EXIT_USAGE) from None
-    if "lower" in [p.NAME for p in passes][:-1]:
-        raise ToolError(f"--passes: lower must be the last pass (pipeline: {pipeline_text(passes)})", EXIT_USAGE)
-    return args.passes if passes else "lower"
-
-
 def read_module(args: argparse.Namespace, sources: SourceManager,
                 printer: DiagnosticPrinter) -> tuple[Module, dict[str, np.ndarray] | None]:
     """The module to diagnose and, for an ONNX model, its weights (None: from --weights or beside FILE)."""
@@ -155,17 +137,6 @@ def import_model(path: str) -> tuple[Module, dict[str, np.ndarray]]:
     return module, dict(weights)
 
 
-def select(module: Module, entry: str | None, name: str) -> Graph:
-    """The graph named by --entry, else @main, else the only graph."""
-    names = ", ".join(f"@{g.name}" for g in module.graphs)
-    try:
-        return module.graph(entry)
-    except KeyError:
-        if entry is not None:
-            raise ToolError(f"{name} has no graph @{entry} (it holds {names or 'none'})") from None
-        raise ToolError(f"{name} holds several graphs ({names}) and none is @main: choose one with --entry") from None
-
-
 def run(args: argparse.Namespace) -> int:
     from geir.runtime.doctor import diagnose_graph, diagnose_program
     from geir.runtime.interpreter import RuntimeFailure
@@ -183,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
                         EXIT_USAGE) from None
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
-    pipeline = pipeline_of(args, sources)
+    pipeline = checked_pipeline(args, sources)
     module, onnx_weights = read_module(args, sources, printer)
-    graph = select(module, args.entry, args.input)
+    graph = select_graph(module, args.entry, args.input)
     lowered = graph.kind == "rt.program"
     if lowered and (args.passes is not None or args.no_fuse):
         raise ToolError(f"@{graph.name} in {args.input} is an rt.program (already lowered): --passes and --no-fuse "

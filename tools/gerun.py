@@ -34,12 +34,14 @@ from typing import Any
 import numpy as np
 
 from geir.attributes import DenseResourceAttr
-from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
+from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.ir import Graph, Module
 from geir.parser import decode_source, parse
-from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
+from geir.passes import PipelineError
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
+    checked_pipeline,
+    select_graph,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -126,26 +128,6 @@ def parse_fault(text: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def _pipeline(args: argparse.Namespace, sources: SourceManager) -> str:
-    """The pipeline text to compile with; checked here so a mistake is a usage error."""
-    from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE
-
-    if args.no_fuse:
-        return NO_FUSE_PIPELINE
-    if args.passes is None:
-        return DEFAULT_PIPELINE
-    try:
-        passes = complete_pipeline(parse_pipeline(args.passes))
-    except PipelineError as e:
-        sources.add("--passes", args.passes)
-        print(sources.render(Diagnostic("error", str(e), Location("--passes", 1, e.column + 1))), file=sys.stderr)
-        raise ToolError("", EXIT_USAGE) from None
-    names = [p.NAME for p in passes]
-    if "lower" in names[:-1]:
-        raise ToolError(f"--passes: lower must be the last pass (pipeline: {pipeline_text(passes)})", EXIT_USAGE)
-    return args.passes if passes else "lower"
-
-
 # --- input file ----------------------------------------------------------------------------------------
 
 def _parse(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> tuple[Module, str]:
@@ -173,16 +155,6 @@ def _parse(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPr
 def _print_all(e: DiagnosticError, printer: DiagnosticPrinter) -> None:
     for d in e.diagnostics:
         printer(d)
-
-
-def _select(module: Module, entry: str | None, name: str) -> Graph:
-    names = ", ".join(f"@{g.name}" for g in module.graphs)
-    try:
-        return module.graph(entry)
-    except KeyError:
-        if entry is not None:
-            raise ToolError(f"{name} has no graph @{entry} (it holds {names})") from None
-        raise ToolError(f"{name} holds several graphs ({names}) and none is @main: choose one with --entry") from None
 
 
 # --- weights ---------------------------------------------------------------------------------------------
@@ -496,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
     requested_faults = [parse_fault(f) for f in args.inject_fault]
     sources = SourceManager()
     try:
-        pipeline = _pipeline(args, sources)
+        pipeline = checked_pipeline(args, sources)
     except ToolError as e:
         if not str(e):
             return e.code
@@ -516,7 +488,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     name, data = read_input(args.input)
     module, text = _parse(name, data, sources, printer)
-    graph = _select(module, args.entry, name)
+    graph = select_graph(module, args.entry, name)
     is_program = graph.kind == "rt.program"
     if is_program and args.check:
         raise ToolError(f"--check needs the graph: @{graph.name} in {name} is an rt.program (already lowered); "
@@ -535,7 +507,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     if is_program:
         program = graph
     else:
-        reference = _select(parse(text, name), args.entry, name) if args.check else None
+        reference = select_graph(parse(text, name), args.entry, name) if args.check else None
         try:
             session = Session(Module([graph], module.file, module.resources), pipeline, args.target, emit=printer,
                               explain=args.explain)
@@ -661,7 +633,7 @@ def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, we
         print(summary_line(f"result{i}", a, TensorType(a.shape, result_types[i].dtype)))
     failed = False
     if args.check:
-        reference = _select(parse(text, name), args.entry, name)
+        reference = select_graph(parse(text, name), args.entry, name)
         failed = not check_run(reference, inputs, weights, run.outputs,
                                [TensorType(a.shape, t.dtype) for a, t in zip(run.outputs, result_types)], "")
         print("check: PASS" if not failed else "check: FAIL (1 of 1 run(s) out of tolerance)")
