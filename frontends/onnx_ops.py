@@ -1,0 +1,605 @@
+"""Converters for the ONNX ops that map onto GEIR's graph ops (Attention has its own module).
+
+Each converter reads its node's attributes and inputs as the node's opset defines them (axes and
+sizes moved from attributes to inputs over the versions; both forms are accepted) and emits GEIR
+ops through the builder, which evaluates them on the spot when their operands are constants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from geir.frontends.onnx_node import Node, constant, converter, int_list, optional, required
+from geir.frontends.onnx_shapes import broadcast_shape, broadcast_to, normalize_axis, reshape_to
+from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor, dtype_of
+from geir.types import DType
+
+Inputs = list[Tensor | None]
+
+
+def scalar(b: GraphBuilder, value: float | int | bool, like: Tensor) -> Tensor:
+    """A rank-0 constant in the dtype of `like`."""
+    return b.const(np.array(value, dtype=like.type.dtype.np))
+
+
+def onnx_dtype(code: int) -> DType:
+    """The GEIR dtype of an ONNX TensorProto data type code."""
+    try:
+        np_dtype = helper.tensor_dtype_to_np_dtype(code)
+    except (KeyError, ValueError, TypeError):
+        raise ImportProblem(f"GEIR has no dtype for ONNX data type {code}") from None
+    return dtype_of(np_dtype)
+
+
+# --- elementwise ---------------------------------------------------------------------------------------
+
+def _binary(ge_name: str):
+    """A converter for an elementwise binary op with numpy broadcasting."""
+    def convert(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+        if node.opset < 7 and node.attr("broadcast", 0):
+            raise ImportProblem("the broadcast attribute of opsets before 7 (an axis-aligned broadcast, not numpy's)")
+        return [b.emit1(ge_name, [required(xs, 0, "A"), required(xs, 1, "B")])]
+    return convert
+
+
+for _onnx, _ge in {"Add": "ge.add", "Sub": "ge.sub", "Mul": "ge.mul", "Div": "ge.div",
+                   "Equal": "ge.equal", "Greater": "ge.greater", "Less": "ge.less"}.items():
+    converter(_onnx)(_binary(_ge))
+
+
+@converter("Pow")
+def _pow(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Pow, whose base and exponent may have different dtypes in ONNX (one dtype in GEIR)."""
+    x, y = required(xs, 0, "X"), required(xs, 1, "Y")
+    if x.type.dtype == y.type.dtype:
+        return [b.emit1("ge.pow", [x, y])]
+    if x.type.dtype.is_float:  # a float base: the exponent in the base's dtype
+        return [b.emit1("ge.pow", [x, b.emit1("ge.cast", [y], {"to": x.type.dtype})])]
+    # an integer base: computed in the exponent's float dtype, the result back in the base's
+    p = b.emit1("ge.pow", [b.emit1("ge.cast", [x], {"to": y.type.dtype}), y])
+    return [b.emit1("ge.cast", [p], {"to": x.type.dtype})]
+
+
+def _variadic(ge_name: str):
+    """A converter folding any number of inputs with a binary op."""
+    def convert(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+        operands = [x for x in xs if x is not None]
+        if not operands:
+            raise ImportProblem("needs at least one input", unsupported=False)
+        out = operands[0]
+        for x in operands[1:]:
+            out = b.emit1(ge_name, [out, x])
+        return [out]
+    return convert
+
+
+converter("Max")(_variadic("ge.max"))
+converter("Min")(_variadic("ge.min"))
+converter("Sum")(_variadic("ge.add"))
+
+
+@converter("Mean")
+def _mean(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Mean of the inputs: their sum over their count."""
+    (total,) = _variadic("ge.add")(b, node, xs)
+    count = sum(1 for x in xs if x is not None)
+    return [b.emit1("ge.div", [total, scalar(b, count, total)]) if count > 1 else total]
+
+
+def _or(b: GraphBuilder, x: Tensor, y: Tensor) -> Tensor:
+    """x or y on booleans."""
+    return b.emit1("ge.select", [x, b.const(True), y])
+
+
+@converter("GreaterOrEqual", "LessOrEqual")
+def _compare_or_equal(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """a >= b as (a > b) or (a == b), which keeps NaN's answer (false)."""
+    x, y = required(xs, 0, "A"), required(xs, 1, "B")
+    strict = b.emit1("ge.greater" if node.op_type == "GreaterOrEqual" else "ge.less", [x, y])
+    return [_or(b, strict, b.emit1("ge.equal", [x, y]))]
+
+
+@converter("Not")
+def _not(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """not x as x == false."""
+    return [b.emit1("ge.equal", [required(xs, 0, "X"), b.const(False)])]
+
+
+@converter("And", "Or", "Xor")
+def _logical(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """And, Or and Xor as selects on booleans."""
+    x, y = required(xs, 0, "A"), required(xs, 1, "B")
+    if node.op_type == "And":
+        return [b.emit1("ge.select", [x, y, b.const(False)])]
+    if node.op_type == "Or":
+        return [_or(b, x, y)]
+    return [b.emit1("ge.select", [x, b.emit1("ge.equal", [y, b.const(False)]), y])]
+
+
+@converter("Where")
+def _where(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Where as ge.select; a condition known now picks its side."""
+    cond, x, y = required(xs, 0, "condition"), required(xs, 1, "X"), required(xs, 2, "Y")
+    if cond.is_const and cond.array.size and (cond.array.all() or not cond.array.any()):
+        # a condition known now picks one side: no select (the fuse rules then see the side itself)
+        pick = x if cond.array.all() else y
+        shape = broadcast_shape(cond.shape, x.shape, y.shape)
+        if None not in shape and x.type.dtype == y.type.dtype:
+            return [broadcast_to(b, pick, shape)]
+    return [b.emit1("ge.select", [cond, x, y])]
+
+
+_UNARY = {"Sqrt": "ge.sqrt", "Exp": "ge.exp", "Log": "ge.log", "Erf": "ge.erf", "Tanh": "ge.tanh",
+          "Sigmoid": "ge.sigmoid", "Relu": "ge.relu", "Abs": "ge.abs", "Neg": "ge.neg"}
+
+
+@converter(*_UNARY)
+def _unary(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """The elementwise unary ops GEIR has under another name."""
+    return [b.emit1(_UNARY[node.op_type], [required(xs, 0, "X")])]
+
+
+@converter("Reciprocal")
+def _reciprocal(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """1 / x."""
+    x = required(xs, 0, "X")
+    return [b.emit1("ge.div", [scalar(b, 1, x), x])]
+
+
+@converter("Gelu")
+def _gelu(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Gelu, exact or tanh-approximated."""
+    approximate = node.attr("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        raise ImportProblem(f"Gelu approximation '{approximate}' (GEIR has 'none' and 'tanh')")
+    return [b.emit1("ge.gelu", [required(xs, 0, "X")], {"approximate": approximate})]
+
+
+@converter("Clip")
+def _clip(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Clip to [min, max] (attributes before opset 11, inputs after)."""
+    x = required(xs, 0, "input")
+    lo, hi = optional(xs, 1), optional(xs, 2)
+    if node.opset < 11:
+        lo = scalar(b, node.attr("min", -3.4028234663852886e38), x) if node.has_attr("min") else None
+        hi = scalar(b, node.attr("max", 3.4028234663852886e38), x) if node.has_attr("max") else None
+    # np.clip: min(max(x, lo), hi)
+    if lo is not None:
+        x = b.emit1("ge.max", [x, lo])
+    if hi is not None:
+        x = b.emit1("ge.min", [x, hi])
+    return [x]
+
+
+@converter("Identity")
+def _identity(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Identity: the input itself."""
+    return [required(xs, 0, "input")]
+
+
+@converter("Dropout")
+def _dropout(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor | None]:
+    """Dropout at inference: the input, and an all-true mask if asked for."""
+    x = required(xs, 0, "data")
+    training = optional(xs, 2)
+    if training is not None and bool(np.asarray(constant(training, "training_mode")).reshape(-1)[0]):
+        raise ImportProblem("Dropout in training mode (GEIR graphs are for inference)")
+    mask = None
+    if node.wants(1):
+        if None in x.shape:
+            raise ImportProblem("Dropout's mask output for a shape known only at run time")
+        mask = b.const(np.ones(x.shape, dtype=bool))
+    return [x, mask]
+
+
+@converter("Cast", "CastLike")
+def _cast(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Cast, or CastLike to the second input's dtype."""
+    x = required(xs, 0, "input")
+    to = onnx_dtype(node.attr("to")) if node.op_type == "Cast" else required(xs, 1, "target_type").type.dtype
+    if x.type.dtype == to:
+        return [x]
+    return [b.emit1("ge.cast", [x], {"to": to})]
+
+
+# --- softmax -------------------------------------------------------------------------------------------
+
+def _coerced_2d(b: GraphBuilder, node: Node, x: Tensor, axis: int, body) -> Tensor:
+    """Before opset 13 softmax ran over everything from `axis` on, as if x were 2-D."""
+    if axis == x.rank - 1:
+        return body(x, -1)
+    rows = _product(x.shape[:axis])
+    cols = _product(x.shape[axis:])
+    flat = reshape_to(b, x, (rows, cols))
+    return reshape_to(b, body(flat, -1), x.shape)
+
+
+def _product(dims) -> int | None:
+    """The product of some dims, None when one is `?`."""
+    n = 1
+    for d in dims:
+        if d is None:
+            return None
+        n *= d
+    return n
+
+
+@converter("Softmax", "LogSoftmax")
+def _softmax(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Softmax and LogSoftmax over one axis (over the trailing axes from `axis` before opset 13)."""
+    x = required(xs, 0, "input")
+    legacy = node.opset < 13
+    axis = node.attr("axis", 1 if legacy else -1)
+    normalize_axis(axis, max(x.rank, 1))
+
+    def body(t: Tensor, ax: int) -> Tensor:
+        if node.op_type == "Softmax":
+            return b.emit1("ge.softmax", [t], {"axis": ax})
+        # log-softmax written stably: (x - max) - log(sum(exp(x - max)))
+        shifted = b.emit1("ge.sub", [t, b.emit1("ge.reduce_max", [t], {"axes": [ax], "keepdims": True})])
+        total = b.emit1("ge.reduce_sum", [b.emit1("ge.exp", [shifted])], {"axes": [ax], "keepdims": True})
+        return b.emit1("ge.sub", [shifted, b.emit1("ge.log", [total])])
+
+    if legacy:
+        return [_coerced_2d(b, node, x, normalize_axis(axis, max(x.rank, 1)), body)]
+    return [body(x, axis)]
+
+
+# --- reductions ----------------------------------------------------------------------------------------
+
+_REDUCE = {"ReduceSum": "ge.reduce_sum", "ReduceMean": "ge.reduce_mean", "ReduceMax": "ge.reduce_max",
+           "ReduceMin": "ge.reduce_max"}
+
+
+@converter(*_REDUCE)
+def _reduce(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """ReduceSum/Mean/Max/Min over axes from an attribute or an input."""
+    x = required(xs, 0, "data")
+    axes_input = optional(xs, 1)
+    axes = int_list(axes_input, "axes") if axes_input is not None else list(node.attr("axes", []))
+    if not axes:
+        if node.attr("noop_with_empty_axes", 0):
+            return [x]
+        axes = list(range(x.rank))
+    axes = sorted({normalize_axis(a, x.rank, "axis") for a in axes})
+    if node.op_type in ("ReduceMax", "ReduceMin") and any(x.shape[a] == 0 for a in axes):
+        raise ImportProblem(f"{node.op_type} over an empty axis (GEIR's reduce_max has no value for no elements)")
+    attrs = {"axes": axes, "keepdims": bool(node.attr("keepdims", 1))}
+    if node.op_type == "ReduceMin":  # min(x) = -max(-x), exactly
+        if x.type.dtype == DType.i1:
+            raise ImportProblem("ReduceMin of booleans")
+        return [b.emit1("ge.neg", [b.emit1("ge.reduce_max", [b.emit1("ge.neg", [x])], attrs)])]
+    return [b.emit1(_REDUCE[node.op_type], [x], attrs)]
+
+
+# --- matrix products -----------------------------------------------------------------------------------
+
+@converter("MatMul")
+def _matmul(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """MatMul with numpy's semantics, vectors included."""
+    a, w = required(xs, 0, "A"), required(xs, 1, "B")
+    # numpy's matmul on vectors: a vector is a row (left) or a column (right), dropped from the result
+    a2 = reshape_to(b, a, (1,) + tuple(a.shape)) if a.rank == 1 else a
+    w2 = reshape_to(b, w, tuple(w.shape) + (1,)) if w.rank == 1 else w
+    y = b.emit1("ge.matmul", [a2, w2])
+    if a.rank == 1 or w.rank == 1:
+        shape = list(y.shape)
+        if w.rank == 1:
+            shape.pop(-1)
+        if a.rank == 1:
+            shape.pop(-2 if w.rank != 1 else -1)
+        y = reshape_to(b, y, shape)
+    return [y]
+
+
+@converter("Gemm")
+def _gemm(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """alpha * A' B' + beta * C."""
+    a, w, c = required(xs, 0, "A"), required(xs, 1, "B"), optional(xs, 2)
+    y = b.emit1("ge.matmul", [a, w], {"transpose_a": bool(node.attr("transA", 0)),
+                                      "transpose_b": bool(node.attr("transB", 0))})
+    alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
+    if alpha != 1.0:
+        y = b.emit1("ge.mul", [y, scalar(b, alpha, y)])
+    if c is not None and beta != 0.0:
+        if beta != 1.0:
+            c = b.emit1("ge.mul", [c, scalar(b, beta, c)])
+        y = b.emit1("ge.add", [y, c])
+    return [y]
+
+
+# --- data movement -------------------------------------------------------------------------------------
+
+@converter("Transpose")
+def _transpose(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Transpose (default: the axes reversed)."""
+    x = required(xs, 0, "data")
+    perm = list(node.attr("perm", list(range(x.rank))[::-1]))
+    if perm == list(range(x.rank)):
+        return [x]
+    return [b.emit1("ge.transpose", [x], {"perm": perm})]
+
+
+@converter("Reshape")
+def _reshape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Reshape to a shape known at import (0 copies a dimension unless allowzero)."""
+    x = required(xs, 0, "data")
+    if node.opset < 5:
+        shape = list(node.attr("shape", []))
+    else:
+        shape = int_list(required(xs, 1, "shape"), "the shape")
+    allow_zero = bool(node.attr("allowzero", 0))
+    dims: list[int | None] = []
+    for i, d in enumerate(shape):
+        if d == 0 and not allow_zero:  # 0 copies the input's dimension
+            if i >= x.rank:
+                raise ImportProblem(f"shape {shape} copies dimension {i} of a rank-{x.rank} input", unsupported=False)
+            dims.append(x.shape[i])
+        else:
+            dims.append(d)
+    if -1 in dims:
+        known = _product([d for d in dims if d != -1])
+        total = _product(x.shape)
+        if known is not None and total is not None:
+            if known == 0 or total % known:
+                raise ImportProblem(f"cannot reshape {x.type} into {shape}", unsupported=False)
+            dims[dims.index(-1)] = total // known
+    return [reshape_to(b, x, dims)]
+
+
+@converter("Flatten")
+def _flatten(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Flatten into two dimensions at `axis`."""
+    x = required(xs, 0, "input")
+    axis = node.attr("axis", 1)
+    axis = axis + x.rank if axis < 0 else axis
+    return [reshape_to(b, x, (_product(x.shape[:axis]), _product(x.shape[axis:])))]
+
+
+def _axes(node: Node, xs: Inputs, what: str) -> list[int] | None:
+    """Axes from input 1 (newer opsets) or the `axes` attribute (older ones); None when neither is given."""
+    given = optional(xs, 1)
+    if given is not None:
+        return int_list(given, what)
+    return list(node.attr("axes")) if node.has_attr("axes") else None
+
+
+@converter("Unsqueeze")
+def _unsqueeze(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Unsqueeze: size-1 axes inserted, as a reshape."""
+    x = required(xs, 0, "data")
+    axes = _axes(node, xs, "axes")
+    if axes is None:
+        raise ImportProblem("Unsqueeze without axes", unsupported=False)
+    rank = x.rank + len(axes)
+    new = sorted(normalize_axis(a, rank) for a in axes)
+    dims = list(x.shape)
+    for a in new:
+        dims.insert(a, 1)
+    return [reshape_to(b, x, dims)]
+
+
+@converter("Squeeze")
+def _squeeze(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Squeeze: size-1 axes dropped, as a reshape."""
+    x = required(xs, 0, "data")
+    axes = _axes(node, xs, "axes")
+    if axes is None:
+        if None in x.shape:
+            raise ImportProblem("Squeeze without axes of a shape with dimensions known only at run time")
+        axes = [i for i, d in enumerate(x.shape) if d == 1]
+    drop = {normalize_axis(a, x.rank) for a in axes}
+    for a in drop:
+        if x.shape[a] not in (1, None):
+            raise ImportProblem(f"cannot squeeze axis {a} of {x.type}: its size is not 1", unsupported=False)
+    return [reshape_to(b, x, [d for i, d in enumerate(x.shape) if i not in drop])]
+
+
+@converter("Concat")
+def _concat(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Concat along an axis."""
+    parts = [x for x in xs if x is not None]
+    if not parts:
+        raise ImportProblem("Concat of nothing", unsupported=False)
+    axis = normalize_axis(node.attr("axis", 0), parts[0].rank)
+    if len(parts) == 1:
+        return parts
+    return [b.emit1("ge.concat", parts, {"axis": axis})]
+
+
+@converter("Split")
+def _split(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Split by sizes from an input or attribute, or into equal parts."""
+    x = required(xs, 0, "input")
+    axis = normalize_axis(node.attr("axis", 0), x.rank)
+    count = len(node.outputs)
+    given = optional(xs, 1)
+    if given is not None:
+        sizes = int_list(given, "split")
+    elif node.has_attr("split"):
+        sizes = list(node.attr("split"))
+    else:
+        dim = x.shape[axis]
+        if dim is None:
+            raise ImportProblem("Split into equal parts along a dimension known only at run time")
+        count = node.attr("num_outputs", count)
+        chunk = -(-dim // count)  # ceil: the last part is the smaller one (opset 18)
+        sizes = [min(chunk, dim - i * chunk) for i in range(count)]
+    if len(sizes) != len(node.outputs):
+        raise ImportProblem(f"Split into {len(sizes)} parts but the node has {len(node.outputs)} outputs",
+                            unsupported=False)
+    if len(sizes) == 1:
+        return [x]
+    return b.emit("ge.split", [x], {"axis": axis, "sizes": sizes}, results=len(sizes))
+
+
+@converter("Slice")
+def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Slice with step 1 (attributes before opset 10, inputs after)."""
+    x = required(xs, 0, "data")
+    if node.opset < 10:
+        starts, ends = list(node.attr("starts")), list(node.attr("ends"))
+        axes = list(node.attr("axes", range(len(starts))))
+        steps = [1] * len(starts)
+    else:
+        starts = int_list(required(xs, 1, "starts"), "starts")
+        ends = int_list(required(xs, 2, "ends"), "ends")
+        axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(len(starts)))
+        steps = int_list(xs[4], "steps") if optional(xs, 4) is not None else [1] * len(starts)
+    if any(s != 1 for s in steps):
+        raise ImportProblem(f"Slice with steps {steps} (GEIR slices take every element)")
+    axes = [normalize_axis(a, x.rank) for a in axes]
+    # clamp to the dimension where it is known, so the IR holds readable numbers
+    bound = [x.shape[a] if x.shape[a] is not None else 2 ** 62 for a in axes]
+    starts = [max(-n, min(n, s)) for s, n in zip(starts, bound)]
+    ends = [max(-n, min(n, e)) for e, n in zip(ends, bound)]
+    if all(x.shape[a] is not None and s in (0, -x.shape[a]) and e == x.shape[a]
+           for a, s, e in zip(axes, starts, ends)):
+        return [x]
+    return [b.emit1("ge.slice", [x], {"axes": axes, "starts": starts, "ends": ends})]
+
+
+@converter("Gather")
+def _gather(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Gather with indices known at import: slices of consecutive runs, concatenated."""
+    data = required(xs, 0, "data")
+    indices = np.asarray(constant(required(xs, 1, "indices"), "the indices"))
+    axis = normalize_axis(node.attr("axis", 0), data.rank)
+    dim = data.shape[axis]
+    flat = [int(i) for i in indices.reshape(-1)]
+    if any(i < 0 for i in flat):
+        if dim is None:
+            raise ImportProblem("negative Gather indices on a dimension known only at run time")
+        flat = [i + dim if i < 0 else i for i in flat]
+    # runs of consecutive indices become one slice each; the pieces are concatenated
+    pieces: list[Tensor] = []
+    start = 0
+    while start < len(flat):
+        end = start + 1
+        while end < len(flat) and flat[end] == flat[end - 1] + 1:
+            end += 1
+        pieces.append(b.emit1("ge.slice", [data], {"axes": [axis], "starts": [flat[start]],
+                                                    "ends": [flat[end - 1] + 1]}))
+        start = end
+    if not pieces:
+        picked = b.emit1("ge.slice", [data], {"axes": [axis], "starts": [0], "ends": [0]})
+    elif len(pieces) == 1:
+        picked = pieces[0]
+    else:
+        picked = b.emit1("ge.concat", pieces, {"axis": axis})
+    shape = tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1:])
+    return [reshape_to(b, picked, shape)]
+
+
+@converter("Pad")
+def _pad(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Pad with a constant: slabs concatenated on either side (negative pads cut)."""
+    x = required(xs, 0, "data")
+    mode = node.attr("mode", "constant")
+    if mode != "constant":
+        raise ImportProblem(f"Pad in '{mode}' mode (GEIR pads with a constant only)")
+    if node.opset < 11:
+        pads, value = list(node.attr("pads")), node.attr("value", 0.0)
+        axes = list(range(x.rank))
+    else:
+        pads = int_list(required(xs, 1, "pads"), "pads")
+        given = optional(xs, 2)
+        value = np.asarray(constant(given, "constant_value")).reshape(-1)[0] if given is not None else 0
+        axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(x.rank))
+    axes = [normalize_axis(a, x.rank) for a in axes]
+    if len(pads) != 2 * len(axes):
+        raise ImportProblem(f"Pad has {len(pads)} pads for {len(axes)} axes", unsupported=False)
+    for axis, before, after in zip(axes, pads[:len(axes)], pads[len(axes):]):
+        # negative pads cut, positive ones add constant slabs on either side
+        if before < 0 or after < 0:
+            dim = x.shape[axis]
+            if dim is None:
+                raise ImportProblem("negative Pad on a dimension known only at run time")
+            x = b.emit1("ge.slice", [x], {"axes": [axis], "starts": [max(-before, 0)],
+                                           "ends": [dim - max(-after, 0)]})
+            before, after = max(before, 0), max(after, 0)
+        if not before and not after:
+            continue
+        if None in x.shape:
+            raise ImportProblem("Pad of a tensor whose shape is known only at run time")
+        parts = []
+        for amount in (before, after):
+            shape = list(x.shape)
+            shape[axis] = amount
+            parts.append(b.const(np.full(shape, value, dtype=x.type.dtype.np)) if amount else None)
+        x = b.emit1("ge.concat", [p for p in (parts[0], x, parts[1]) if p is not None], {"axis": axis})
+    return [x]
+
+
+@converter("Expand")
+def _expand(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Expand: numpy broadcasting to a shape known at import."""
+    x = required(xs, 0, "input")
+    shape = int_list(required(xs, 1, "shape"), "the shape")
+    return [broadcast_to(b, x, broadcast_shape(x.shape, shape))]
+
+
+@converter("Shape")
+def _shape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Shape of a tensor whose dims are static: a constant."""
+    x = required(xs, 0, "data")
+    start, end = node.attr("start", 0), node.attr("end", None)
+    dims = list(x.shape)[slice(start, end)]
+    if None in dims:
+        raise ImportProblem(f"Shape of {x.type} reads a dimension known only at run time ('?')")
+    return [b.const(np.array(dims, dtype=np.int64))]
+
+
+@converter("Size")
+def _size(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Size of a static tensor: a constant."""
+    x = required(xs, 0, "data")
+    n = _product(x.shape)
+    if n is None:
+        raise ImportProblem(f"Size of {x.type}, which is known only at run time")
+    return [b.const(np.array(n, dtype=np.int64))]
+
+
+# --- normalisations ------------------------------------------------------------------------------------
+
+@converter("LayerNormalization")
+def _layer_norm(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor | None]:
+    """LayerNormalization as ge.layer_norm, with its Mean and InvStdDev outputs written out."""
+    x, gamma, beta = required(xs, 0, "X"), required(xs, 1, "Scale"), optional(xs, 2)
+    given = node.attr("axis", -1)
+    axis = normalize_axis(given, x.rank)
+    epsilon = float(node.attr("epsilon", 1e-5))
+    if beta is None:
+        beta = b.const(np.zeros(gamma.shape, dtype=gamma.type.dtype.np))
+    y = b.emit1("ge.layer_norm", [x, gamma, beta], {"axis": given, "epsilon": epsilon})
+    mean = inv_std = None
+    if node.wants(1) or node.wants(2):
+        # the statistics outputs, in the stash type (f32 unless it says otherwise), written out
+        stash = onnx_dtype(node.attr("stash_type", 1))
+        xf = x if x.type.dtype == stash else b.emit1("ge.cast", [x], {"to": stash})
+        axes = list(range(axis, x.rank))
+        mean = b.emit1("ge.reduce_mean", [xf], {"axes": axes, "keepdims": True})
+        centred = b.emit1("ge.sub", [xf, mean])
+        var = b.emit1("ge.reduce_mean", [b.emit1("ge.mul", [centred, centred])], {"axes": axes, "keepdims": True})
+        inv_std = b.emit1("ge.rsqrt", [b.emit1("ge.add", [var, scalar(b, epsilon, var)])])
+    return [y, mean, inv_std]
+
+
+@converter("RMSNormalization")
+def _rms_norm(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """RMSNormalization as ge.rms_norm, over several trailing axes by folding them into one."""
+    x, gamma = required(xs, 0, "X"), required(xs, 1, "scale")
+    axis = normalize_axis(node.attr("axis", -1), x.rank)
+    attrs = {"epsilon": float(node.attr("epsilon", 1e-5))}
+    if axis == x.rank - 1:
+        return [b.emit1("ge.rms_norm", [x, gamma], attrs)]
+    # GEIR normalises over the last axis: fold the normalised axes into one, and the scale with them
+    inner = tuple(x.shape[axis:])
+    if None in inner:
+        raise ImportProblem("RMSNormalization over several axes, some known only at run time")
+    flat_gamma = reshape_to(b, broadcast_to(b, gamma, broadcast_shape(gamma.shape, inner)), (_product(inner),))
+    flat = reshape_to(b, x, tuple(x.shape[:axis]) + (_product(inner),))
+    return [reshape_to(b, b.emit1("ge.rms_norm", [flat, flat_gamma], attrs), x.shape)]
+
+

@@ -1,0 +1,204 @@
+"""Building a GEIR graph while importing ONNX: each ONNX value is a constant known now or an IR value.
+
+Constants stay numpy arrays until an op that is not itself constant needs them; an op whose
+operands are all constants is evaluated on the spot with the GEIR op's own semantics
+(`geir.reference.run_op`), so shape arithmetic folds away and only the model's real computation
+reaches the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+import numpy as np
+
+from geir.attributes import DenseAttr, DenseResourceAttr
+from geir.ir import Graph, Value
+from geir.opdef import ShapeError, lookup
+from geir.reference import run_op
+from geir.types import DType, TensorType
+
+# Initializers (and constants computed from them: weights stay weights) larger than this go to the
+# weights archive (dense_resource); smaller ones are literals.
+WEIGHT_INLINE_ELEMENTS = 16
+# Constants computed at import (masks, shapes, scales) stay literals up to const-fold's default size,
+# so later passes can read them (a causal mask is recognised by its values).
+COMPUTED_INLINE_ELEMENTS = 1 << 16
+
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_$.\-]")
+
+
+class ImportProblem(Exception):
+    """A problem with the node being converted; the importer adds which node it was.
+
+    `unsupported` marks what GEIR cannot express (an op, a dtype, a value only known at run time),
+    as opposed to a model that is malformed.
+    """
+
+    def __init__(self, message: str, unsupported: bool = True):
+        super().__init__(message)
+        self.unsupported = unsupported
+
+
+def dtype_of(np_dtype: np.dtype) -> DType:
+    """The GEIR dtype of a numpy dtype; ImportProblem when GEIR has none (float64, uint8, strings, ...)."""
+    try:
+        return DType.from_numpy(np_dtype)
+    except (KeyError, TypeError):
+        raise ImportProblem(f"GEIR has no dtype for {np.dtype(np_dtype).name} "
+                            f"(it has {', '.join(d.value for d in DType)})") from None
+
+
+def storable(array: np.ndarray) -> np.ndarray:
+    """The array as it goes into a dense literal or the weights archive (bf16 held as float32, exactly)."""
+    return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
+
+
+def _is_splat(arr: np.ndarray) -> bool:
+    """Every element is the same (floats compared bit for bit: -0.0 and 0.0 differ, equal NaNs agree)."""
+    if arr.size == 0:
+        return False
+    a = storable(arr)
+    if a.dtype.kind == "f":
+        a = a.view(f"u{a.dtype.itemsize}")
+    return bool(np.all(a == a.flat[0]))
+
+
+@attrs.define(eq=False)
+class Tensor:
+    """An ONNX value during import: `array` when known at import time, `value` once it is in the graph."""
+
+    value: Value | None = None
+    array: np.ndarray | None = None
+    name: str = ""
+    # an initializer or computed from one: weights go to the archive rather than into the text
+    initializer: bool = False
+
+    @property
+    def is_const(self) -> bool:
+        return self.array is not None
+
+    @property
+    def type(self) -> TensorType:
+        if self.value is not None:
+            return self.value.type
+        return TensorType(tuple(int(d) for d in self.array.shape), dtype_of(self.array.dtype))
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.array.shape) if self.array is not None else self.value.type.shape
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+class GraphBuilder:
+    """Appends ops to one graph, folding those whose operands are all constants."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.resources: dict[str, np.ndarray] = {}
+        self._taken: set[str] = set()
+
+    # --- names -------------------------------------------------------------------------------------
+    def fresh_name(self, onnx_name: str) -> str:
+        """A value name for the IR from an ONNX name: odd characters become '_', repeats get a suffix."""
+        base = _NAME_CHARS.sub("_", onnx_name) or "v"
+        name, i = base, 1
+        while name in self._taken:
+            name, i = f"{base}_{i}", i + 1
+        self._taken.add(name)
+        return name
+
+    def _resource_key(self, onnx_name: str) -> str:
+        base = _NAME_CHARS.sub("_", onnx_name) or "weight"
+        key, i = base, 1
+        while key in self.resources:
+            key, i = f"{base}_{i}", i + 1
+        return key
+
+    # --- values ------------------------------------------------------------------------------------
+    def argument(self, onnx_name: str, type: TensorType) -> Tensor:
+        v = Value(type, self.fresh_name(onnx_name), None, len(self.graph.args))
+        self.graph.args.append(v)
+        return Tensor(value=v, name=onnx_name)
+
+    def const(self, array: Any, dtype: Any = None, name: str = "") -> Tensor:
+        """A constant tensor (nothing is added to the graph until an op needs it)."""
+        return Tensor(array=np.asarray(array, dtype=dtype), name=name)
+
+    def value_of(self, t: Tensor) -> Value:
+        """The IR value of a tensor, adding a `ge.const` for a constant the first time it is needed."""
+        if t.value is None:
+            arr = t.array
+            result_type = t.type
+            limit = WEIGHT_INLINE_ELEMENTS if t.initializer else COMPUTED_INLINE_ELEMENTS
+            if _is_splat(arr):
+                attr: Any = DenseAttr(storable(np.asarray(arr.flat[0])))  # prints as one value
+            elif arr.size > limit:
+                key = self._resource_key(t.name or "const")
+                self.resources[key] = storable(np.ascontiguousarray(arr))
+                attr = DenseResourceAttr(key)
+            else:
+                attr = DenseAttr(storable(np.ascontiguousarray(arr)))
+            name = self.fresh_name(t.name) if t.name else None
+            op = lookup("ge.const").create("ge.const", [], [result_type], {"value": attr}, result_names=[name])
+            self.graph.ops.append(op)
+            t.value = op.result
+        return t.value
+
+    # --- ops ---------------------------------------------------------------------------------------
+    def emit(self, name: str, operands: list[Tensor], attrs: dict[str, Any] | None = None,
+             results: int = 1) -> list[Tensor]:
+        """Add `name(operands) {attrs}`, or evaluate it now when every operand is a constant."""
+        cls = lookup(name)
+        op = cls(name, [], [], dict(attrs or {}))
+        op.results = [Value(None, None, op, i) for i in range(results)]
+        for key, spec in cls.ATTRS.items():
+            if key in op.attributes:
+                why = spec.check(op.attributes[key])
+            else:
+                why = f"needs attribute '{key}'" if spec.required else None
+            if why is not None:
+                raise ImportProblem(f"{name}: {why}", unsupported=False)
+        why = op.verify()
+        if why is not None:
+            raise ImportProblem(f"{name}: {why}", unsupported=False)
+        types = [t.type for t in operands]
+        try:
+            inferred = op.infer(*types)
+        except ShapeError as e:
+            raise ImportProblem(f"{name} on {', '.join(str(t) for t in types)}: {e}", unsupported=False) from None
+        inferred = list(inferred) if isinstance(inferred, tuple) else [inferred]
+        if all(t.is_const for t in operands):
+            arrays = run_op(op, [t.array for t in operands], result_types=inferred)
+            weight = any(t.initializer for t in operands)
+            return [Tensor(array=a, initializer=weight) for a in arrays]
+        values = [self.value_of(t) for t in operands]
+        op.operands = values
+        for v in values:
+            v.uses.append(op)
+        for r, t in zip(op.results, inferred):
+            r.type = t
+        self.graph.ops.append(op)
+        return [Tensor(value=r) for r in op.results]
+
+    def emit1(self, name: str, operands: list[Tensor], attrs: dict[str, Any] | None = None) -> Tensor:
+        """`emit` for an op with one result."""
+        return self.emit(name, operands, attrs)[0]
+
+    def name_result(self, t: Tensor, onnx_name: str) -> None:
+        """Give an op's result the ONNX name of what it stands for (when it has none yet)."""
+        if t.value is not None and t.value.name is None and t.value.owner is not None:
+            t.value.name = self.fresh_name(onnx_name)
+        if not t.name:
+            t.name = onnx_name
+
+    def remove_dead_ops(self) -> None:
+        """Drop ops nothing uses (folding and forwarding leave some behind)."""
+        for op in reversed(self.graph.ops):
+            if op.name != "ge.return" and not any(r.uses for r in op.results):
+                self.graph.erase(op)

@@ -1,0 +1,356 @@
+"""geir.frontends.onnx and geimport: small models built with onnx.helper, checked against ONNX's own reference.
+
+Numbers are compared with `onnx.reference.ReferenceEvaluator` on the same model (ONNX's semantics),
+structure by the ops the imported graph holds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from geir import parse, print_module  # noqa: E402
+from geir.attributes import DenseAttr, DenseResourceAttr  # noqa: E402
+from geir.frontends.onnx import OnnxImportError, import_onnx  # noqa: E402
+from geir.reference import run_graph  # noqa: E402
+
+BIN = Path(sys.executable).parent
+F32 = TensorProto.FLOAT
+
+
+def model(nodes, inputs, outputs, initializers=(), opset=23):
+    """A one-graph model at `opset` of the default domain."""
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def vi(name, shape, dtype=F32):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def ops(module) -> list[str]:
+    return [op.name for op in module.graph().ops]
+
+
+def check_against_onnx(m, feeds, rtol=1e-5, atol=1e-6):
+    """Import `m`, run it with GEIR's reference interpreter and compare with ONNX's reference."""
+    module, weights = import_onnx(m)
+    graph = module.graph()
+    got = run_graph(graph, dict(zip([a.name for a in graph.args], feeds.values())), resources=weights)
+    want = ReferenceEvaluator(m).run(None, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, dtype=np.float64), np.asarray(w, dtype=np.float64),
+                                   rtol=rtol, atol=atol)
+    return module, weights
+
+
+rng = np.random.default_rng(0)
+
+
+def randn(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# --- ops and numbers -----------------------------------------------------------------------------------
+
+def test_matmul_add_with_initializers():
+    w, bias = randn(8, 32), randn(32)
+    m = model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
+              [vi("x", [4, 8])], [vi("y", [4, 32])],
+              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(bias, "b")])
+    module, weights = check_against_onnx(m, {"x": randn(4, 8)})
+    assert ops(module) == ["ge.const", "ge.matmul", "ge.const", "ge.add", "ge.return"]
+    # both initializers are larger than a literal: dense_resource constants, arrays in the weights
+    consts = [op for op in module.graph().ops if op.name == "ge.const"]
+    assert all(isinstance(op.value, DenseResourceAttr) for op in consts)
+    assert sorted(weights) == ["b", "w"]
+    np.testing.assert_array_equal(weights["w"], w)
+
+
+def test_gemm_trans_b_alpha_beta():
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1, alpha=0.5, beta=2.0)
+    m = model([node], [vi("a", [3, 5]), vi("b", [4, 5]), vi("c", [4])], [vi("y", [3, 4])])
+    module, _ = check_against_onnx(m, {"a": randn(3, 5), "b": randn(4, 5), "c": randn(4)})
+    matmul = next(op for op in module.graph().ops if op.name == "ge.matmul")
+    assert matmul.attr("transpose_b") is True and matmul.attr("transpose_a") is False
+
+
+def test_layer_normalization_with_statistics_outputs():
+    node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], axis=-1, epsilon=1e-3)
+    m = model([node], [vi("x", [2, 3, 8]), vi("s", [8]), vi("b", [8])],
+              [vi("y", [2, 3, 8]), vi("mean", [2, 3, 1]), vi("inv", [2, 3, 1])], opset=17)
+    module, _ = check_against_onnx(m, {"x": randn(2, 3, 8), "s": randn(8), "b": randn(8)})
+    ln = next(op for op in module.graph().ops if op.name == "ge.layer_norm")
+    assert ln.attr("epsilon") == pytest.approx(1e-3)
+
+
+def test_dynamic_dim_from_dim_param():
+    # a batch known only at run time: `?` in the argument type, and a reshape that keeps it (0 copies a dim)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([0, 2, 4]))),
+             helper.make_node("Reshape", ["r", "shape"], ["y"])]
+    m = model(nodes, [vi("x", ["batch", 8])], [vi("y", ["batch", 2, 4])])
+    module, _ = import_onnx(m)
+    text = print_module(module)
+    assert "%x: tensor<?x8xf32>" in text and "-> tensor<?x2x4xf32>" in text
+    assert "shape = [-1, 2, 4]" in text
+    graph = parse(text).graph()
+    for batch in (1, 5):
+        x = randn(batch, 8)
+        (y,) = run_graph(graph, {"x": x})
+        np.testing.assert_array_equal(y, np.maximum(x, 0).reshape(batch, 2, 4))
+
+
+def test_constant_node_and_shape_arithmetic_fold_away():
+    # Shape -> Gather -> Concat -> Reshape on static shapes: one reshape, no shape ops left
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Constant", [], ["i0"], value=numpy_helper.from_array(np.array(0))),
+        helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "ax"], ["n1"]),
+        helper.make_node("Constant", [], ["rest"], value_ints=[-1]),
+        helper.make_node("Concat", ["n1", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"]),
+        helper.make_node("Constant", [], ["two"], value_float=2.0),
+        helper.make_node("Mul", ["flat", "two"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", [3, 4, 5])], [vi("y", [3, 20])],
+              [numpy_helper.from_array(np.array([0]), "ax")])
+    module, weights = check_against_onnx(m, {"x": randn(3, 4, 5)})
+    assert ops(module) == ["ge.reshape", "ge.const", "ge.mul", "ge.return"]
+    two = module.graph().ops[1]
+    assert isinstance(two.value, DenseAttr) and float(two.value.values) == 2.0  # a small literal, not a weight
+    assert weights == {}
+
+
+@pytest.mark.parametrize("opset", [11, 13, 18])
+def test_axes_as_attributes_or_inputs_by_opset(opset):
+    # Unsqueeze/Squeeze/ReduceSum took axes as attributes before opset 13, Split its sizes before 13,
+    # ReduceMean its axes before 18; Split learnt num_outputs in 18
+    as_input = opset >= 13
+    inits = [numpy_helper.from_array(np.array([1]), "ax1"), numpy_helper.from_array(np.array([2, 2]), "sizes")]
+    axes = {"axes": [1]}
+    nodes = [
+        helper.make_node("Unsqueeze", ["x", "ax1"] if as_input else ["x"], ["u"], **({} if as_input else axes)),
+        helper.make_node("Squeeze", ["u", "ax1"] if as_input else ["u"], ["s"], **({} if as_input else axes)),
+        helper.make_node("ReduceSum", ["s", "ax1"] if as_input else ["s"], ["r"], keepdims=1,
+                         **({} if as_input else axes)),
+        helper.make_node("ReduceMean", ["s", "ax1"] if opset >= 18 else ["s"], ["mean"], keepdims=0,
+                         **({} if opset >= 18 else axes)),
+        helper.make_node("Split", ["s", "sizes"] if as_input and opset < 18 else ["s"], ["p", "q"], axis=1,
+                         **({"num_outputs": 2} if opset >= 18 else {} if as_input else {"split": [2, 2]})),
+    ]
+    m = model(nodes, [vi("x", [3, 4])], [vi("r", [3, 1]), vi("mean", [3]), vi("p", [3, 2]), vi("q", [3, 2])],
+              inits, opset=opset)
+    module, _ = check_against_onnx(m, {"x": randn(3, 4)})
+    assert "ge.split" in ops(module) and "ge.reduce_sum" in ops(module)
+
+
+def test_slice_attributes_before_opset_10_and_inputs_after():
+    old = model([helper.make_node("Slice", ["x"], ["y"], starts=[1, 0], ends=[3, 100], axes=[0, 1])],
+                [vi("x", [4, 5])], [vi("y", [2, 5])], opset=9)
+    new = model([helper.make_node("Slice", ["x", "st", "en", "ax"], ["y"])], [vi("x", [4, 5])], [vi("y", [2, 3])],
+                [numpy_helper.from_array(np.array(v), n)
+                 for v, n in (([1, -4], "st"), ([3, -1], "en"), ([0, 1], "ax"))])
+    x = randn(4, 5)
+    check_against_onnx(old, {"x": x})
+    module, _ = check_against_onnx(new, {"x": x})
+    assert ops(module) == ["ge.slice", "ge.return"]
+
+
+def test_function_bodied_op_is_imported_through_its_body():
+    # GEIR has no Softplus; ONNX defines it by a function body of ops GEIR has
+    m = model([helper.make_node("Softplus", ["x"], ["y"])], [vi("x", [2, 6])], [vi("y", [2, 6])], opset=22)
+    module, _ = check_against_onnx(m, {"x": randn(2, 6)})
+    assert {"ge.exp", "ge.log"} <= set(ops(module))
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+def attention_model(q_shape, k_shape, v_shape, y_shape, mask_shape=None, mask_dtype=F32, past=None, **attrs):
+    inputs = ["Q", "K", "V"] + (["attn_mask"] if mask_shape else [""] if past else [])
+    vis = [vi("Q", q_shape), vi("K", k_shape), vi("V", v_shape)]
+    if mask_shape:
+        vis.append(vi("attn_mask", mask_shape, mask_dtype))
+    outputs = ["Y"]
+    out_vis = [vi("Y", y_shape)]
+    if past:
+        inputs += ["past_key", "past_value"]
+        vis += [vi("past_key", past), vi("past_value", past)]
+        present = past[:2] + [past[2] + k_shape[2]] + past[3:]
+        outputs += ["present_key", "present_value"]
+        out_vis += [vi("present_key", present), vi("present_value", present)]
+    node = helper.make_node("Attention", inputs, outputs, **attrs)
+    return model([node], vis, out_vis)
+
+
+def test_attention_3d_gqa_is_one_flash_attention():
+    m = attention_model([2, 4, 64], [2, 6, 32], [2, 6, 32], [2, 4, 64], q_num_heads=4, kv_num_heads=2)
+    module, _ = check_against_onnx(m, {"Q": randn(2, 4, 64), "K": randn(2, 6, 32), "V": randn(2, 6, 32)})
+    fa = [op for op in module.graph().ops if op.name == "ge.flash_attention"]
+    assert len(fa) == 1
+    assert fa[0].operands[0].type.shape == (2, 4, 4, 16) and fa[0].operands[1].type.shape == (2, 2, 6, 16)
+
+
+def test_attention_causal_without_cache_uses_the_flag():
+    m = attention_model([1, 2, 4, 16], [1, 2, 6, 16], [1, 2, 6, 16], [1, 2, 4, 16], is_causal=1, scale=0.3)
+    module, _ = check_against_onnx(m, {"Q": randn(1, 2, 4, 16), "K": randn(1, 2, 6, 16), "V": randn(1, 2, 6, 16)})
+    (fa,) = [op for op in module.graph().ops if op.name == "ge.flash_attention"]
+    assert fa.attr("causal") is True and fa.attr("scale") == pytest.approx(0.3) and len(fa.operands) == 3
+
+
+def test_attention_causal_with_cache_is_an_explicit_bottom_right_mask():
+    # with a cache of 3 keys, query i sees keys j <= i + 3: not GEIR's top-left causal = true
+    m = attention_model([1, 2, 4, 16], [1, 2, 4, 16], [1, 2, 4, 16], [1, 2, 4, 16], past=[1, 2, 3, 16], is_causal=1)
+    feeds = {"Q": randn(1, 2, 4, 16), "K": randn(1, 2, 4, 16), "V": randn(1, 2, 4, 16),
+             "past_key": randn(1, 2, 3, 16), "past_value": randn(1, 2, 3, 16)}
+    module, _ = check_against_onnx(m, feeds)
+    (fa,) = [op for op in module.graph().ops if op.name == "ge.flash_attention"]
+    assert fa.attr("causal") is False and len(fa.operands) == 4
+    keep = fa.operands[3].owner.value.to_array(fa.operands[3].type)
+    np.testing.assert_array_equal(keep, np.arange(7)[None, :] <= np.arange(4)[:, None] + 3)
+
+
+def test_attention_fully_masked_row_is_zero():
+    mask = np.ones((4, 6), dtype=bool)
+    mask[2] = False  # query 2 sees no key: ONNX gives zeros there
+    m = attention_model([1, 2, 4, 16], [1, 2, 6, 16], [1, 2, 6, 16], [1, 2, 4, 16], mask_shape=[4, 6],
+                        mask_dtype=TensorProto.BOOL)
+    module, _ = check_against_onnx(m, {"Q": randn(1, 2, 4, 16), "K": randn(1, 2, 6, 16), "V": randn(1, 2, 6, 16),
+                                       "attn_mask": mask})
+    assert ops(module).count("ge.flash_attention") == 1 and "ge.select" in ops(module)
+
+
+def test_attention_softcap_is_imported_through_onnx_function_body():
+    m = attention_model([1, 2, 4, 16], [1, 2, 6, 16], [1, 2, 6, 16], [1, 2, 4, 16], softcap=2.0)
+    module, _ = check_against_onnx(m, {"Q": randn(1, 2, 4, 16), "K": randn(1, 2, 6, 16), "V": randn(1, 2, 6, 16)})
+    assert "ge.flash_attention" not in ops(module) and "ge.tanh" in ops(module)
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+def test_unsupported_op_names_node_and_op():
+    m = model([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("TopK", ["r", "k"], ["v", "i"], name="pick")],
+              [vi("x", [4, 8]), vi("k", [1], TensorProto.INT64)], [vi("v", [4, 2])])
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(m)
+    assert info.value.unsupported and info.value.node == "pick" and info.value.op_type == "TopK"
+    assert str(info.value).startswith("node 'pick' (TopK): unsupported op")
+
+
+def test_unsupported_dtype_is_reported_not_crashed():
+    m = model([helper.make_node("Abs", ["x"], ["y"])], [vi("x", [3], TensorProto.DOUBLE)],
+              [vi("y", [3], TensorProto.DOUBLE)])
+    with pytest.raises(OnnxImportError, match="graph input 'x': GEIR has no dtype for float64") as info:
+        import_onnx(m)
+    assert info.value.unsupported
+
+
+def test_import_geir_works_without_onnx():
+    code = ("import sys; sys.modules['onnx'] = None\n"
+            "import geir, geir.frontends.onnx as f\n"
+            "try:\n    f.import_onnx('m.onnx')\nexcept f.OnnxImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "needs the onnx package" in out.stdout
+
+
+# --- geimport --------------------------------------------------------------------------------------------
+
+def geimport(*args, cwd):
+    return subprocess.run([str(BIN / "geimport"), *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_geimport_writes_graph_and_weights_that_gerun_runs(tmp_path):
+    w = randn(8, 32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Gelu", ["h"], ["y"])]
+    onnx.save(model(nodes, [vi("x", [4, 8])], [vi("y", [4, 32])], [numpy_helper.from_array(w, "w")]),
+              tmp_path / "m.onnx")
+    r = geimport("m.onnx", "-o", "m.geir", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert 'dense_resource<"w">' in (tmp_path / "m.geir").read_text()
+    with np.load(tmp_path / "m.npz") as z:
+        np.testing.assert_array_equal(z["w"], w)
+    x = randn(4, 8)
+    np.savez(tmp_path / "in.npz", x=x)
+    run = subprocess.run([str(BIN / "gerun"), "m.geir", "--inputs", "in.npz", "-o", "out.npz", "--check"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    with np.load(tmp_path / "out.npz") as z:
+        h = x.astype(np.float64) @ w
+        from math import erf
+        want = 0.5 * h * (1 + np.vectorize(erf)(h / np.sqrt(2)))
+        np.testing.assert_allclose(z["result0"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_geimport_unsupported_op_exit_1_and_no_files(tmp_path):
+    m = model([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="pick")],
+              [vi("x", [4, 8]), vi("k", [1], TensorProto.INT64)], [vi("v", [4, 2])])
+    onnx.save(m, tmp_path / "m.onnx")
+    r = geimport("m.onnx", "-o", "m.geir", cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.startswith("geimport: error: m.onnx: node 'pick' (TopK): unsupported op")
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "m.geir").exists() and not (tmp_path / "m.npz").exists()
+
+
+def test_geimport_malformed_file_exit_1_no_traceback_no_files(tmp_path):
+    (tmp_path / "bad.onnx").write_bytes(b"this is not a protobuf \xff\xfe")
+    r = geimport("bad.onnx", "-o", "out.geir", cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.startswith("geimport: error: bad.onnx: not an ONNX model") and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx"]
+    usage = geimport("bad.onnx", cwd=tmp_path)
+    assert usage.returncode == 2 and "-o" in usage.stderr
+
+
+def test_torch_exported_transformer_block(tmp_path):
+    # a real exporter's output: LayerNorm, a fused qkv Linear, heads split by Reshape/Transpose,
+    # causal scaled_dot_product_attention (its mask built by Trilu/Where on shapes), GELU via Erf
+    torch = pytest.importorskip("torch")
+
+    class Block(torch.nn.Module):
+        def __init__(self, d=64, heads=4):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+            self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+            self.heads = heads
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+            q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(2, 32, 64)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(block, (x,), str(tmp_path / "block.onnx"), opset_version=17, dynamo=False,
+                          input_names=["x"], output_names=["y"])
+    r = geimport("block.onnx", "-o", "block.geir", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    fused = subprocess.run([str(BIN / "geopt"), "block.geir", "--passes=fuse"], capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert fused.stdout.count("ge.flash_attention") == 1 and "causal = true" in fused.stdout
+    np.savez(tmp_path / "in.npz", x=x.numpy())
+    run = subprocess.run([str(BIN / "gerun"), "block.geir", "--inputs", "in.npz", "-o", "out.npz"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    with torch.no_grad():
+        want = block(x).numpy()
+    with np.load(tmp_path / "out.npz") as z:
+        np.testing.assert_allclose(z["result0"], want, rtol=1e-4, atol=1e-4)

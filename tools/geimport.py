@@ -1,0 +1,93 @@
+"""geimport: bring an ONNX model into GEIR.
+
+    geimport MODEL.onnx -o OUT.geir [--graph-name NAME]
+
+Writes OUT.geir (one verified `ge.graph`) and OUT.npz beside it: the weights its
+`dense_resource<"key">` constants name (initializers larger than a few elements; smaller constants
+are `dense` literals), so `gerun OUT.geir` finds them. Both files are written atomically, and only
+when the whole import succeeded. Value names are the model's, with characters GEIR names do not take
+replaced by `_` (so `gerun --inputs` keys are the graph's argument names as printed).
+
+Exit codes: 0 success, 1 a model that cannot be read or imported (an unsupported op names its node
+and op type), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from geir.printer import print_module
+from geir.tools.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, ToolError, tool_error, write_atomically
+
+TOOL = "geimport"
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_$.\-]*\Z")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=TOOL, description="Import an ONNX model as a GEIR graph and its weights.")
+    p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model (external data beside it is read too)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.geir",
+                   help="the graph to write; the weights go to the .npz with the same stem")
+    p.add_argument("--graph-name", default="main", metavar="NAME", help="name of the graph (default: main)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ToolError as e:
+        tool_error(TOOL, str(e))
+        return e.code
+    except KeyboardInterrupt:
+        tool_error(TOOL, "interrupted")
+        return EXIT_FAILURE
+    except Exception as e:  # noqa: BLE001 - a tool prints one line, never a traceback
+        if os.environ.get("GEIR_TRACEBACK"):
+            raise
+        tool_error(TOOL, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
+        return EXIT_FAILURE
+
+
+def run(args: argparse.Namespace) -> int:
+    if not _SYMBOL.match(args.graph_name):
+        raise ToolError(f"--graph-name: '{args.graph_name}' is not a graph name (letters, digits, _ $ . -, "
+                        f"not starting with a digit)", EXIT_USAGE)
+    out = Path(args.output)
+    if out.suffix == ".npz":
+        raise ToolError(f"-o {args.output}: the graph goes to a .geir file; the weights go beside it", EXIT_USAGE)
+    weights_path = out.with_suffix(".npz")
+    from geir.frontends.onnx import OnnxImportError, import_onnx
+
+    if not os.path.isfile(args.model):
+        raise ToolError(f"{args.model}: cannot read it: " + ("no such file" if not os.path.exists(args.model)
+                                                            else "not a file"))
+    try:
+        module, weights = import_onnx(args.model, graph_name=args.graph_name)
+    except OnnxImportError as e:
+        raise ToolError(f"{args.model}: {e}") from None
+    text = print_module(module)
+    buf = io.BytesIO()
+    np.savez(buf, **weights)
+    # both files or neither: the weights first, removed again if the graph cannot be written
+    write_atomically(str(weights_path), buf.getvalue())
+    try:
+        write_atomically(str(out), text)
+    except ToolError:
+        try:
+            os.unlink(weights_path)
+        except OSError:
+            pass
+        raise
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
