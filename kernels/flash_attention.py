@@ -101,6 +101,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     """
     B, N, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
+    Dv = v.shape[-1]  # the output's head dim is v's, which may differ from q's and k's
     group = N // Nkv
     R = group * Sq
     # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]
@@ -108,13 +109,13 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     kf, vf = k.astype(_F32), v.astype(_F32)  # O(S): converted once, not per block
     mg = None if mask is None else mask.reshape(B, Nkv, R, Skv)
     rows = np.tile(np.arange(Sq), group)
-    out = np.empty((B, Nkv, R, D), dtype=_F32)
+    out = np.empty((B, Nkv, R, Dv), dtype=_F32)
     chunk = max(s1, (_CACHE_SCORES // max(B * Nkv * s2, 1)) // s1 * s1)
     for c0 in range(0, R, chunk):
         c1 = min(c0 + chunk, R)
         out[:, :, c0:c1] = _rows(qg[:, :, c0:c1], kf, vf, None if mg is None else mg[:, :, c0:c1], rows[c0:c1],
                                  causal, scale, q.dtype, s1, s2, segments)
-    return round_to(out.reshape(B, N, Sq, D), q.dtype)
+    return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 
 # score elements per step of the arithmetic: a 2 MiB f32 tile stays in a host core's L2 cache
@@ -134,7 +135,7 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
     for seg in range(segments):
         m = np.full((B, Nkv, R), -np.inf, dtype=_F32)
         l = np.zeros((B, Nkv, R), dtype=_F32)
-        acc = np.zeros((B, Nkv, R, D), dtype=_F32)
+        acc = np.zeros((B, Nkv, R, vf.shape[-1]), dtype=_F32)
         for t in range(seg * per_seg, min((seg + 1) * per_seg, nk)):
             k0, k1 = t * s2, min((t + 1) * s2, Skv)
             # causal: query row blocks that lie wholly above this key block skip it (as their units do)

@@ -1,8 +1,7 @@
 """Shape guards of fused ops, and how to undo a fusion whose guard fails for a shape.
 
 `fuse` decides on the graph as written. With `?` dimensions some conditions of a fused kernel
-(a head dim it supports, a sequence long enough for it to pay off, a tiling that fits the
-buffers) can only be checked once the Runtime binds real shapes; `fuse` then fuses optimistically
+(a dtype the cube computes, a tiling that fits the buffers, a shape on which it pays off) can only be checked once the Runtime binds real shapes; `fuse` then fuses optimistically
 and `fusion-guards` checks again for each shape signature, expanding the fused op back into
 primitive ops where a guard fails. Both call the same guard, so a static graph and a
 specialisation of a dynamic one reach the same decision.
@@ -31,11 +30,9 @@ def flash_attention_guard(q: TensorType, k: TensorType, v: TensorType, mask: Ten
     b, n, sq, d = bnsd(q, layout)
     skv = bnsd(k, layout)[2]
     try:
-        align = fractal(chip, q.dtype)[0]
+        fractal(chip, q.dtype)  # a head dim off the fractal is padded to it; a dtype the cube lacks is not
     except Untiled as e:
         return str(e)
-    if d is not None and d % align:
-        return f"head dim {d} is not a multiple of {align} (the cube's fractal)"
     if None in (b, n, sq, d, skv) or None in v.shape:
         return None
     try:
