@@ -203,11 +203,13 @@ class Session:
     def _replan(self, sig: tuple, elapsed: float, program: Graph) -> Replan:
         """What this specialisation changed against the previous one (or the first plan)."""
         tilings: dict[tuple[str, str, int], str] = {}
+        seen: dict[tuple[str, str], int] = {}  # ops sharing a location (a fusion undone) are told apart by order
         for m in self._remarks:
             if m.message.startswith("tile: "):
                 op, _, rule = m.message.removeprefix("tile: ").partition(" ")
-                n = sum(1 for loc, o, _ in tilings if loc == str(m.loc) and o == op)  # ops sharing a location
-                tilings[(str(m.loc), op, n)] = rule
+                where = (str(m.loc), op)
+                n = seen[where] = seen.get(where, -1) + 1
+                tilings[(where[0], op, n)] = rule
         unfused = [f"{m.message.split(' unfused')[0]} at {m.loc}: {m.message.split(': ', 1)[1]}"
                    for m in self._remarks if " unfused for this shape: " in m.message]
         previous = self._last_tilings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 from geir.tools.geopt import main
 
@@ -227,3 +228,20 @@ def test_subprocess_stdin_and_hostile_strings(tmp_path):
     text = GOOD.replace("-> tensor<4xf32> {", '-> tensor<4xf32> attributes {a = "\\ud800"} {')
     r = _subprocess(["-"], stdin=text.encode())
     assert r.returncode == 1 and b"Traceback" not in r.stderr and b"surrogate" in r.stderr
+
+
+def test_output_to_a_device_is_written_in_place_not_replaced(tmp_path):
+    # -o /dev/null must not rename a temporary file over the device (we may run as root)
+    import stat
+
+    from geir.tools.common import write_atomically
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_atomically(str(fifo), "ge.graph\n")
+    reader.join(timeout=10)
+    assert got == [b"ge.graph\n"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)

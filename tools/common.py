@@ -34,9 +34,20 @@ def read_input(path: str) -> tuple[str, bytes]:
 
 
 def write_atomically(path: str, data: str | bytes) -> None:
-    """Write the whole file or nothing: a temporary file beside it, then a rename."""
+    """Write the whole file or nothing: a temporary file beside it, then a rename.
+
+    A target that exists and is no regular file (/dev/null, a pipe, a terminal) is written in
+    place: renaming over it would replace the device with a file.
+    """
     target = Path(path)
     mode = "wb" if isinstance(data, bytes) else "w"
+    if target.exists() and not target.is_file() and not target.is_dir():
+        try:
+            with open(target, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+                f.write(data)
+        except OSError as e:
+            raise ToolError(f"cannot write '{path}': {e.strerror or e}") from None
+        return
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     except OSError as e:

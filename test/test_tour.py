@@ -1,0 +1,228 @@
+"""The guided tour (examples/tour/run_tour.py): every step's commands run, and what the tour says each shows holds.
+
+Each step runs once (module fixtures) through run_tour's own step functions, which run the CLIs as
+subprocesses; the tests read the facts from the real output and files. The commands quoted in
+examples/tour/README.md must be commands the tour ran, so the README cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from geir.runtime.timeline import matplotlib_available
+from geir.target_npu.target import load_target
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "tour" / "run_tour.py"
+README = ROOT / "examples" / "tour" / "README.md"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load_tour():
+    spec = importlib.util.spec_from_file_location("run_tour", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+run_tour = _load_tour()
+
+
+@pytest.fixture(scope="module")
+def tour(tmp_path_factory):
+    return run_tour.Tour(tmp_path_factory.mktemp("tour"), pictures=matplotlib_available(), echo=lambda text: None)
+
+
+@pytest.fixture(scope="module")
+def step1(tour):
+    return run_tour.step1(tour)
+
+
+@pytest.fixture(scope="module")
+def step2(tour):
+    return run_tour.step2(tour)
+
+
+@pytest.fixture(scope="module")
+def step3(tour):
+    return run_tour.step3(tour)
+
+
+@pytest.fixture(scope="module")
+def step4(tour):
+    return run_tour.step4(tour)
+
+
+@pytest.fixture(scope="module")
+def step5(tour):
+    return run_tour.step5(tour)
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+# --- step 1: GE and the Runtime at the same time ---------------------------------------------------------
+
+def test_step1_ge_compiles_the_next_part_while_the_runtime_runs(step1):
+    o = step1.facts["overlap"]
+    assert o["parts"] == 4
+    # the first kernel ran before GE had compiled the whole graph, and some compile hid behind a run
+    assert o["first_kernel_ms"] < o["compile_ms"]
+    assert o["hidden_ms"] > 0
+    spans = step1.facts["overlap_spans"]
+    compiles = [s for s in spans if s["track"] == "GE"]
+    runs = [s for s in spans if s["track"] == "Runtime"]
+    assert len(compiles) == len(runs) == 4
+    assert any(c["start_ms"] < r["end_ms"] and r["start_ms"] < c["end_ms"] for c in compiles for r in runs)
+    assert "check: PASS" in step1.ran[1].stdout
+
+
+def test_step1_ge_replans_between_the_runtimes_runs(tour, step1):
+    story = step1.facts["story"]
+    assert [(s["what"], s["run"]) for s in story] == [
+        ("compile", None), ("re-plan", 0), ("run", 0), ("re-plan", 1), ("run", 1), ("run", 2)]
+    run0, replan1 = story[2], story[3]
+    assert replan1["start"] >= run0["end"] - 1e-3  # GE worked after run 0 (to 1 ns), for run 1's new length
+    assert story[3]["arena"] > story[1]["arena"]  # 512 tokens need more device memory than 128
+    outputs = np.load(tour.file("step1_outputs.npz"))
+    assert outputs["run1.result0"].shape == (1, 512, 256)
+    assert np.array_equal(outputs["run0.result0"], outputs["run2.result0"])  # the cached plan, the same inputs
+
+
+def test_step1_draws_the_session(tour, step1):
+    pytest.importorskip("matplotlib")
+    assert _is_png(tour.file("step1_session.png"))
+
+
+# --- step 2: fusion -------------------------------------------------------------------------------------
+
+def test_step2_fused_attention_beats_the_op_by_op_graph(tour, step2):
+    f = step2.facts
+    assert f["kernels"]["fused"] == ["ge.flash_attention"]
+    assert f["kernels"]["unfused"] == ["ge.matmul", "ge.mul", "ge.softmax", "ge.matmul"]
+    assert f["ratio"] > 1
+    fused, unfused = (run_tour.read_json(tour.file(f"step2_{k}.json")) for k in ("fused", "unfused"))
+    # op by op, the scores and probabilities go through global memory
+    assert unfused["gm_write_bytes"] > 10 * fused["gm_write_bytes"]
+    assert "remark: flash_attention fused" in step2.ran[0].stderr
+    assert "check: PASS" in step2.ran[0].stdout
+
+
+def test_step2_a_spelling_that_misses_says_why_and_runs_op_by_op(step2):
+    f = step2.facts
+    assert f["miss_reasons"] == ["the attention probabilities are also used elsewhere; fusing would drop them"]
+    assert f["kernels"]["miss"] == f["kernels"]["unfused"]
+    assert f["miss_ratio"] > 1
+
+
+# --- step 3: the plan adapts --------------------------------------------------------------------------
+
+def test_step3_each_new_shape_is_replanned_and_repeats_hit_the_cache(step3):
+    runs = step3.facts["runs"]
+    assert [r["replan"] for r in runs] == [True, True, False, True]
+    assert step3.facts["plan_cache"]["hits"] == 1 and step3.facts["plan_cache"]["misses"] == 3
+    arenas = [r["arena"] for r in runs if r["replan"]]
+    assert len(set(arenas)) == 3  # prefill 1024, decode 1024 and decode 2048 each get their own memory plan
+    assert arenas[0] > arenas[2] > arenas[1]
+
+
+def test_step3_decode_shapes_undo_the_fusion_and_prefill_keeps_it(step3):
+    prefill, decode, again, decode_long = step3.facts["runs"]
+    assert prefill["kernels"] == again["kernels"] == ["ge.flash_attention"]
+    for run in (decode, decode_long):
+        assert "ge.flash_attention" not in run["kernels"] and "ge.softmax" in run["kernels"]
+        assert run["fusion"] == "1 fusion(s) undone"
+    assert prefill["fusion"] == "fusions kept"
+    assert decode_long["retiled"] > 0  # a longer key cache re-tiles the unfused ops
+    assert len(step3.facts["undone"]) == 2 and all("decode-shaped" in u for u in step3.facts["undone"])
+
+
+def test_the_tour_script_runs_a_step_from_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--step", "3", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "$ gerun examples/dynamic/attention_kv.geir --explain" in proc.stdout
+    assert "=> plan cache after the four calls: 1 hit(s), 3 miss(es)" in proc.stdout
+
+
+def test_a_failing_command_stops_the_tour_with_its_output(tmp_path):
+    shown: list[str] = []
+    t = run_tour.Tour(tmp_path, pictures=False, echo=shown.append)
+    with pytest.raises(run_tour.TourError) as e:
+        t.tool("gerun", t.file("missing.geir"))
+    assert "'gerun $OUT/missing.geir' exited with 1" in str(e.value)
+    assert "gerun: error: cannot read" in str(e.value) and "$OUT/missing.geir" in str(e.value)
+    assert shown[0] == "$ gerun $OUT/missing.geir"
+
+
+# --- step 4: tiling -----------------------------------------------------------------------------------
+
+def test_step4_tilings_follow_dtype_head_dim_length_and_target(step4):
+    table = step4.facts["table"]
+
+    def block(graph, target="ascend910b"):
+        t = table[graph][target]
+        return t["template"], t["s1"], t["s2"]
+
+    base = block("main")
+    assert block("f32_d128_s1024") != base  # dtype
+    assert block("f16_d256_s1024") != base  # head dim
+    assert block("f16_d128_s128")[0] != base[0]  # a short sequence: another template
+    assert block("f16_d128_s2048_1head")[1] < base[1]  # few query blocks: smaller s1 to fill the cores
+    assert block("main", "ascend910a") != base  # target
+    for graph, row in table.items():
+        for target, t in row.items():
+            assert t["ub_bytes"] <= load_target(target).buffer_bytes("ub"), (graph, target)
+
+
+def test_step4_long_rows_are_split_into_segments(step4):
+    table = step4.facts["table"]
+    decode = table["decode_f16_k32768"]["ascend910b"]
+    assert decode["op"] == "ge.softmax" and decode["segments"] > 1  # the fusion is cut and the row segmented
+    assert decode["cols"] * decode["segments"] >= 32768
+    assert table["f32_d512_q512_k128"]["ascend910b"]["segments"] > 1
+    # with 8 cube cores, 8 work units keep them all busy: the 310P keeps the decode step fused
+    assert table["decode_f16_k32768"]["ascend310p"]["op"] == "ge.flash_attention"
+    assert step4.facts["segmented_check"]
+
+
+# --- step 5: the Runtime's overlap -------------------------------------------------------------------------
+
+def test_step5_double_buffering_overlaps_loads_with_compute(tour, step5):
+    two, one = step5.facts["profiles"][2], step5.facts["profiles"][1]
+    assert two["tiling"]["buffers"] == 2 and one["tiling"]["buffers"] == 1
+    assert two["cube_ratio"] > one["cube_ratio"]
+    assert two["cube_peak_fraction"] > one["cube_peak_fraction"]
+    assert two["overlap_ratio"] > one["overlap_ratio"]
+    assert two["kernel_us"] < one["kernel_us"]
+    a, b = (np.load(tour.file(f"step5_buffers{n}.npz"))["result0"] for n in (2, 1))
+    assert np.array_equal(a, b)  # the same kernel and the same numbers, only the schedule differs
+
+
+def test_step5_draws_both_timelines(tour, step5):
+    pytest.importorskip("matplotlib")
+    for name in ("step5_buffers2.png", "step5_buffers1.png", "step5_side_by_side.png"):
+        assert _is_png(tour.file(name)), name
+
+
+# --- the README ---------------------------------------------------------------------------------------
+
+def _without_timeline(command: str) -> str:
+    """A command without its --timeline (the tour leaves it out when matplotlib is missing)."""
+    return re.sub(r" --timeline \S+", "", command)
+
+
+def test_the_readme_quotes_only_commands_the_tour_runs(step1, step2, step3, step4, step5):
+    ran = {_without_timeline(r.command) for step in (step1, step2, step3, step4, step5) for r in step.ran}
+    quoted = [_without_timeline(c) for c in re.findall(r"^\$ (.+)$", README.read_text(), re.MULTILINE)]
+    assert quoted, "examples/tour/README.md quotes the tour's commands as '$ command' lines"
+    assert set(quoted) <= ran, sorted(set(quoted) - ran)
+    assert ran <= set(quoted), sorted(ran - set(quoted))  # and it shows every one of them
