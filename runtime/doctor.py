@@ -373,7 +373,10 @@ def _attention_miss(m: AttentionMiss, device_us: float, fused_equivalent: FusedE
                                 "device_us": device_us}
     types = attention_operands(region)
     fused = None
-    if types is None:
+    if types is None and sum(op.name == "ge.matmul" for op in region) < 2:
+        why = ("the scores or probabilities are needed elsewhere too (a graph result or another op), so a "
+               "fused kernel would not replace them")
+    elif types is None:
         why = "its q, k, v are not [B, N, S, D] tensors of known shape"
     elif fused_equivalent is None:
         why = "no fused kernel was run to compare"
