@@ -13,6 +13,7 @@ from onnx import helper
 from geir.frontends.onnx_node import Node, constant, converter, int_list, optional, required
 from geir.frontends.onnx_shapes import broadcast_shape, broadcast_to, normalize_axis, reshape_to
 from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor, dtype_of
+from geir.ops.numerics import multiply_dims
 from geir.types import DType
 
 Inputs = list[Tensor | None]
@@ -209,20 +210,10 @@ def _coerced_2d(b: GraphBuilder, node: Node, x: Tensor, axis: int, body) -> Tens
     """Before opset 13 softmax ran over everything from `axis` on, as if x were 2-D."""
     if axis == x.rank - 1:
         return body(x, -1)
-    rows = _product(x.shape[:axis])
-    cols = _product(x.shape[axis:])
+    rows = multiply_dims(x.shape[:axis])
+    cols = multiply_dims(x.shape[axis:])
     flat = reshape_to(b, x, (rows, cols))
     return reshape_to(b, body(flat, -1), x.shape)
-
-
-def _product(dims) -> int | None:
-    """The product of some dims, None when one is `?`."""
-    n = 1
-    for d in dims:
-        if d is None:
-            return None
-        n *= d
-    return n
 
 
 @converter("Softmax", "LogSoftmax")
@@ -339,8 +330,8 @@ def _reshape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
         else:
             dims.append(d)
     if -1 in dims:
-        known = _product([d for d in dims if d != -1])
-        total = _product(x.shape)
+        known = multiply_dims([d for d in dims if d != -1])
+        total = multiply_dims(x.shape)
         if known is not None and total is not None:
             if known == 0 or total % known:
                 raise ImportProblem(f"cannot reshape {x.type} into {shape}", unsupported=False)
@@ -354,7 +345,7 @@ def _flatten(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     x = required(xs, 0, "input")
     axis = node.attr("axis", 1)
     axis = axis + x.rank if axis < 0 else axis
-    return [reshape_to(b, x, (_product(x.shape[:axis]), _product(x.shape[axis:])))]
+    return [reshape_to(b, x, (multiply_dims(x.shape[:axis]), multiply_dims(x.shape[axis:])))]
 
 
 def _axes(node: Node, xs: Inputs, what: str) -> list[int] | None:
@@ -555,7 +546,7 @@ def _shape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 def _size(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     """Size of a static tensor: a constant."""
     x = required(xs, 0, "data")
-    n = _product(x.shape)
+    n = multiply_dims(x.shape)
     if n is None:
         raise ImportProblem(f"Size of {x.type}, which is known only at run time")
     return [b.const(np.array(n, dtype=np.int64))]
@@ -598,8 +589,8 @@ def _rms_norm(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     inner = tuple(x.shape[axis:])
     if None in inner:
         raise ImportProblem("RMSNormalization over several axes, some known only at run time")
-    flat_gamma = reshape_to(b, broadcast_to(b, gamma, broadcast_shape(gamma.shape, inner)), (_product(inner),))
-    flat = reshape_to(b, x, tuple(x.shape[:axis]) + (_product(inner),))
+    flat_gamma = reshape_to(b, broadcast_to(b, gamma, broadcast_shape(gamma.shape, inner)), (multiply_dims(inner),))
+    flat = reshape_to(b, x, tuple(x.shape[:axis]) + (multiply_dims(inner),))
     return [reshape_to(b, b.emit1("ge.rms_norm", [flat, flat_gamma], attrs), x.shape)]
 
 

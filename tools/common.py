@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from geir.diagnostics import Diagnostic, Location, SourceManager
 from geir.ir import Graph, Module
@@ -109,3 +110,26 @@ def select_graph(module: Module, entry: str | None, name: str) -> Graph:
         if entry is not None:
             raise ToolError(f"{name} has no graph @{entry} (it holds {names or 'none'})") from None
         raise ToolError(f"{name} holds several graphs ({names}) and none is @main: choose one with --entry") from None
+
+
+def run_tool(tool: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+             on_interrupt: Callable[[], None] | None = None) -> int:
+    """Run a tool's body: its errors and anything unexpected become one `tool: error:` line, never a traceback."""
+    try:
+        return run(args)
+    except ToolError as e:
+        if str(e):  # an empty message: the diagnostics were printed already
+            tool_error(tool, str(e))
+        return e.code
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            on_interrupt()
+        tool_error(tool, "interrupted")
+        return EXIT_FAILURE
+    except Exception as e:  # noqa: BLE001 - a tool prints one line, never a traceback
+        if os.environ.get("GEIR_TRACEBACK"):
+            raise
+        tool_error(tool, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
+        return EXIT_FAILURE

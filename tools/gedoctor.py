@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +28,7 @@ from geir.ir import Module
 from geir.parser import decode_source, parse
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
+    run_tool,
     checked_pipeline,
     select_graph,
     EXIT_FAILURE,
@@ -37,7 +37,6 @@ from geir.tools.common import (
     DiagnosticPrinter,
     ToolError,
     read_input,
-    tool_error,
 )
 from geir.verifier import verify_module
 
@@ -76,23 +75,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ToolError as e:
-        if str(e):
-            tool_error(TOOL, str(e))
-        return e.code
-    except BrokenPipeError:
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        tool_error(TOOL, "interrupted")
-        return EXIT_FAILURE
-    except Exception as e:
-        if os.environ.get("GEIR_TRACEBACK"):
-            raise
-        tool_error(TOOL, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
-        return EXIT_FAILURE
+    return run_tool(TOOL, run, build_arg_parser().parse_args(argv))
 
 
 def read_module(args: argparse.Namespace, sources: SourceManager,

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from geir.printer import print_module
-from geir.tools.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, ToolError, tool_error, write_atomically
+from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, run_tool, write_atomically
 
 TOOL = "geimport"
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_$.\-]*\Z")
@@ -40,20 +40,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ToolError as e:
-        tool_error(TOOL, str(e))
-        return e.code
-    except KeyboardInterrupt:
-        tool_error(TOOL, "interrupted")
-        return EXIT_FAILURE
-    except Exception as e:  # noqa: BLE001 - a tool prints one line, never a traceback
-        if os.environ.get("GEIR_TRACEBACK"):
-            raise
-        tool_error(TOOL, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
-        return EXIT_FAILURE
+    return run_tool(TOOL, run, build_arg_parser().parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ from geir.parser import decode_source, parse
 from geir.passes import PipelineError
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
+    run_tool,
     checked_pipeline,
     select_graph,
     EXIT_FAILURE,
@@ -48,7 +49,6 @@ from geir.tools.common import (
     DiagnosticPrinter,
     ToolError,
     read_input,
-    tool_error,
     write_atomically,
 )
 from geir.types import DType, TensorType
@@ -98,23 +98,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ToolError as e:
-        tool_error(TOOL, str(e))
-        return e.code
-    except BrokenPipeError:
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        _Progress.clear_line()
-        tool_error(TOOL, "interrupted")
-        return EXIT_FAILURE
-    except Exception as e:  # noqa: BLE001 - a tool prints one line, never a traceback
-        if os.environ.get("GEIR_TRACEBACK"):
-            raise
-        tool_error(TOOL, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
-        return EXIT_FAILURE
+    return run_tool(TOOL, run, build_arg_parser().parse_args(argv), on_interrupt=_Progress.clear_line)
 
 
 # --- usage ------------------------------------------------------------------------------------------
