@@ -347,7 +347,7 @@ KV = "tensor<2x2x32x64xf16>"
         (f"%q: {Q}, %k: tensor<2x3x32x64xf16>, %v: tensor<2x3x32x64xf16>", "",
          "query heads 8 are not a multiple of key/value heads 3"),
         (f"%q: {Q}, %k: {KV}, %v: tensor<2x2x32x64xf32>", "", "operand dtypes differ: f16 vs f32"),
-        (f"%q: tensor<2x8x16x64xi32>, %k: tensor<2x2x32x64xi32>, %v: tensor<2x2x32x64xi32>", "",
+        ("%q: tensor<2x8x16x64xi32>, %k: tensor<2x2x32x64xi32>, %v: tensor<2x2x32x64xi32>", "",
          "q must be a floating-point tensor, not tensor<2x8x16x64xi32>"),
         (f"%q: {Q}, %k: {KV}, %v: {KV}, %m: tensor<16x32xi32>", ", %m", "mask must be i1 or floating-point, not tensor<16x32xi32>"),
         (f"%q: {Q}, %k: {KV}, %v: {KV}, %m: tensor<16x31xf16>", ", %m",
