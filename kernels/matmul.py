@@ -28,10 +28,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from geir.ir import Operation
 from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
-from geir.passes.tiling import matmul_budget
 from geir.kernels.data_movement import (
     check_fault,
     gm_read,
@@ -42,8 +39,12 @@ from geir.kernels.data_movement import (
     share_pieces,
     tiling_of,
 )
-from geir.kernels.vector import elementwise_passes, round_to
+from geir.kernels.vector import elementwise_passes
+from geir.passes.tiling import matmul_budget
 from geir.target_npu.sim import cube_cycles, local_copy_cycles, spread, vector_cycles
+
+from geir.ir import Operation
+from geir.ops.numerics import round_to
 
 _F32 = np.float32
 _CUBE_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}

@@ -9,9 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
+
 from geir.diagnostics import Diagnostic, Location, SourceManager
 from geir.ir import Graph, Module
-from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

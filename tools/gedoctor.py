@@ -22,24 +22,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
-from geir.ir import Module
-from geir.parser import decode_source, parse
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
-    run_tool,
-    checked_pipeline,
-    select_graph,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     DiagnosticPrinter,
     ToolError,
+    checked_pipeline,
     read_input,
+    run_tool,
+    select_graph,
 )
-from geir.verifier import verify_module
 
+from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
+from geir.ir import Module
+from geir.parser import decode_source, parse
+from geir.verifier import verify_module
 
 if TYPE_CHECKING:
     from geir.runtime.doctor import Diagnosis, KernelView

@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, run_tool, write_atomically
 
 from geir.printer import print_module
-from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, run_tool, write_atomically
 
 TOOL = "geimport"
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_$.\-]*\Z")

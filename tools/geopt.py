@@ -7,9 +7,6 @@ import re
 import sys
 import time
 
-from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location, SourceManager
-from geir.dot import FusionRecorder, graph_title, to_dot
-from geir.parser import decode_source, parse
 from geir.passes import (
     PASSES,
     PassContext,
@@ -19,7 +16,6 @@ from geir.passes import (
     parse_pipeline,
     pipeline_text,
 )
-from geir.printer import print_module
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
     EXIT_FAILURE,
@@ -32,6 +28,17 @@ from geir.tools.common import (
     write_atomically,
 )
 from geir.tools.verify_diagnostics import check_diagnostics, parse_expectations, unmet
+
+from geir.diagnostics import (
+    Diagnostic,
+    DiagnosticEngine,
+    DiagnosticError,
+    Location,
+    SourceManager,
+)
+from geir.dot import FusionRecorder, graph_title, to_dot
+from geir.parser import decode_source, parse
+from geir.printer import print_module
 from geir.verifier import verify_module
 
 SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)

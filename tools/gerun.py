@@ -32,25 +32,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from geir.attributes import DenseResourceAttr
-from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
-from geir.ir import Graph, Module
-from geir.parser import decode_source, parse
 from geir.passes import PipelineError
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 from geir.tools.common import (
-    run_tool,
-    checked_pipeline,
-    select_graph,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     DiagnosticPrinter,
     ToolError,
+    checked_pipeline,
     read_input,
+    run_tool,
+    select_graph,
     write_atomically,
 )
+
+from geir.attributes import DenseResourceAttr
+from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
+from geir.ir import Graph, Module
+from geir.parser import decode_source, parse
 from geir.types import DType, TensorType
 from geir.verifier import verify_module
 
