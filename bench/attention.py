@@ -44,7 +44,7 @@ from geir.ops.numerics import round_in_f32
 from geir.parser import parse
 from geir.runtime.interpreter import RuntimeFailure
 from geir.runtime.profile import profile
-from geir.runtime.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE, compile_module, run_program
+from geir.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE, compile_module, run_program
 
 NO_DOUBLE_BUFFER_PIPELINE = DEFAULT_PIPELINE.replace("tile", "tile{buffers=1}")
 RESULTS: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
     python bench/compile_overlap.py [--layers 16] [--parts 8] [--seq 128] [--repeat 3]
 
-Generates a GPT-2 style model (examples/make_model.py), then runs it with runtime.pipelined in
+Generates a GPT-2 style model (examples/make_model.py), then runs it with geir.session.pipelined in
 both modes, side by side and alternating (best of --repeat each): compile-then-run (GE compiles
 every subgraph, then the Runtime runs them) and overlapped (GE compiles subgraph k+1 on a
 background thread while the Runtime runs k). Host wall-clock times; the simulated device time is
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from geir.parser import parse
-from geir.runtime.pipelined import run_pipelined
+from geir.session.pipelined import run_pipelined
 
 MAKE_MODEL = Path(__file__).resolve().parent.parent / "examples" / "make_model.py"
 

@@ -20,7 +20,7 @@ from geir.passes.fusion.guards import flash_attention_guard
 from geir.passes.tiling import choose_flash_tiling
 from geir.parser import parse
 from geir.runtime.profile import profile
-from geir.runtime.session import NO_FUSE_PIPELINE, compile_module, run_program
+from geir.session import NO_FUSE_PIPELINE, compile_module, run_program
 from geir.target_npu.target import DEFAULT_TARGET, load_target
 from geir.types import DType, TensorType
 

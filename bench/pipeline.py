@@ -52,7 +52,7 @@ def best(text: str, repeat: int) -> tuple[float, dict[str, float], int, int]:
 
 def replan_cost(layers: int, tmp: Path, repeat: int) -> None:
     """A dynamic-length model: full compile (parse, every pass, the first specialisation) vs a re-plan."""
-    from geir.runtime.session import Session
+    from geir.session import Session
 
     path = tmp / f"dyn{layers}.geir"
     subprocess.run([sys.executable, str(MAKE_MODEL), "--layers", str(layers), "--dynamic-seq", "--no-weights",

@@ -33,7 +33,7 @@ from geir.ir import Module
 from geir.parser import parse
 from geir.printer import print_module
 from geir.target_npu.target import DEFAULT_TARGET
-from geir.tools.gerun import TOLERANCES
+from geir.accuracy import TOLERANCES
 from geir.types import DType
 
 # Attention forms outside the fusion goal: a softcap or a past key/value cache.
@@ -172,7 +172,7 @@ def _array(x: Any) -> np.ndarray:
 def _run(module: Module, weights: dict[str, np.ndarray], values: list[np.ndarray], target: str) -> list[np.ndarray]:
     """What gerun does with a ge.graph: a Runtime session (default pipeline), one run."""
     from geir.runtime.interpreter import Runtime
-    from geir.runtime.session import Session
+    from geir.session import Session
     from geir.target_npu.target import load_target
 
     session = Session(module, target=target)

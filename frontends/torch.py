@@ -27,7 +27,7 @@ from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.ir import Graph, Module, clone_graph
 from geir.printer import print_module
 from geir.runtime.interpreter import RunResult
-from geir.runtime.session import DEFAULT_PIPELINE, Session, run_program
+from geir.session import DEFAULT_PIPELINE, Session, run_program
 from geir.target_npu.target import DEFAULT_TARGET
 
 
@@ -125,7 +125,7 @@ def save(module: Module, path: str | Path) -> tuple[Path, Path | None]:
     bf16 weights are stored as float32 (npz has no bf16; gerun casts them back exactly). Returns
     the paths written (the .npz is None when the module has no weights).
     """
-    from geir.tools.common import ToolError, write_atomically
+    from geir.files import ToolError, write_atomically
 
     path = Path(path)
     weights_path = path.with_suffix(".npz") if module.resources else None

@@ -1,6 +1,6 @@
 """fusion-guards: re-check the shape guards of fused ops once shapes are known; undo what fails.
 
-GE runs this for every new shape signature of a dynamic graph (runtime.session), before the
+GE runs this for every new shape signature of a dynamic graph (geir.session), before the
 shape-dependent passes: a `ge.flash_attention` fused on `?` dims whose head dim or sequence
 length the kernel cannot take at this shape is expanded back into primitive ops here, and only
 that subgraph changes. Each undone fusion is an --explain remark with the guard's reason.

@@ -13,9 +13,9 @@ import pytest
 import geir.passes.tile as tile_module
 from geir.parser import parse
 from geir.reference import run_graph
-from geir.runtime.pipelined import cut_points, partition, run_pipelined
+from geir.session.pipelined import cut_points, partition, run_pipelined
 from geir.passes import complete_pipeline, parse_pipeline
-from geir.runtime.session import Session, bind_shapes, compile_module, run_passes, run_program
+from geir.session import Session, bind_shapes, compile_module, run_passes, run_program
 from geir.tools.gerun import main as gerun_main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from geir.parser import parse
 from geir.passes.tiling import smaller_tiling
 from geir.runtime.interpreter import Runtime, RuntimeFailure
 from geir.runtime.profile import profile
-from geir.runtime.session import NO_FUSE_PIPELINE, compile_module
+from geir.session import NO_FUSE_PIPELINE, compile_module
 from geir.target_npu import load_target
 from geir.target_npu.target import TARGET_DIR
 

@@ -16,11 +16,11 @@ import pytest
 from geir.diagnostics import SourceManager
 from geir.kernels.base import KernelStats
 from geir.parser import parse
-from geir.runtime import doctor
+from geir.session import doctor
 from geir.runtime.interpreter import Runtime
 from geir.runtime.profile import cube_peak_flops
 from geir.runtime.roofline import bandwidths, roofline
-from geir.runtime.session import DEFAULT_PIPELINE, compile_module
+from geir.session import DEFAULT_PIPELINE, compile_module
 from geir.target_npu.sim import PIPES
 from geir.target_npu.target import load_target
 from geir.tools.gedoctor import main, report

@@ -19,7 +19,7 @@ from geir import parse_file
 from geir.dot import FUSED_KINDS, quote, to_dot
 from geir.ir import Graph, Operation, Value
 from geir.runtime.interpreter import Runtime
-from geir.runtime.session import Session
+from geir.session import Session
 from geir.runtime.timeline import Row, Timeline, busy_fraction, detail_cores, timeline_data
 from geir.target_npu.sim import PIPES
 from geir.target_npu.target import load_target

@@ -41,7 +41,7 @@ from geir.parser import decode_source, parse
 from geir.verifier import verify_module
 
 if TYPE_CHECKING:
-    from geir.runtime.doctor import Diagnosis, KernelView
+    from geir.session.doctor import Diagnosis, KernelView
 
 TOOL = "gedoctor"
 SECTIONS = {
@@ -120,7 +120,7 @@ def import_model(path: str) -> tuple[Module, dict[str, np.ndarray]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from geir.runtime.doctor import diagnose_graph, diagnose_program
+    from geir.session.doctor import diagnose_graph, diagnose_program
     from geir.runtime.interpreter import RuntimeFailure
     from geir.tools.gerun import (
         check_inputs_match,
@@ -204,7 +204,7 @@ def _more(d: Diagnosis) -> list[str]:
 
 
 def _runtime_table(d: Diagnosis) -> list[str]:
-    from geir.runtime.doctor import pipe_waits
+    from geir.session.doctor import pipe_waits
 
     head = (f"  {'kernel':<36}{'time_us':>9}{'share':>7}{'buf':>5}{'overlap':>9}{'mem_bnd':>9}{'mte2':>6}{'cube':>6}"
             f"{'vec':>6}  compute waits (flag/slot)")

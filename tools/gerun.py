@@ -47,6 +47,7 @@ from geir.tools.common import (
     write_atomically,
 )
 
+from geir.accuracy import TOLERANCES, compare  # noqa: F401  (the tolerance policy, re-exported for the tests)
 from geir.attributes import DenseResourceAttr
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.ir import Graph, Module
@@ -55,8 +56,6 @@ from geir.types import DType, TensorType
 from geir.verifier import verify_module
 
 TOOL = "gerun"
-# (rtol, atol) against a float64 reference, by result dtype (spec section 3); other dtypes must match exactly
-TOLERANCES = {DType.f32: (1e-4, 1e-5), DType.f16: (1e-2, 1e-3), DType.bf16: (2e-2, 1e-2)}
 FAULT_KINDS = ("dma", "core", "ub_overflow")
 PROGRESS_MIN_KERNELS = 5
 
@@ -314,34 +313,6 @@ def check_inputs_match(program: Graph, inputs: dict[str, np.ndarray], which: str
 
 # --- check -----------------------------------------------------------------------------------------------
 
-def compare(actual: np.ndarray, expected: np.ndarray, t: TensorType) -> tuple[float, float, bool, str]:
-    """(max abs error, max rel error, passed, tolerance text) of one result against the float64 reference."""
-    a = np.asarray(actual)
-    b = np.asarray(expected)
-    if t.dtype in TOLERANCES:
-        rtol, atol = TOLERANCES[t.dtype]
-        a = a.astype(np.float64)
-        b = b.astype(np.float64)
-        # numpy's allclose rule, with NaN equal to NaN (equal_nan) and infinities equal only to themselves
-        finite = np.isfinite(a) & np.isfinite(b)
-        same = (np.isnan(a) & np.isnan(b)) | (~finite & (a == b))
-        with np.errstate(all="ignore"):
-            err = np.where(finite, np.abs(a - b), np.where(same, 0.0, np.inf))
-            rel = np.where(err == 0, 0.0, err / np.abs(b))
-            rel = np.where(np.isnan(rel), np.inf, rel)
-        ok = bool(np.all(np.where(finite, err <= atol + rtol * np.abs(b), same)))
-        tol = f"rtol {rtol:g}, atol {atol:g}"
-    else:
-        err = np.abs(a.astype(np.float64) - b.astype(np.float64))
-        with np.errstate(all="ignore"):
-            rel = np.where(err == 0, 0.0, err / np.abs(b.astype(np.float64)))
-        ok = bool(np.array_equal(a, b.astype(a.dtype)))
-        tol = "exact"
-    max_abs = float(err.max()) if err.size else 0.0
-    max_rel = float(rel.max()) if rel.size else 0.0
-    return max_abs, max_rel, ok, tol
-
-
 def check_run(reference: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray],
               outputs: list[np.ndarray], types: list[TensorType], prefix: str) -> bool:
     """Run the reference, print one line per result and return whether all passed."""
@@ -468,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int:
     from geir.runtime.profile import format_profile, profile
-    from geir.runtime.session import Session, ShapeMismatch
+    from geir.session import Session, ShapeMismatch
 
     name, data = read_input(args.input)
     module, text = _parse(name, data, sources, printer)
@@ -599,7 +570,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, weights: dict[str, np.ndarray],
                     is_program: bool, pipeline: str) -> int:
     """gerun --overlap-compile: one run, GE compiling part k+1 while the Runtime runs part k."""
-    from geir.runtime.pipelined import run_pipelined
+    from geir.session.pipelined import run_pipelined
 
     if is_program or args.overlap_compile < 1 or len(args.inputs) > 1 or args.inject_fault or args.timeline:
         raise ToolError("--overlap-compile takes a ge.graph, PARTS >= 1 and one set of inputs, without "

@@ -29,7 +29,7 @@ from geir.ir import Graph, Module, Operation, clone_graph
 from geir.kernels.base import KernelStats
 from geir.ops.core import Const
 from geir.parser import parse
-from geir.runtime.fusion_probe import (
+from geir.session.fusion_probe import (
     ATTENTION_RULE,
     FUSED_KERNEL,
     Candidate,
@@ -41,7 +41,7 @@ from geir.runtime.fusion_probe import (
 from geir.runtime.interpreter import RunResult, Runtime, RuntimeFailure
 from geir.runtime.profile import kernel_profile
 from geir.runtime.roofline import Roofline, roofline
-from geir.runtime.session import compile_module
+from geir.session.pipeline import compile_module
 from geir.target_npu.sim import PIPES
 from geir.target_npu.target import Target, load_target
 from geir.types import TensorType

@@ -23,7 +23,8 @@ from geir.ir import Graph, Module, Operation, Value, clone_op
 from geir.ops.core import Const, Return
 from geir.runtime.interpreter import RunResult
 from geir.runtime.profile import profile
-from geir.runtime.session import DEFAULT_PIPELINE, bind_shapes, compile_module, run_program
+from geir.session.pipeline import DEFAULT_PIPELINE, compile_module, run_program
+from geir.session.plan_cache import bind_shapes
 from geir.target_npu.target import DEFAULT_TARGET
 
 

@@ -19,7 +19,7 @@ from geir.ir import Graph, Module, Operation, clone_graph
 from geir.ops.core import Const
 from geir.passes import PassContext, PassManager, complete_pipeline
 from geir.passes.fuse import FUSION_RULES, Fuse
-from geir.runtime.session import lowering_pipeline, run_passes
+from geir.session.pipeline import lowering_pipeline, run_passes
 from geir.types import TensorType
 
 

@@ -1,0 +1,68 @@
+"""GE's pipeline, defined once: the default pass lists, completing a pipeline with `lower`, running passes.
+
+What compile_module, the plan cache's specialisations, compile-while-running and the fusion probe
+all use, so that "the pipeline tail" (what a pipeline needs before `lower`) has one definition.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import numpy as np
+
+from geir.diagnostics import DiagnosticEngine, DiagnosticError
+from geir.ir import Graph, Module
+from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
+from geir.runtime.interpreter import RunResult, Runtime
+from geir.target_npu.target import DEFAULT_TARGET, load_target
+
+DEFAULT_PIPELINE = "canonicalize,fuse,layout,tile,plan,lower"
+NO_FUSE_PIPELINE = "canonicalize,layout,tile,plan,lower"
+
+
+def lowering_pipeline(pipeline: str) -> list:
+    """The passes of a pipeline, with what they require inserted and `lower` at the end."""
+    passes = complete_pipeline(parse_pipeline(pipeline))
+    if not passes or passes[-1].NAME != "lower":
+        passes = complete_pipeline(passes + parse_pipeline("lower"))
+    return passes
+
+
+def run_passes(module: Module, passes: list, target: str, emit=None, spans: list | None = None,
+               t0: float | None = None, verify_each: bool = True, explain: bool = False,
+               tiling_memo: dict | None = None) -> Module:
+    """Run passes in place; each pass's (name, start_us, end_us) since `t0` goes to `spans`.
+
+    Errors (and with `explain`, remarks) go to `emit`; errors raise DiagnosticError.
+    """
+    errors: list = []
+
+    def handle(d) -> None:
+        errors.append(d)
+        if emit is not None:
+            emit(d)
+
+    t0 = time.perf_counter() if t0 is None else t0
+    now = lambda: (time.perf_counter() - t0) * 1e6  # noqa: E731
+    marks: list[float] = []
+    record = spans.append if spans is not None else (lambda span: None)
+    pm = PassManager(passes, verify_each=verify_each, before=lambda p, m: marks.append(now()),
+                     after=lambda p, m: record((p.NAME, marks[-1], now())))
+    ctx = PassContext(target=target, diagnostics=DiagnosticEngine(handle), explain=explain, tiling_memo=tiling_memo)
+    if not pm.run(module, ctx):
+        raise DiagnosticError(*[d for d in errors if d.severity == "error"] or errors)
+    return module
+
+
+def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
+                   emit=None) -> tuple[Module, list[tuple[str, float, float]]]:
+    """Run GE's pipeline (ending in lower) in place; returns the module and (pass, start_us, end_us) per pass."""
+    spans: list[tuple[str, float, float]] = []
+    return run_passes(module, lowering_pipeline(pipeline), target, emit, spans), spans
+
+
+def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
+                target: str = DEFAULT_TARGET, record_pipes: bool = False) -> RunResult:
+    """Run a lowered rt.program on a fresh simulated chip."""
+    return Runtime(load_target(target), record_pipes=record_pipes).run(program, inputs, resources)
