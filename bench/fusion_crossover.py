@@ -17,7 +17,7 @@ import math
 import sys
 
 from geir.passes.fusion.guards import flash_attention_guard
-from geir.passes.tiling import choose_flash_tiling
+from geir.kernels.flash_attention_tiling import choose_flash_tiling
 from geir.parser import parse
 from geir.runtime.profile import profile
 from geir.session import NO_FUSE_PIPELINE, compile_module, run_program

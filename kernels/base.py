@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
+from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
 from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, buffers_of
 from geir.target_npu.target import Target
 
@@ -48,7 +49,7 @@ class KernelStats:
     """What one launch did: when, on how many cores, each pipe's busy cycles, bytes and FLOPs."""
 
     name: str
-    tiling: dict[str, Any]
+    tiling: KernelTiling | None
     start: float
     end: float
     cores: int
@@ -67,11 +68,58 @@ class KernelStats:
 
 
 class Kernel:
-    """One op family's tiled implementation."""
+    """One op family's tiled implementation and its tiling (the TilingInterface GE's `tile` pass asks).
+
+    A kernel declares the ops it implements (`OPS`), its typed tiling class (`TILING`), and the
+    functions on it: `choose` (the tiling rule for an op's types and attributes), `budget` (what a
+    work unit keeps on chip: the one buffer model, for choosing and for running), `shrink` (a
+    smaller tiling with bit-identical results, for recovery) and `candidates` (the legal tilings).
+    `run` computes the op's results for a typed tiling; it reads the op's attributes and never changes the IR.
+    """
 
     OPS: ClassVar[tuple[str, ...]] = ()
+    TILING: ClassVar[type[KernelTiling]] = KernelTiling
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+    def needs_tiling(self, sig: OpSignature) -> bool:
+        """Whether this op becomes a launch that needs a tiling (a reshape of ND data is a view: no)."""
+        return True
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> KernelTiling | Miss:
+        raise NotImplementedError
+
+    def budget(self, tiling: KernelTiling, sig: OpSignature, target: Target) -> Budget:
+        raise NotImplementedError
+
+    def shrink(self, tiling: KernelTiling) -> tuple[KernelTiling, str] | None:
+        """A tiling that keeps less on chip and gives bit-identical results, with what changed; None at the smallest."""
+        return None
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[KernelTiling]:
+        return []
+
+    def decode(self, attr: Any, what: str = "tiling") -> KernelTiling:
+        """The typed tiling an IR `tiling` attribute holds (TilingAttrError says what is wrong with it)."""
+        return self.TILING.from_attr(attr, what)
+
+    def tiling_for(self, op: Operation, inputs: list[np.ndarray], target: Target) -> KernelTiling | None:
+        """The op's tiling attribute, decoded; without one (a kernel run outside a compiled program), the rule's
+        choice for these arrays' types (None when the op needs none). The IR is only read."""
+        if op.attributes.get("tiling"):
+            return self.decode(op.attributes["tiling"])
+        sig = OpSignature.of_arrays(op, inputs)
+        if not self.needs_tiling(sig):
+            return None
+        chosen = self.choose(sig, target)
+        if isinstance(chosen, Miss):
+            raise (TilingError if chosen.overflow else Untiled)(chosen.reason)
+        return chosen
+
+    def allocate(self, tiling: KernelTiling, sig: OpSignature, target: Target, what: str) -> None:
+        """Allocate one core's buffers for this tiling's budget; CapacityError names the buffer that overflows."""
+        allocate(target, self.budget(tiling, sig, target), what)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: KernelTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
         raise NotImplementedError
 
 
@@ -150,10 +198,10 @@ _DATA_MOVEMENT = frozenset({"ge.transpose", "ge.reshape", "ge.concat", "ge.split
                             "ge.const", "ge.return"})
 
 
-def allocate(target: Target, budget: Any, what: str) -> None:
+def allocate(target: Target, budget: Budget, what: str) -> None:
     """Allocate one core's buffers for a tiling's budget (UB, L1, L0A, L0B, L0C bytes);
-    CapacityError names the buffer that overflows. The tile pass's budget functions are the one
-    model of what a kernel keeps on chip, for choosing blocks and for running them."""
+    CapacityError names the buffer that overflows. A kernel's budget function is the one model of
+    what it keeps on chip, for choosing blocks and for running them."""
     buf = buffers_of(target)
     for name in ("ub", "l1", "l0a", "l0b", "l0c"):
         buf[name.upper()].alloc(getattr(budget, name), what)

@@ -32,8 +32,12 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
+from geir.kernels import vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_kernel
-from geir.target_npu.sim import Buffer, CapacityError, Cores, GlobalMemory, buffers_of, spread, vector_cycles
+from geir.kernels.tiling import Budget, Miss, OpSignature, TilingError, Untiled
+from geir.kernels.vector_tiling import VectorTiling
+from geir.target_npu.sim import CapacityError, Cores, GlobalMemory, spread, vector_cycles
+from geir.target_npu.target import Target
 
 FRACTAL = 16  # rows and columns of one GM residency block
 
@@ -250,26 +254,6 @@ def check_fault(ctx: LaunchContext) -> None:
         raise CapacityError("UB", 2 * ub, ub, 0, "the injected fault's tile")
 
 
-def tiling_of(op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> dict:
-    """The op's `tiling` attribute; absent (a kernel run without the tile pass), what the tile pass
-    would choose for these arrays' types."""
-    tiling = op.attributes.get("tiling")
-    if tiling:
-        return dict(tiling)
-    from geir.passes.tile import tile_op  # the same function the tile pass uses
-    from geir.types import DType, TensorType
-
-    saved = [v.type for v in op.operands]
-    for v, a in zip(op.operands, inputs):
-        if v.type is None or not v.type.is_static:
-            v.type = TensorType(tuple(a.shape), DType.from_numpy(a.dtype))
-    try:
-        return tile_op(op, ctx.target, 2).to_attr()
-    finally:
-        for v, t in zip(op.operands, saved):
-            v.type = t
-
-
 def result_dtype(op: Operation, i: int, fallback: np.dtype) -> np.dtype:
     t = op.results[i].type if i < len(op.results) else None
     return t.dtype.np if t is not None else np.dtype(fallback)
@@ -334,17 +318,32 @@ def copy_kernel(pairs: list[CopyPair], elems: int, buffers: int, ctx: LaunchCont
             slots.step(lanes.used(on), load, vec, store, names=(f"load {name}", name, f"store {name}"))
 
 
-def check_copy_fits(ctx: LaunchContext, elems: int, itemsize: int, buffers: int) -> None:
-    """One vector unit's UB: an in and an out tile per buffer (the DataCopy budget of the tile pass)."""
-    check_fault(ctx)
-    ub: Buffer = buffers_of(ctx.target)["UB"]
-    ub.alloc(2 * elems * itemsize * buffers, f"{buffers} x the in and out tiles of {elems} elements")
-
-
 class _CopyKernel(Kernel):
-    """Shared run: build the (source view, destination view) pairs, then move them."""
+    """Shared run: build the (source view, destination view) pairs, then move them.
+
+    Tiled as a flat chunk of elements (the vector tiling), under the copy's own template name.
+    """
 
     VECTOR_PASSES = 0
+    TILING = VectorTiling
+    TEMPLATE = "DataCopy"
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> VectorTiling | Miss:
+        try:
+            return tiling_rules.choose_elementwise_tiling(sig, target, buffers, self.TEMPLATE)
+        except Untiled as e:
+            return Miss(str(e))
+        except TilingError as e:
+            return Miss(str(e), overflow=True)
+
+    def budget(self, tiling: VectorTiling, sig: OpSignature, target: Target) -> Budget:
+        return tiling_rules.elementwise_budget(tiling, sig, target)
+
+    def shrink(self, tiling: VectorTiling) -> tuple[VectorTiling, str] | None:
+        return tiling_rules.shrink_elementwise(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[VectorTiling]:
+        return tiling_rules.elementwise_candidates(sig, target, buffers, self.TEMPLATE)
 
     def pairs(self, op: Operation, inputs: list[np.ndarray],
               outs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
@@ -360,11 +359,13 @@ class _CopyKernel(Kernel):
         out = out if isinstance(out, tuple) else (out,)
         return [tuple(np.shape(o)) for o in out]
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
-        tiling = tiling_of(op, inputs, ctx)
-        elems, buffers = int(tiling["elems"]), int(tiling.get("buffers", 2))
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        elems, buffers = tiling.elems, tiling.buffers
         x = inputs[0]
-        check_copy_fits(ctx, elems, x.dtype.itemsize, buffers)
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target,
+                      f"{buffers} x the in and out tiles of {elems} elements")
         outs = [np.empty(s, dtype=result_dtype(op, i, x.dtype)) for i, s in enumerate(self.out_shapes(op, inputs))]
         in_gm = [gm_tensor(ctx.gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.operand_names, inputs)]
         out_gm = [gm_tensor(ctx.gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.result_names, outs)]
@@ -379,6 +380,7 @@ class TransposeKernel(_CopyKernel):
 
     OPS = ("ge.transpose",)
     VECTOR_PASSES = 1
+    TEMPLATE = "VectorTranspose"
 
     def pairs(self, op, inputs, outs):
         return [(np.transpose(inputs[0], op.perm), outs[0], 0, 0)]
@@ -390,6 +392,7 @@ class TransDataKernel(_CopyKernel):
 
     OPS = ("ge.trans_data",)
     VECTOR_PASSES = 1
+    TEMPLATE = "TransData"
 
     def pairs(self, op, inputs, outs):
         return [(inputs[0], outs[0], 0, 0)]
@@ -449,9 +452,14 @@ class ReshapeKernel(_CopyKernel):
     def pairs(self, op, inputs, outs):
         return [(op.compute(inputs[0]), outs[0], 0, 0)]
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
-        if op.attributes.get("tiling"):
-            return super().run(op, inputs, ctx)
+    def needs_tiling(self, sig: OpSignature) -> bool:
+        # a reshape is a view of ND data; of NZ fractals it is a real relayout
+        return any(t is not None and t.format != "ND" for t in sig.operands)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling | None,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        if tiling is not None:
+            return super().run(op, inputs, tiling, ctx)
         check_fault(ctx)
         if ctx.operand_names and ctx.result_names:
             alias(ctx.gm, ctx.operand_names[0], ctx.result_names[0])

@@ -21,11 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from geir.ir import Operation
+from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
+from geir.kernels.flash_attention_tiling import FlashTiling, flash_budget
+from geir.kernels.tiling import Budget, Miss, OpSignature
 from geir.ops.numerics import round_in_f32, round_to
-from geir.passes.tiling import flash_budget
-from geir.types import DType
 from geir.target_npu.sim import CapacityError, cube_cycles, local_copy_cycles, spread, vector_cycles
+from geir.target_npu.target import Target
+from geir.types import DType
 
 # vector passes over the score tile per block: scale, mask, row max, subtract, exp, row sum, cast to P
 SOFTMAX_PASSES = 7
@@ -42,7 +45,7 @@ def check_fits(target, s1: int, s2: int, d: int, dtype: np.dtype, buffers: int, 
                mask_itemsize: int) -> None:
     """Allocate one core's buffers for this tiling; CapacityError names the buffer that overflows.
 
-    What a work unit keeps on chip is the tile pass's budget (geir.passes.tiling.flash_budget):
+    What a work unit keeps on chip is the kernel's budget (flash_attention_tiling.flash_budget):
     one model of the kernel's buffers serves both the choice of blocks and the kernel.
     """
     budget = flash_budget(s1, s2, d, DType.from_numpy(dtype), buffers, target, causal=causal,
@@ -55,8 +58,22 @@ class FlashAttentionKernel(Kernel):
     """softmax(scale * q k^T + mask) v, tile by tile."""
 
     OPS = ("ge.flash_attention",)
+    TILING = FlashTiling
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> FlashTiling | Miss:
+        return tiling_rules.choose(sig, target, buffers)
+
+    def budget(self, tiling: FlashTiling, sig: OpSignature, target: Target) -> Budget:
+        return tiling_rules.budget(tiling, sig, target)
+
+    def shrink(self, tiling: FlashTiling) -> tuple[FlashTiling, str] | None:
+        return tiling_rules.shrink(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[FlashTiling]:
+        return tiling_rules.candidates(sig, target, buffers)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: FlashTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
         q, k, v = inputs[:3]
         mask = inputs[3] if len(inputs) > 3 else None
         bsnd = op.layout == "BSND"
@@ -64,22 +81,17 @@ class FlashAttentionKernel(Kernel):
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
             if mask is not None and mask.ndim == 4:
                 mask = np.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[2]))
-        tiling = op.attributes.get("tiling")
-        if not tiling:
-            raise ValueError("flash_attention has no tiling: run the tile pass before lowering")
         out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx)
         return [np.swapaxes(out, 1, 2) if bsnd else out]
 
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
-                            scale: float, tiling: dict, ctx: LaunchContext) -> np.ndarray:
+                            scale: float, tiling: FlashTiling, ctx: LaunchContext) -> np.ndarray:
     """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm."""
     target = ctx.target
     B, N, Sq, D = q.shape
     Skv = k.shape[2]
-    s1, s2 = int(tiling["s1"]), int(tiling["s2"])
-    nbuf = int(tiling.get("buffers", 2))
-    segments = max(int(tiling.get("segments", 1)), 1)
+    s1, s2, nbuf, segments = tiling.s1, tiling.s2, tiling.buffers, max(tiling.segments, 1)
     if ctx.fault == "ub_overflow":
         raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
                             "the injected fault's score tile")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from geir.ir import Operation
+from geir.kernels import matmul_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
 from geir.kernels.data_movement import (
     check_fault,
@@ -37,14 +39,13 @@ from geir.kernels.data_movement import (
     rect_pieces,
     result_dtype,
     share_pieces,
-    tiling_of,
 )
+from geir.kernels.matmul_tiling import MatmulTiling, matmul_budget
+from geir.kernels.tiling import Budget, Miss, OpSignature
 from geir.kernels.vector import elementwise_passes
-from geir.passes.tiling import matmul_budget
-from geir.target_npu.sim import cube_cycles, local_copy_cycles, spread, vector_cycles
-
-from geir.ir import Operation
 from geir.ops.numerics import round_to
+from geir.target_npu.sim import cube_cycles, local_copy_cycles, spread, vector_cycles
+from geir.target_npu.target import Target
 
 _F32 = np.float32
 _CUBE_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -56,12 +57,23 @@ class MatmulKernel(Kernel):
     """a @ b (batch broadcast, optional transposes), with a bias/activation epilogue for fused_matmul."""
 
     OPS = ("ge.matmul", "ge.fused_matmul")
+    TILING = MatmulTiling
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> MatmulTiling | Miss:
+        return tiling_rules.choose(sig, target, buffers)
+
+    def budget(self, tiling: MatmulTiling, sig: OpSignature, target: Target) -> Budget:
+        return tiling_rules.budget(tiling, sig, target)
+
+    def shrink(self, tiling: MatmulTiling) -> tuple[MatmulTiling, str] | None:
+        return tiling_rules.shrink(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[MatmulTiling]:
+        return tiling_rules.candidates(sig, target, buffers)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: MatmulTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
         check_fault(ctx)
-        # The tile pass's base block; absent (the kernel run without the tile pass), the block the
-        # tile pass would choose for these operands (choose_matmul_tiling: 128 x 256 x 64, shrunk to fit).
-        tiling = tiling_of(op, inputs, ctx)
         a, b = inputs[:2]
         bias = inputs[2] if len(inputs) > 2 else None
         fused = op.name == "ge.fused_matmul"
@@ -99,18 +111,17 @@ class _Costs:
 
 
 def check_fits(target, m: int, n: int, k: int, itemsize: int, buffers: int, epilogue: bool, bias: bool) -> None:
-    """Allocate one cube core's buffers for this base block (the tile pass's matmul_budget)."""
+    """Allocate one cube core's buffers for this base block (the kernel's matmul_budget)."""
     budget = matmul_budget(m, n, k, itemsize, buffers, target, epilogue=epilogue, bias=bias)
     allocate(target, budget, f"the {m} x {n} x {k} matmul block ({buffers} buffers)")
 
 
 def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,
-                   out_dt: np.dtype, tiling: dict, ctx: LaunchContext, epilogue=None,
+                   out_dt: np.dtype, tiling: MatmulTiling, ctx: LaunchContext, epilogue=None,
                    activation: str = "none") -> np.ndarray:
     """The kernel proper; timing goes to ctx.cores and ctx.gm."""
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
-    m, n, k = int(tiling["m"]), int(tiling["n"]), int(tiling["k"])
-    nbuf = max(int(tiling.get("buffers", 2)), 1)
+    m, n, k, nbuf = tiling.m, tiling.n, tiling.k, tiling.buffers
     dt = a.dtype
     isz = dt.itemsize
     dname = _CUBE_DTYPES[dt.name]  # the cube's modes (the tile pass leaves other dtypes untiled)

@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from geir.ir import Operation
+from geir.kernels import vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, issue, register_kernel
 from geir.kernels.data_movement import (
     GmTensor,
@@ -35,11 +36,12 @@ from geir.kernels.data_movement import (
     rect_pieces,
     result_dtype,
     share_pieces,
-    tiling_of,
 )
+from geir.kernels.tiling import Budget, Miss, OpSignature, TilingError, Untiled
+from geir.kernels.vector_tiling import RowTiling, VectorTiling, reduced_axes
 from geir.ops.fused import ELEMENTWISE_OPS
 from geir.ops.numerics import round_to, work
-from geir.target_npu.sim import buffers_of
+from geir.target_npu.target import Target
 
 _F32 = np.float32
 _HALF = ("float16", "bfloat16")
@@ -130,11 +132,25 @@ class ElementwiseKernel(Kernel):
     """Every elementwise op, and fused chains of them, over the flattened output."""
 
     OPS = tuple(sorted(ELEMENTWISE_OPS)) + ("ge.fused_elementwise",)
+    TILING = VectorTiling
+    TEMPLATE = tiling_rules.ELEMENTWISE
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> VectorTiling | Miss:
+        return _chosen(lambda: tiling_rules.choose_elementwise_tiling(sig, target, buffers, self.TEMPLATE))
+
+    def budget(self, tiling: VectorTiling, sig: OpSignature, target: Target) -> Budget:
+        return tiling_rules.elementwise_budget(tiling, sig, target)
+
+    def shrink(self, tiling: VectorTiling) -> tuple[VectorTiling, str] | None:
+        return tiling_rules.shrink_elementwise(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[VectorTiling]:
+        return tiling_rules.elementwise_candidates(sig, target, buffers, self.TEMPLATE)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
         check_fault(ctx)
-        tiling = tiling_of(op, inputs, ctx)
-        elems, nbuf = int(tiling["elems"]), int(tiling.get("buffers", 2))
+        elems, nbuf = tiling.elems, tiling.buffers
         t = op.results[0].type
         shape = tuple(t.shape) if t is not None and t.is_static else np.broadcast_shapes(*[a.shape for a in inputs])
         total = math.prod(shape)
@@ -144,8 +160,8 @@ class ElementwiseKernel(Kernel):
         resident = [a.size < total and a.nbytes * 8 <= ub for a in inputs]
         body = op.attributes.get("body") or []
         halves = any(_is_half(a.dtype) for a in inputs) or _is_half(out_dt)
-        steps = len(body) or int(halves)
-        self.check_fits(ctx, inputs, resident, out_dt, elems, nbuf, steps)
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target,
+                      f"{nbuf} x the streamed tiles of {elems} elements and their f32 working copies")
         out = np.empty(total, dtype=out_dt)
         if total == 0:
             return [out.reshape(shape)]
@@ -193,29 +209,17 @@ class ElementwiseKernel(Kernel):
                        lanes.per_lane(on, store), after=[ready[used]], names=("load tiles", op.name[3:], "store tile"))
         return [out.reshape(shape)]
 
-    @staticmethod
-    def check_fits(ctx, inputs, resident, out_dt, elems, nbuf, steps) -> None:
-        """One vector unit's UB: resident operands, then per element the streamed tiles (double-buffered)
-        and the f32 working copies (the VectorElementwise budget of the tile pass)."""
-        ub = buffers_of(ctx.target)["UB"]
-        for a, r in zip(inputs, resident):
-            if r:
-                ub.alloc(a.nbytes, f"the resident operand {'x'.join(map(str, a.shape)) or 'scalar'}")
-        streamed = sum(a.dtype.itemsize for a, r in zip(inputs, resident) if not r) + np.dtype(out_dt).itemsize
-        ub.alloc(elems * (streamed * nbuf + 4 * steps),
-                 f"{nbuf} x the streamed tiles of {elems} elements and {steps} f32 working copies")
-
 
 # --- row ops -------------------------------------------------------------------------------------------
 
-def _reduced_axes(op: Operation, rank: int) -> tuple[int, ...]:
-    if op.name == "ge.softmax":
-        return (op.axis % rank,)
-    if op.name == "ge.layer_norm":
-        return tuple(range(op.axis % rank, rank))
-    if op.name == "ge.rms_norm":
-        return (rank - 1,)
-    return tuple(sorted(a % rank for a in op.axes)) if rank else ()
+def _chosen(rule) -> object:
+    """A tiling rule's result, or its Miss: untiled (a remark) or, when nothing fits, an overflow (an error)."""
+    try:
+        return rule()
+    except Untiled as e:
+        return Miss(str(e))
+    except TilingError as e:
+        return Miss(str(e), overflow=True)
 
 
 def _row_op(op: Operation) -> Operation:
@@ -231,15 +235,27 @@ class RowKernel(Kernel):
     """Row-wise ops: the reduced axes (moved last when they are not) stay whole in UB, `rows` rows a tile."""
 
     OPS = ("ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm")
+    TILING = RowTiling
 
-    def run(self, op: Operation, inputs: list[np.ndarray], ctx: LaunchContext) -> list[np.ndarray]:
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> RowTiling | Miss:
+        return _chosen(lambda: tiling_rules.choose_row_tiling(sig, target, buffers))
+
+    def budget(self, tiling: RowTiling, sig: OpSignature, target: Target) -> Budget:
+        return tiling_rules.row_budget(tiling, sig, target)
+
+    def shrink(self, tiling: RowTiling) -> tuple[RowTiling, str] | None:
+        return tiling_rules.shrink_rows(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[RowTiling]:
+        return tiling_rules.row_candidates(sig, target, buffers)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: RowTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
         check_fault(ctx)
-        tiling = tiling_of(op, inputs, ctx)
-        tr, nbuf = int(tiling["rows"]), int(tiling.get("buffers", 2))
-        segments = max(int(tiling.get("segments", 1)), 1)
+        tr, nbuf, segments = tiling.rows, tiling.buffers, max(tiling.segments, 1)
         x, params = inputs[0], inputs[1:]
         rank = x.ndim
-        axes = _reduced_axes(op, rank)
+        axes = reduced_axes(op.name, op.attributes, rank)
         trailing = axes == tuple(range(rank - len(axes), rank))
         kept = [d for i, d in enumerate(x.shape) if i not in axes]
         R, C = math.prod(kept), math.prod(x.shape[i] for i in axes)
@@ -252,7 +268,8 @@ class RowKernel(Kernel):
         ub = ctx.target.buffer_bytes("ub")
         resident = [p.size < x.size and p.nbytes * 8 <= ub for p in params]
         halves = _is_half(x.dtype) or _is_half(out_dt)
-        self.check_fits(ctx, x, params, resident, out_dt, tr, seg, nbuf, halves)
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target,
+                      f"{tr} rows of {seg} elements: {nbuf} x the streamed tiles and an f32 working copy")
         # gamma / beta: one row when they do not vary over the kept axes, else rows gathered like x
         lead = rank - len(axes)
         rowwise = []
@@ -278,20 +295,6 @@ class RowKernel(Kernel):
         if not trailing:
             out = np.ascontiguousarray(np.moveaxis(out, range(rank - len(axes), rank), axes))
         return [out]
-
-    @staticmethod
-    def check_fits(ctx, x, params, resident, out_dt, tr, seg, nbuf, halves) -> None:
-        """One vector unit's UB: resident gamma/beta, then per row its streamed segments (double-buffered)
-        with an f32 working copy, and one UB block for each of the two row statistics (the VectorRow budget)."""
-        ub = buffers_of(ctx.target)["UB"]
-        for p, r in zip(params, resident):
-            if r:
-                ub.alloc(p.nbytes, f"the resident {'x'.join(map(str, p.shape))} parameter")
-        streamed = x.dtype.itemsize + np.dtype(out_dt).itemsize + sum(
-            p.dtype.itemsize for p, r in zip(params, resident) if not r)
-        ub.alloc(tr * _align(seg * (streamed * nbuf + 4 * int(halves))),
-                 f"{tr} rows of {seg} elements: {nbuf} x the streamed tiles and an f32 working copy")
-        ub.alloc(tr * 2 * UB_BLOCK, f"the 2 statistics of {tr} rows")
 
     def tiles(self, op, ctx, x, x2, out2, out_shape, params, rowwise, resident, R, C, tr, seg, nbuf, trailing,
               halves) -> None:

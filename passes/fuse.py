@@ -64,5 +64,6 @@ class Fuse(Pass):
             listener = PatternListener()
             for tier in tiers:
                 apply_patterns_greedily(g, tier, listener)
-            for message, loc in listener.remarks():
-                ctx.remark(message, loc)
+            for outcome in listener.outcomes():
+                ctx.record(outcome)
+                ctx.remark(outcome.render(), outcome.loc)

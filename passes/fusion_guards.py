@@ -8,11 +8,26 @@ that subgraph changes. Each undone fusion is an --explain remark with the guard'
 
 from __future__ import annotations
 
+import attrs
+
+from geir.diagnostics import Location
 from geir.ir import Module
 from geir.passes.fusion.guards import FUSION_GUARDS
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Rewriter
 from geir.target_npu.target import load_target
+
+
+@attrs.frozen
+class Unfusion:
+    """A fused op expanded back into primitive ops for this shape, and the guard's reason."""
+
+    op: str  # the fused op's name without its dialect: "flash_attention"
+    loc: Location
+    reason: str
+
+    def render(self) -> str:
+        return f"{self.op} unfused for this shape: {self.reason}"
 
 
 @register_pass("fusion-guards")
@@ -31,5 +46,7 @@ class FusionGuards(Pass):
                     continue
                 why = guard[0](op, chip)
                 if why is not None:
-                    ctx.remark(f"{op.name.partition('.')[2]} unfused for this shape: {why}", op.loc)
+                    undone = Unfusion(op.name.partition(".")[2], op.loc, why)
+                    ctx.record(undone)
+                    ctx.remark(undone.render(), op.loc)
                     guard[1](op, rw)

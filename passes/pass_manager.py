@@ -32,6 +32,17 @@ class PassContext:
     # tilings already chosen, by op signature: a runtime session keeps one across its shape
     # specialisations so that only ops whose shapes changed are tiled again
     tiling_memo: dict | None = None
+    # the typed outcomes passes report for other code to consume (tiling decisions, fusion outcomes,
+    # fusions undone); remarks are rendered from them, and nothing parses the remarks back
+    records: list = attrs.field(factory=list)
+
+    def record(self, outcome: Any) -> None:
+        """Report a typed outcome of the running pass (collected whether or not --explain is on)."""
+        self.records.append(outcome)
+
+    def records_of(self, kind: type) -> list:
+        """The outcomes of one kind reported so far, in order."""
+        return [r for r in self.records if isinstance(r, kind)]
 
     def remark(self, message: str, loc: Location) -> None:
         """An --explain remark (dropped unless --explain is on)."""

@@ -94,6 +94,23 @@ class Rewriter:
         self.graph.erase(op)
 
 
+@attrs.frozen
+class FusionOutcome:
+    """One fusion candidate's outcome: its rule, where, and why it did not match (None: it fused)."""
+
+    rule: str
+    loc: Location
+    reason: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.reason is None
+
+    def render(self) -> str:
+        """The --explain remark: "<rule> fused" or "<rule> not fused: <reason>"."""
+        return f"{self.rule} fused" if self.reason is None else f"{self.rule} not fused: {self.reason}"
+
+
 class PatternListener:
     """Collects, per candidate, whether a pattern fired or why it did not (for --explain)."""
 
@@ -110,14 +127,18 @@ class PatternListener:
         if p.EXPLAIN:
             self.misses[(p.NAME, id(op))] = (p, op, reason)
 
-    def remarks(self) -> list[tuple[str, Location]]:
-        """One remark per candidate, in source order: fused, or the last reason it did not match.
+    def outcomes(self) -> list[FusionOutcome]:
+        """One outcome per candidate, in source order: fused, or the last reason it did not match.
 
         A miss stays even when another rule later absorbed the op: its reason is still why this rule did not fire.
         """
-        out = [(f"{p.NAME} fused", loc) for p, loc in self.fired]
-        out += [(f"{p.NAME} not fused: {why}", op.loc) for p, op, why in self.misses.values()]
-        return sorted(out, key=lambda r: (r[1].line, r[1].col, r[0]))
+        out = [FusionOutcome(p.NAME, loc) for p, loc in self.fired]
+        out += [FusionOutcome(p.NAME, op.loc, why) for p, op, why in self.misses.values()]
+        return sorted(out, key=lambda o: (o.loc.line, o.loc.col, o.render()))
+
+    def remarks(self) -> list[tuple[str, Location]]:
+        """The outcomes as (remark, location), in source order."""
+        return [(o.render(), o.loc) for o in self.outcomes()]
 
 
 def is_trivially_dead(op: Operation) -> bool:

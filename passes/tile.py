@@ -1,20 +1,33 @@
-"""tile: choose a tiling for every op that becomes a kernel, checked against the target's buffers."""
+"""tile: ask each op's kernel for its tiling (the kernel's TilingInterface), checked against the target's buffers."""
 
 from __future__ import annotations
 
+import attrs
+
+from geir.diagnostics import Location
 from geir.ir import Module, Operation
+from geir.kernels import KERNELS
+from geir.kernels.tiling import KernelTiling, Miss, OpSignature
 from geir.passes.pass_manager import Pass, PassContext, register_pass
-from geir.passes.tiling import (
-    NO_KERNEL,
-    FlashTiling,
-    Tiling,
-    TilingError,
-    Untiled,
-    choose_flash_tiling,
-    choose_matmul_tiling,
-    choose_vector_tiling,
-)
 from geir.target_npu.target import Target, available_targets, load_target
+
+
+@attrs.frozen
+class TilingDecision:
+    """What the tile pass decided for one op: its tiling, or why it has none (`miss`)."""
+
+    op: str  # the op's name without its dialect: "flash_attention"
+    loc: Location
+    tiling: KernelTiling | None
+    miss: Miss | None = None
+
+    def render(self) -> str:
+        """The --explain remark (or, for an overflow, the error) this decision prints as."""
+        if self.miss is None:
+            return f"tile: {self.op} {self.tiling.rule}"
+        if self.miss.overflow:
+            return self.miss.reason
+        return f"tile: {self.op} left untiled: {self.miss.reason}"
 
 
 @register_pass("tile")
@@ -40,62 +53,39 @@ class Tile(Pass):
         chip = load_target(self.target or ctx.target)
         for graph in module.graphs:
             for op in graph.walk():
-                if op.name in NO_KERNEL and not _reshape_copies(op):
+                kernel = KERNELS.get(op.name)
+                if kernel is None:
+                    continue  # constants and the terminator become no kernel
+                sig = OpSignature.of(op)
+                if not kernel.needs_tiling(sig):
                     continue
-                try:
-                    tiling = self._tile(op, chip, ctx.tiling_memo)
-                except Untiled as e:
+                chosen = self._choose(op, sig, chip, ctx.tiling_memo)
+                decision = TilingDecision(op.name.partition(".")[2], op.loc, None if isinstance(chosen, Miss) else chosen,
+                                          chosen if isinstance(chosen, Miss) else None)
+                ctx.record(decision)
+                if decision.miss is not None and decision.miss.overflow:
+                    ctx.error(decision.render(), op.loc)
+                    continue
+                if decision.miss is not None:
                     op.attributes.pop("tiling", None)
-                    ctx.remark(f"tile: {_short(op)} left untiled: {e}", op.loc)
-                    continue
-                except TilingError as e:
-                    ctx.error(str(e), op.loc)
-                    continue
-                op.attributes["tiling"] = tiling.to_attr()
-                ctx.remark(f"tile: {_short(op)} {tiling.rule}", op.loc)
+                else:
+                    op.attributes["tiling"] = decision.tiling.to_attr()
+                ctx.remark(decision.render(), op.loc)
 
-
-    def _tile(self, op: Operation, chip: Target, memo: dict | None) -> FlashTiling | Tiling:
+    def _choose(self, op: Operation, sig: OpSignature, chip: Target, memo: dict | None) -> KernelTiling | Miss:
         """tile_op, remembered in `memo` by everything the choice depends on."""
         if memo is None:
             return tile_op(op, chip, self.buffers)
-        key = (op.name, chip.name, self.buffers, tuple(str(v.type) for v in op.operands),
-               tuple(str(r.type) for r in op.results),
-               repr(sorted((k, v) for k, v in op.attributes.items() if k not in ("tiling", "mem_offset"))))
+        key = (chip.name, self.buffers, sig.key)
         found = memo.get(key)
         if found is None:
-            try:
-                found = tile_op(op, chip, self.buffers)
-            except Untiled as e:
-                found = e
-            memo[key] = found
-        if isinstance(found, Untiled):
-            raise found
+            found = memo[key] = tile_op(op, chip, self.buffers)
         return found
 
 
-def _short(op: Operation) -> str:
-    return op.name.partition(".")[2]
-
-
-def _reshape_copies(op: Operation) -> bool:
-    # a reshape is a view of ND data; of NZ fractals it is a real relayout
-    return op.name == "ge.reshape" and any(v.type is not None and v.type.format != "ND" for v in op.operands)
-
-
-def tile_op(op: Operation, chip: Target, buffers: int) -> FlashTiling | Tiling:
-    """The tiling for one op (FlashTiling or Tiling); raises Untiled or TilingError."""
-    types = [v.type for v in op.operands]
-    results = [r.type for r in op.results]
-    if any(t is None for t in types + results):
-        raise Untiled("its types are unknown")
-    if op.name == "ge.flash_attention":
-        mask = types[3] if len(types) > 3 else None
-        return choose_flash_tiling(types[0], types[1], types[2], bool(op.attr("causal")), mask is not None, chip,
-                                   buffers, layout=op.attr("layout"),
-                                   mask_itemsize=None if mask is None else mask.dtype.itemsize)
-    if op.name in ("ge.matmul", "ge.fused_matmul"):
-        epilogue = len(types) > 2 or op.attributes.get("activation", "none") != "none"
-        return choose_matmul_tiling(types[0], types[1], chip, buffers, epilogue=epilogue,
-                                    transpose_a=bool(op.attr("transpose_a")), transpose_b=bool(op.attr("transpose_b")))
-    return choose_vector_tiling(op.name, types, results, chip, buffers, op.attributes)
+def tile_op(op: Operation, chip: Target, buffers: int = 2) -> KernelTiling | Miss:
+    """The tiling the op's kernel chooses for it, or why there is none."""
+    sig = OpSignature.of(op)
+    if any(t is None for t in sig.operands + sig.results):
+        return Miss("its types are unknown")
+    return KERNELS[op.name].choose(sig, chip, buffers)

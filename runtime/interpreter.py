@@ -16,8 +16,8 @@ import numpy as np
 from geir.ir import Graph, Operation, Value
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
+from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
 from geir.opdef import lookup
-from geir.passes.tiling import smaller_tiling
 from geir.runtime.device import DeviceFault, DeviceMemory
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.target_npu.target import Target
@@ -92,6 +92,7 @@ class Runtime:
         transfers = 0
         faults: list[dict[str, Any]] = []
 
+        tilings = self._tilings(program)
         for arg in program.args:
             if arg.name not in inputs:
                 raise RuntimeFailure(f"no input given for argument '%{arg.name}'")
@@ -130,7 +131,8 @@ class Runtime:
                         raise RuntimeFailure(f"{op.loc}: wait for event {op.event}, which nothing recorded before")
                     streams[op.stream] = max(streams.get(op.stream, 0.0), events[op.event])
                 elif name == "rt.launch":
-                    stats, cores = self._launch_recovering(op, device, where, cores, gm, streams, len(kernels), faults)
+                    stats, cores = self._launch_recovering(op, tilings[id(op)], device, where, cores, gm, streams,
+                                                           len(kernels), faults)
                     kernels.append(stats)
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
                                       stats.end / self.cycles_per_us))
@@ -162,56 +164,71 @@ class Runtime:
                        "recovery": "the transfer failed and was retried", "cost_us": once})
         return 2 * once
 
-    def _launch_recovering(self, op: Operation, device: DeviceMemory, where: dict[int, int], cores: Cores,
-                           gm: GlobalMemory, streams: dict[int, float], index: int,
-                           faults: list) -> tuple[KernelStats, Cores]:
+    def _tilings(self, program: Graph) -> dict[int, KernelTiling | None]:
+        """Every launch's tiling, decoded once from its attribute by its kernel; a malformed one fails at the launch."""
+        out: dict[int, KernelTiling | None] = {}
+        for op in program.ops:
+            if op.name != "rt.launch":
+                continue
+            kernel = KERNELS.get(op.kernel)
+            if kernel is None:
+                raise RuntimeFailure(f"{op.loc}: no kernel implements {op.kernel}")
+            try:
+                out[id(op)] = kernel.decode(op.tiling, f"the tiling of {op.kernel}") if op.tiling else None
+            except TilingAttrError as e:
+                raise RuntimeFailure(f"{op.loc}: {e}") from None
+            if out[id(op)] is None and kernel.needs_tiling(_launch_signature(op)):
+                raise RuntimeFailure(f"{op.loc}: {op.kernel} has no tiling: run the tile pass before lowering")
+        return out
+
+    def _launch_recovering(self, op: Operation, tiling: KernelTiling | None, device: DeviceMemory,
+                           where: dict[int, int], cores: Cores, gm: GlobalMemory, streams: dict[int, float],
+                           index: int, faults: list) -> tuple[KernelStats, Cores]:
         """Launch a kernel, recovering from injected faults; returns its statistics and the cores left.
 
-        - ub_overflow: the tile does not fit at run time; GE provides a smaller tiling (the parallel
-          block halved, so results stay bit-identical) and the kernel runs again.
+        - ub_overflow: the tile does not fit at run time; the kernel provides a smaller tiling (the
+          parallel block halved, so results stay bit-identical) and runs again with it (for this run:
+          the program keeps the tiling GE chose).
         - core: a core stops during the kernel; its work is re-dispatched over the remaining cores
           (the kernel runs again on them, from when the loss is noticed), which serve from then on.
         """
         if ("ub_overflow", index) in self.faults:
             try:
-                self._launch(op, device, where, cores, gm, streams, "ub_overflow")
+                self._launch(op, tiling, device, where, cores, gm, streams, "ub_overflow")
             except CapacityError as e:
-                smaller = smaller_tiling(dict(op.tiling))
+                smaller = None if tiling is None else KERNELS[op.kernel].shrink(tiling)
                 if smaller is None:
-                    raise RuntimeFailure(f"{op.loc}: {op.kernel}: {e}; GE has no smaller tiling") from e
+                    raise RuntimeFailure(f"{op.loc}: {op.kernel}: {e}; the kernel has no smaller tiling") from e
                 tiling, change = smaller
-                op.attributes["tiling"] = tiling
                 faults.append({"kind": "ub_overflow", "task": index, "op": op.kernel, "loc": str(op.loc),
-                               "recovery": f"GE re-tiled the kernel ({change}) and it ran again", "error": str(e)})
+                               "recovery": f"the kernel was re-tiled ({change}) and ran again", "error": str(e)})
             else:
                 raise RuntimeFailure(f"{op.loc}: kernel #{index} ({op.kernel}) ignored the injected ub_overflow")
         if ("core", index) not in self.faults:
-            return self._launch(op, device, where, cores, gm, streams), cores
+            return self._launch(op, tiling, device, where, cores, gm, streams), cores
         if cores.count < 2:
             raise RuntimeFailure(f"{op.loc}: the only core stopped during kernel #{index} ({op.kernel})")
-        lost = self._launch(op, device, where, cores, gm, streams)  # the attempt whose core dies
+        lost = self._launch(op, tiling, device, where, cores, gm, streams)  # the attempt whose core dies
         dead = 0  # the core of the kernel's first work unit: every launch uses it
         survivors = without_core(cores, dead)
-        stats = self._launch(op, device, where, survivors, gm, streams)
+        stats = self._launch(op, tiling, device, where, survivors, gm, streams)
         stats.start = lost.start
         faults.append({"kind": "core", "task": index, "op": op.kernel, "loc": str(op.loc), "core": dead,
                        "recovery": f"core {dead} stopped; its work was re-dispatched to the {survivors.count} "
                                    f"remaining cores", "cost_us": (lost.end - lost.start) / self.cycles_per_us})
         return stats, survivors
 
-    def _launch(self, op: Operation, device: DeviceMemory, where: dict[int, int], cores: Cores, gm: GlobalMemory,
-                streams: dict[int, float], fault: str | None = None) -> KernelStats:
+    def _launch(self, op: Operation, tiling: KernelTiling | None, device: DeviceMemory, where: dict[int, int],
+                cores: Cores, gm: GlobalMemory, streams: dict[int, float], fault: str | None = None) -> KernelStats:
         kernel_op = detached_op(op)
-        kernel = KERNELS.get(op.kernel)
-        if kernel is None:
-            raise RuntimeFailure(f"{op.loc}: no kernel implements {op.kernel}")
+        kernel = KERNELS[op.kernel]
         args = [device.view(where[id(v)], v.type) for v in op.operands]
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
         cores.sync_to(start_cycles)
         ctx = LaunchContext(self.target, cores, gm, [_gm_name(where[id(v)]) for v in op.operands],
                             [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None)
-        outs, stats = measure(ctx, op.kernel, dict(op.tiling), flops_of(kernel_op),
-                              lambda: kernel.run(kernel_op, args, ctx))
+        outs, stats = measure(ctx, op.kernel, tiling, flops_of(kernel_op),
+                              lambda: kernel.run(kernel_op, args, tiling, ctx))
         # results are stored only now: with an in-place plan they may overwrite an operand the kernel read
         for r, offset, array in zip(op.results, op.offsets, outs):
             device.write(offset, r.type, array)
@@ -240,6 +257,11 @@ def detached_op(launch: Operation) -> Operation:
     op = cls(launch.kernel, operands, [], attributes, launch.loc)
     op.results = [Value(r.type, r.name, op, i) for i, r in enumerate(launch.results)]
     return op
+
+
+def _launch_signature(launch: Operation) -> OpSignature:
+    """The op signature of a launch's kernel op (its operand and result types, its attributes)."""
+    return OpSignature.of(detached_op(launch))
 
 
 def _gm_name(offset: int) -> str:

@@ -51,7 +51,7 @@ def _figures(busy: dict[str, float], core_cycles: float, elapsed_per_core: float
 def kernel_profile(k: KernelStats, target: Target) -> dict[str, Any]:
     """One kernel's figures."""
     seconds = k.cycles / target.clock_hz
-    entry: dict[str, Any] = {"name": k.name, "tiling": k.tiling, "time_us": seconds * 1e6, "cores": k.cores}
+    entry: dict[str, Any] = {"name": k.name, "tiling": k.tiling.to_attr() if k.tiling else {}, "time_us": seconds * 1e6, "cores": k.cores}
     entry.update(_figures(k.busy, k.cycles * k.cores, k.cycles, k.cores, k.flops, seconds, target))
     entry.update(gm_read_bytes=k.gm_read_bytes, gm_write_bytes=k.gm_write_bytes,
                  hbm_read_bytes=k.hbm_read_bytes, hbm_write_bytes=k.hbm_write_bytes)

@@ -428,7 +428,7 @@ def runtime_findings(views: list[KernelView], target: Target, device_us: float, 
         compute = max(("CUBE", "VECTOR"), key=lambda p: k.busy[p])
         flag, slot = pipe_waits(k, compute)
         waited = flag + slot
-        buffers = k.tiling.get("buffers") if k.tiling else None
+        buffers = k.tiling.buffers if k.tiling else None
         evidence = {
             "kernel": v.name, "time_us": v.time_us, "device_share": v.share, "buffers": buffers,
             "overlap_ratio": f["overlap_ratio"], "memory_bound": f["memory_bound"],
@@ -490,7 +490,7 @@ def kernel_findings(views: list[KernelView], target: Target,
         busy = k.busy[busiest] / (k.cycles * k.cores) if k.cycles and k.cores else 0.0
         evidence = {"kernel": v.name, "time_us": v.time_us, "device_share": v.share, **r.evidence(),
                     "busiest_pipe": busiest, "busiest_pipe_ratio": busy, "cores": k.cores,
-                    "cube_cores": target.cube_cores, "tiling": k.tiling,
+                    "cube_cores": target.cube_cores, "tiling": k.tiling.to_attr() if k.tiling else {},
                     "stake_us": v.time_us * (1 - min(r.fraction, 1.0)), "threshold_fraction": ROOFLINE_FAR}
         if r.flops > 0:
             where = (f"{r.achieved_tflops:.1f} of {r.roof_tflops:.1f} TFLOP/s, {r.bound}-bound at "

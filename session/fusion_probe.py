@@ -10,21 +10,17 @@ location), not assumed from the probe.
 
 from __future__ import annotations
 
-import re
-
 import attrs
 
-from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location
+from geir.diagnostics import Location
 from geir.ir import Graph, Module, Operation, clone_graph
 from geir.ops.core import Const
-from geir.passes import PassContext, PassManager, complete_pipeline
+from geir.passes import complete_pipeline
 from geir.passes.fuse import FUSION_RULES, Fuse
+from geir.passes.pattern import FusionOutcome
 from geir.session.pipeline import lowering_pipeline, run_passes
 from geir.types import TensorType
 
-
-# How PatternListener words a remark: "<rule> fused" or "<rule> not fused: <reason>".
-_REMARK = re.compile(r"^(?P<rule>[a-z_]+) (?:fused|not fused: (?P<reason>.*))$", re.DOTALL)
 # Where fusion stands in GE's pipeline when a pipeline has no fuse pass: before the first of these.
 AFTER_FUSION = ("layout", "tile", "plan", "lower")
 ATTENTION_RULE = "flash_attention"
@@ -80,22 +76,10 @@ def probe_fusion(graph: Graph, pipeline: str, target: str, file: str = "<input>"
     run_passes(module, passes[:cut], target)
     before = clone_graph(module.graphs[0])
 
-    remarks: list[Diagnostic] = []
-    errors: list[Diagnostic] = []
-
-    def collect(d: Diagnostic) -> None:
-        (remarks if d.severity == "remark" else errors if d.severity == "error" else []).append(d)
-
-    probe = PassManager(complete_pipeline([Fuse()]), verify_each=False)
-    if not probe.run(module, PassContext(target=target, diagnostics=DiagnosticEngine(collect), explain=True)):
-        raise DiagnosticError(*errors)
-    candidates = []
-    for d in remarks:
-        m = _REMARK.match(d.message)
-        if m is None or m.group("rule") not in FUSION_RULES:
-            continue
-        rule = m.group("rule")
-        candidates.append(Candidate(rule, d.loc, m.group("reason"), _root_at(before, FUSION_RULES[rule].ROOT, d.loc)))
+    records: list = []
+    run_passes(module, complete_pipeline([Fuse()]), target, verify_each=False, records=records)
+    candidates = [Candidate(o.rule, o.loc, o.reason, _root_at(before, FUSION_RULES[o.rule].ROOT, o.loc))
+                  for o in records if isinstance(o, FusionOutcome)]
     return Probe(before, candidates, fuse)
 
 

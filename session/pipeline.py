@@ -31,8 +31,9 @@ def lowering_pipeline(pipeline: str) -> list:
 
 def run_passes(module: Module, passes: list, target: str, emit=None, spans: list | None = None,
                t0: float | None = None, verify_each: bool = True, explain: bool = False,
-               tiling_memo: dict | None = None) -> Module:
-    """Run passes in place; each pass's (name, start_us, end_us) since `t0` goes to `spans`.
+               tiling_memo: dict | None = None, records: list | None = None) -> Module:
+    """Run passes in place; each pass's (name, start_us, end_us) since `t0` goes to `spans`, and the typed
+    outcomes the passes report (tiling decisions, fusion outcomes, fusions undone) to `records`.
 
     Errors (and with `explain`, remarks) go to `emit`; errors raise DiagnosticError.
     """
@@ -49,7 +50,8 @@ def run_passes(module: Module, passes: list, target: str, emit=None, spans: list
     record = spans.append if spans is not None else (lambda span: None)
     pm = PassManager(passes, verify_each=verify_each, before=lambda p, m: marks.append(now()),
                      after=lambda p, m: record((p.NAME, marks[-1], now())))
-    ctx = PassContext(target=target, diagnostics=DiagnosticEngine(handle), explain=explain, tiling_memo=tiling_memo)
+    ctx = PassContext(target=target, diagnostics=DiagnosticEngine(handle), explain=explain, tiling_memo=tiling_memo,
+                      records=records if records is not None else [])
     if not pm.run(module, ctx):
         raise DiagnosticError(*[d for d in errors if d.severity == "error"] or errors)
     return module

@@ -7,9 +7,12 @@ from typing import Mapping
 
 import attrs
 
+from geir.diagnostics import Location
 from geir.ir import Graph, Module, clone_graph
+from geir.kernels.tiling import KernelTiling
 from geir.ops.core import Const
-from geir.passes.fusion_guards import FusionGuards
+from geir.passes.fusion_guards import FusionGuards, Unfusion
+from geir.passes.tile import TilingDecision
 from geir.session.pipeline import DEFAULT_PIPELINE, lowering_pipeline, run_passes
 from geir.target_npu.target import DEFAULT_TARGET
 from geir.types import TensorType
@@ -40,15 +43,38 @@ class ShapeMismatch(ValueError):
 
 
 @attrs.frozen
+class Retiling:
+    """An op whose tiling changed since the last plan that had it."""
+
+    op: str
+    loc: Location
+    old: KernelTiling
+    new: KernelTiling
+
+    def render(self) -> str:
+        return f"{self.op} at {self.loc}: {self.old.rule} -> {self.new.rule}"
+
+
+@attrs.frozen
 class Replan:
     """What GE changed for one new shape signature, and why (gerun --explain, the trace)."""
 
     signature: tuple[tuple[int, ...], ...]
     ms: float
-    unfused: list[str]  # "flash_attention at FILE:L:C: reason", per fusion undone by its shape guard
-    retiled: list[str]  # "flash_attention at FILE:L:C: OLD -> NEW", per op whose tiling changed since the last plan
+    unfusions: tuple[Unfusion, ...]  # fusions undone by their shape guard
+    retilings: tuple[Retiling, ...]  # ops whose tiling changed since the last plan
     tiled: int  # ops with a tiling in this specialisation
     arena_size: int
+
+    @property
+    def unfused(self) -> list[str]:
+        """"flash_attention at FILE:L:C: reason", per fusion undone."""
+        return [f"{u.op} at {u.loc}: {u.reason}" for u in self.unfusions]
+
+    @property
+    def retiled(self) -> list[str]:
+        """"matmul at FILE:L:C: OLD -> NEW" (the rules that chose them), per op re-tiled."""
+        return [r.render() for r in self.retilings]
 
     def summary(self) -> str:
         """One line: the signature, the cost and what changed."""
@@ -84,8 +110,8 @@ class Session:
         self.spans: list[tuple] = []
         self.t0 = time.perf_counter()
         self.tiling_memo: dict = {}
-        self._remarks: list = []  # the remarks of the step running now
-        self._last_tilings: dict = {}  # (location, op, n-th there) -> its tiling rule in the latest plan that had it
+        self._records: list = []  # the typed outcomes the passes of the step running now report
+        self._last_tilings: dict = {}  # (location, op, n-th there) -> its tiling in the latest plan that had it
         self.generic = self._run(Module([module.graphs[0]], module.file, module.resources), passes[:cut],
                                  "compile").graphs[0]
         guards = [FusionGuards()] if any(p.NAME == "fuse" for p in passes[:cut]) else []
@@ -99,19 +125,10 @@ class Session:
     def _run(self, module: Module, passes: list, label: str, verify_each: bool = True) -> Module:
         """Run passes, recording each one and the whole step as GE spans."""
         start = (time.perf_counter() - self.t0) * 1e6
-        run_passes(module, passes, self.target, self._emit, self.spans, self.t0, verify_each, explain=True,
-                   tiling_memo=self.tiling_memo)
+        run_passes(module, passes, self.target, self.emit, self.spans, self.t0, verify_each, explain=self.explain,
+                   tiling_memo=self.tiling_memo, records=self._records)
         self.spans.append((label, start, (time.perf_counter() - self.t0) * 1e6))
         return module
-
-    def _emit(self, d) -> None:
-        # remarks are always collected (a re-plan reports what changed); printed only with --explain
-        if d.severity == "remark":
-            self._remarks.append(d)
-            if not self.explain:
-                return
-        if self.emit is not None:
-            self.emit(d)
 
     def signature(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
         """The shape signature of some inputs; ShapeMismatch when the graph cannot take them."""
@@ -133,7 +150,7 @@ class Session:
             return cached
         start = time.perf_counter()
         g = bind_shapes(self.generic, sig)
-        self._remarks = []
+        self._records = []
         # the generic graph was verified after every pass; its specialisations are on the hot path of a run
         label = "specialise [" + ", ".join("x".join(map(str, s)) for s in sig) + "]"
         program = self._run(Module([g], "<specialised>"), self.specialise_passes, label,
@@ -149,20 +166,17 @@ class Session:
 
     def _replan(self, sig: tuple, elapsed: float, program: Graph) -> Replan:
         """What this specialisation changed against the previous one (or the first plan)."""
-        tilings: dict[tuple[str, str, int], str] = {}
-        seen: dict[tuple[str, str], int] = {}  # ops sharing a location (a fusion undone) are told apart by order
-        for m in self._remarks:
-            if m.message.startswith("tile: "):
-                op, _, rule = m.message.removeprefix("tile: ").partition(" ")
-                where = (str(m.loc), op)
-                n = seen[where] = seen.get(where, -1) + 1
-                tilings[(where[0], op, n)] = rule
-        unfused = [f"{m.message.split(' unfused')[0]} at {m.loc}: {m.message.split(': ', 1)[1]}"
-                   for m in self._remarks if " unfused for this shape: " in m.message]
+        tilings: dict[tuple[Location, str, int], TilingDecision] = {}
+        seen: dict[tuple[Location, str], int] = {}  # ops sharing a location (a fusion undone) are told apart by order
+        for d in self._records:
+            if isinstance(d, TilingDecision) and d.tiling is not None:
+                n = seen[(d.loc, d.op)] = seen.get((d.loc, d.op), -1) + 1
+                tilings[(d.loc, d.op, n)] = d
         previous = self._last_tilings
-        retiled = [f"{op} at {loc}: {previous[(loc, op, n)]} -> {rule}" for (loc, op, n), rule in tilings.items()
-                   if (loc, op, n) in previous and previous[(loc, op, n)] != rule]
+        retiled = tuple(Retiling(d.op, d.loc, previous[key].tiling, d.tiling) for key, d in tilings.items()
+                        if key in previous and previous[key].tiling != d.tiling)
         self._last_tilings.update(tilings)  # an op absent from this plan keeps its last tiling for the next comparison
+        unfused = tuple(r for r in self._records if isinstance(r, Unfusion))
         memory = program.attributes.get("memory") or {}
         return Replan(sig, elapsed * 1e3, unfused, retiled, len(tilings), int(memory.get("arena", 0)))
 

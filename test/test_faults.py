@@ -1,13 +1,15 @@
 """Runtime fault recovery: a failed transfer is retried, a stopped core's work moves to the others, a
-tile that does not fit is re-tiled by GE; results stay bit-identical and every fault is recorded."""
+tile that does not fit is re-tiled by its kernel; results stay bit-identical and every fault is recorded."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
+from geir.kernels import KERNELS
+from geir.kernels.tiling import TilingAttrError
 from geir.parser import parse
-from geir.passes.tiling import smaller_tiling
 from geir.runtime.interpreter import Runtime, RuntimeFailure
 from geir.runtime.profile import profile
 from geir.session import NO_FUSE_PIPELINE, compile_module
@@ -85,19 +87,33 @@ def test_the_last_core_stopping_cannot_be_recovered(program, inputs, tmp_path) -
         _run(program, inputs, [("core", 0)], target=str(one))
 
 
+def _tiling(template: str, **blocks):
+    """A typed tiling of the kernel whose template this is, with these blocks (the rest filled in)."""
+    kernel = next(k for k in KERNELS.values() if template in k.TILING.TEMPLATES)
+    fields = {f.name: 1 for f in attrs.fields(kernel.TILING) if f.default is attrs.NOTHING}
+    return kernel, kernel.TILING(**{**fields, "template": template, "buffers": 2, **blocks})
+
+
 @pytest.mark.parametrize("tiling, key, value", [
     ({"template": "S1s2Bn2gs1", "s1": 128, "s2": 128, "ub_bytes": 1000}, "s1", 64),
     ({"template": "MatmulBasicBlock", "m": 128, "n": 128, "k": 64}, "m", 64),
     ({"template": "VectorRow", "rows": 6, "cols": 256}, "rows", 3),
     ({"template": "VectorElementwise", "elems": 704}, "elems", 352),
 ])
-def test_smaller_tiling_halves_the_parallel_block(tiling, key, value) -> None:
-    new, change = smaller_tiling(tiling)
+def test_shrink_halves_the_parallel_block(tiling, key, value) -> None:
+    kernel, typed = _tiling(**tiling)
+    shrunk, change = kernel.shrink(typed)
+    new = shrunk.to_attr()
     assert new[key] == value and change == f"{key} {tiling[key]} -> {value}"
     assert all(new[k] == v for k, v in tiling.items() if k not in (key, "ub_bytes"))
 
 
 def test_no_smaller_tiling_below_the_smallest_block() -> None:
-    assert smaller_tiling({"template": "S1Bn2gs1", "s1": 16, "s2": 128}) is None
-    assert smaller_tiling({"template": "VectorRow", "rows": 1}) is None
-    assert smaller_tiling({"template": "Unknown"}) is None
+    kernel, typed = _tiling("S1Bn2gs1", s1=16, s2=128)
+    assert kernel.shrink(typed) is None
+    kernel, typed = _tiling("VectorRow", rows=1)
+    assert kernel.shrink(typed) is None
+    with pytest.raises(TilingAttrError, match="template 'Unknown' is not one of"):
+        KERNELS["ge.flash_attention"].decode({"template": "Unknown", "s1": 16, "s2": 16, "d": 16, "buffers": 2,
+                                               "cores": 1, "ub_bytes": 1, "segments": 1, "l1_bytes": 1,
+                                               "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1})

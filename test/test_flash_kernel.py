@@ -11,7 +11,7 @@ import pytest
 from geir.kernels.base import LaunchContext
 from geir.kernels.flash_attention import flash_attention_forward
 from geir.ops.linalg import FlashAttention
-from geir.passes.tiling import choose_flash_tiling
+from geir.kernels.flash_attention_tiling import FlashTiling, choose_flash_tiling
 from geir.target_npu import load_target
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.types import DType, TensorType
@@ -32,6 +32,11 @@ def _tiling(q, k, causal: bool, mask, target: str = "ascend910b", buffers: int =
                                mask_itemsize=mask.dtype.itemsize if mask is not None else None).to_attr()
 
 
+def _blocks(s1: int, s2: int, buffers: int = 2) -> FlashTiling:
+    """A FlashAttention tiling with these blocks (its budgets are the kernel's to check)."""
+    return FlashTiling("S1s2Bn2gs1", s1, s2, 128, buffers, 24, 1, 1, 1, 1, 1, 1)
+
+
 def _run(b, n, sq, d, *, nkv=None, skv=None, dtype=np.float16, causal=False, mask_kind=None, target="ascend910b",
          buffers=2, tiling=None, seed=0):
     rng = np.random.default_rng(seed)
@@ -48,7 +53,7 @@ def _run(b, n, sq, d, *, nkv=None, skv=None, dtype=np.float16, causal=False, mas
     ctx = _context(target)
     tiling = tiling or _tiling(q, k, causal, mask, target, buffers)
     scale = 1 / math.sqrt(d)
-    out = flash_attention_forward(q, k, v, mask, causal, scale, tiling, ctx)
+    out = flash_attention_forward(q, k, v, mask, causal, scale, FlashTiling.from_attr(tiling), ctx)
     op = FlashAttention("ge.flash_attention", [], [], {"causal": causal, "scale": scale})
     ref = op.compute(*(x.astype(np.float64) for x in (q, k, v)), *([mask] if mask is not None else []))
     return out, ref, ctx, tiling
@@ -124,7 +129,7 @@ def test_cube_runs_the_next_scores_while_the_vector_units_run_the_softmax() -> N
     # so on core 1 the cube and the vector units, not the loads, set the pace
     q = rng.standard_normal((1, 8, 128, 128)).astype(np.float16)
     k, v = (rng.standard_normal((1, 1, 512, 128)).astype(np.float16) for _ in range(2))
-    flash_attention_forward(q, k, v, None, False, 0.088, {"s1": 128, "s2": 128, "buffers": 2}, ctx)
+    flash_attention_forward(q, k, v, None, False, 0.088, _blocks(128, 128), ctx)
 
     def on_core_1(name: str) -> list[tuple[float, float]]:
         out = []
@@ -146,4 +151,4 @@ def test_a_tile_too_large_for_the_buffers_is_an_error() -> None:
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 1, 512, 512)).astype(np.float16)
     with pytest.raises(CapacityError, match=r"(UB|L1|L0A|L0B|L0C) overflow: .* needs \d+ bytes, but .* holds \d+ bytes"):
-        flash_attention_forward(q, q, q, None, False, 0.05, {"s1": 512, "s2": 512, "buffers": 2}, _context())
+        flash_attention_forward(q, q, q, None, False, 0.05, _blocks(512, 512), _context())

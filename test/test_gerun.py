@@ -399,15 +399,15 @@ def test_injected_faults_are_recovered_with_identical_results(fault, tmp_path, c
 
 
 def test_a_fault_that_cannot_be_recovered_is_an_error(tmp_path, capsys, monkeypatch):
-    # GE has no smaller tiling to offer when the parallel block is already at its smallest
-    import geir.runtime.interpreter as interp
+    # the kernel has no smaller tiling to offer when the parallel block is already at its smallest
+    from geir.kernels.flash_attention import FlashAttentionKernel
 
-    monkeypatch.setattr(interp, "smaller_tiling", lambda tiling: None)
+    monkeypatch.setattr(FlashAttentionKernel, "shrink", lambda self, tiling: None)
     out_path = tmp_path / "o.npz"
     rc, out, err = gerun([ATTENTION, "--inject-fault", "ub_overflow@0", "-o", out_path], capsys)
     assert rc == 1 and out == "" and not out_path.exists()
     (line,) = err.splitlines()
-    assert "ge.flash_attention: UB overflow" in line and "GE has no smaller tiling" in line
+    assert "ge.flash_attention: UB overflow" in line and "the kernel has no smaller tiling" in line
 
 
 def test_failed_check_exits_1_and_writes_nothing(tmp_path, capsys, monkeypatch):

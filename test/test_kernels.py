@@ -47,7 +47,8 @@ def launch(op, inputs, target: str = "ascend910b", record: bool = False, fault=N
     t = load_target(target)
     ctx = LaunchContext(t, Cores(t.cube_cores, record=record), GlobalMemory(t),
                         [v.name for v in op.operands], [r.name for r in op.results], fault)
-    outs = KERNELS[op.name].run(op, inputs, ctx)
+    kernel = KERNELS[op.name]
+    outs = kernel.run(op, inputs, kernel.tiling_for(op, inputs, t), ctx)
     return outs, ctx
 
 
@@ -402,7 +403,8 @@ def unfused_attention(S: int, N: int = 8, D: int = 128, seed: int = 0):
         before = (gm.hbm_read_bytes, gm.gm_read_bytes, cores.finish)
         cores.sync_to(cores.finish)
         ctx = LaunchContext(t, cores, gm, [v.name for v in op.operands], [r.name for r in op.results])
-        env[op.results[0].name] = KERNELS[op.name].run(op, [env[v.name] for v in op.operands], ctx)[0]
+        kernel, inputs = KERNELS[op.name], [env[v.name] for v in op.operands]
+        env[op.results[0].name] = kernel.run(op, inputs, kernel.tiling_for(op, inputs, t), ctx)[0]
         deltas[op.results[0].name] = (gm.hbm_read_bytes - before[0], gm.gm_read_bytes - before[1],
                                       cores.finish - before[2])
     return env, deltas, cores

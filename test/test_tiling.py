@@ -1,4 +1,4 @@
-"""The tiling rules (passes/tiling.py) and the `tile` pass that prints them."""
+"""The kernels' tiling rules (kernels/*_tiling.py) and the `tile` pass that prints them."""
 
 from __future__ import annotations
 
@@ -12,17 +12,10 @@ from hypothesis import strategies as st
 from geir.diagnostics import Diagnostic, DiagnosticEngine
 from geir.parser import parse
 from geir.passes import PassContext, PassManager, PipelineError, complete_pipeline, parse_pipeline
-from geir.passes.tiling import (
-    SPLIT_KV,
-    WHOLE_ROW,
-    TilingError,
-    Untiled,
-    causal_skipped,
-    choose_flash_tiling,
-    choose_matmul_tiling,
-    choose_vector_tiling,
-    flash_budget,
-)
+from geir.kernels.flash_attention_tiling import SPLIT_KV, WHOLE_ROW, causal_skipped, choose_flash_tiling, flash_budget
+from geir.kernels.matmul_tiling import choose_matmul_tiling
+from geir.kernels.tiling import TilingError, Untiled
+from geir.kernels.vector_tiling import choose_vector_tiling
 from geir.printer import print_module
 from geir.target_npu import available_targets, load_target
 from geir.types import DType, TensorType
@@ -230,7 +223,7 @@ def test_matmul_base_block_fits_l0_and_differs_by_l0c():
     assert (t910b.blocks, t910a.blocks) == ({"m": 128, "n": 128, "k": 64}, {"m": 128, "n": 256, "k": 64})
     for t, target in ((t910b, "ascend910b"), (t910a, "ascend910a")):
         chip = load_target(target)
-        assert t.extra["l0c_bytes"] <= chip.buffer_bytes("l0c") and t.extra["l0b_bytes"] <= chip.buffer_bytes("l0b")
+        assert t.l0c_bytes <= chip.buffer_bytes("l0c") and t.l0b_bytes <= chip.buffer_bytes("l0b")
     assert t910b.cores == 24 and t910b.template == "MatmulBasicBlock"
 
 
@@ -246,13 +239,13 @@ def test_vector_tiles_fit_ub_and_spread_over_cores():
     ew = choose_vector_tiling("ge.exp", [x], [x], "ascend910b")
     sm = choose_vector_tiling("ge.softmax", [x], [x], "ascend910b", attributes={"axis": -1})
     assert ew.template == "VectorElementwise" and ew.cores == 48 and ew.ub_bytes <= 192 * 1024
-    assert sm.template == "VectorRow" and sm.blocks["cols"] == 4096 and sm.extra["segments"] == 1
+    assert sm.template == "VectorRow" and sm.blocks["cols"] == 4096 and sm.segments == 1
 
 
 def test_a_softmax_row_longer_than_ub_is_segmented():
     x = TensorType((4, 1 << 20), F32)
     t = choose_vector_tiling("ge.softmax", [x], [x], "ascend910b")
-    assert t.extra["segments"] > 1 and t.blocks["cols"] * t.extra["segments"] >= 1 << 20
+    assert t.segments > 1 and t.blocks["cols"] * t.segments >= 1 << 20
     assert t.ub_bytes <= load_target("ascend910b").buffer_bytes("ub")
 
 
@@ -344,7 +337,7 @@ def test_matmul_and_vector_tiles_fit(target, dtype, m, k, n, buffers):
     chip = load_target(target)
     a, b, c = TensorType((m, k), dtype), TensorType((k, n), dtype), TensorType((m, n), dtype)
     mm = choose_matmul_tiling(a, b, target, buffers)
-    assert all(mm.extra[f"{x}_bytes"] <= chip.buffer_bytes(x) for x in ("l1", "l0a", "l0b", "l0c"))
+    assert all(getattr(mm, f"{x}_bytes") <= chip.buffer_bytes(x) for x in ("l1", "l0a", "l0b", "l0c"))
     for name, attributes in (("ge.exp", {}), ("ge.softmax", {"axis": -1}), ("ge.reduce_sum", {"axes": [0]})):
         t = choose_vector_tiling(name, [c], [c], target, buffers, attributes)
         assert t.ub_bytes <= chip.buffer_bytes("ub") and 1 <= t.cores <= chip.vector_cores

@@ -213,7 +213,7 @@ def _runtime_table(d: Diagnosis) -> list[str]:
         f, k = v.figures, v.stats
         compute = max(("CUBE", "VECTOR"), key=lambda p: k.busy[p])
         flag, slot = pipe_waits(k, compute)
-        buf = k.tiling.get("buffers", "-") if k.tiling else "-"
+        buf = k.tiling.buffers if k.tiling else "-"
         waits = f"{compute.lower()} {100 * flag:.0f}% / {100 * slot:.0f}%" if k.busy[compute] else "- (no compute)"
         rows.append(f"  {_short(v):<36}{v.time_us:>9.1f}{100 * v.share:>6.0f}%{buf!s:>5}{f['overlap_ratio']:>9.2f}"
                     f"{f['memory_bound']:>9.2f}{f['mte2_ratio']:>6.2f}{f['cube_ratio']:>6.2f}{f['vec_ratio']:>6.2f}"

@@ -16,7 +16,8 @@ import numpy as np
 from geir.attributes import DenseAttr
 from geir.ir import Operation, Value
 from geir.passes.pattern import Rewriter
-from geir.passes.tiling import TilingError, Untiled, bnsd, choose_flash_tiling, fractal
+from geir.kernels.flash_attention_tiling import bnsd, choose_flash_tiling
+from geir.kernels.tiling import TilingError, Untiled, fractal
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
 

@@ -1,0 +1,294 @@
+"""FlashAttention's tiling (ops-transformer's flash_attention_score op_host tiling): templates, blocks, budgets.
+
+Pure functions of the operands' types, the op's attributes and a target's numbers
+(target_npu/targets/*.toml). Every tiling is checked against the real buffer capacities: the
+preferred block is shrunk (s1, then s2, multiples of the cube fractal), then the keys of a row are
+split into segments, and only when even the smallest tile overflows is it an error naming the buffer.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from geir.kernels.tiling import (
+    F32_BYTES,
+    SMALLEST_BLOCK,
+    Budget,
+    KernelTiling,
+    Miss,
+    OpSignature,
+    TilingError,
+    Untiled,
+    align,
+    as_target,
+    check_buffers,
+    fractal,
+    halve,
+    halvings,
+    never_printed,
+    printed_if_set,
+)
+from geir.target_npu.target import Target
+from geir.types import DType, TensorType
+
+# ops-transformer's FlashAttention template policy (flash_attention_score tiling): key rows up to
+# SHORT_KV stay whole ("S1Bn2gs1": s1 split, s2 not); longer ones are split on both sequence axes
+# ("S1s2Bn2gs1") with 128 x 128 basic blocks, and past LONG_KV s1 may drop to 64 to fill the cores.
+SHORT_KV = 128
+LONG_KV = 1024
+BLOCK = 128
+LONG_S1 = (128, 64)
+WHOLE_ROW, SPLIT_KV = "S1Bn2gs1", "S1s2Bn2gs1"
+# running max, running sum and the rescale factor exp(m_old - m_new): one f32 per row each
+FLASH_ROW_VECTORS = 3
+
+
+@attrs.frozen
+class FlashTiling(KernelTiling):
+    """A FlashAttention kernel's template, blocks and the budgets they use, with the rule that chose them."""
+
+    TEMPLATES = (WHOLE_ROW, SPLIT_KV)
+
+    template: str
+    s1: int
+    s2: int
+    d: int
+    buffers: int
+    cores: int
+    ub_bytes: int
+    segments: int
+    l1_bytes: int
+    l0a_bytes: int
+    l0b_bytes: int
+    l0c_bytes: int
+    work_units: int | None = printed_if_set(None)
+    skipped_blocks: int = printed_if_set(0)
+    rule: str = never_printed("", eq=False)
+
+
+def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[int | None, ...]:
+    """(B, N, S, D) of a rank-4 attention operand in `layout`."""
+    b, x, y, d = t.shape
+    return (b, x, y, d) if layout == "BNSD" else (b, y, x, d)
+
+
+def k_chunk(m: int, n: int, k: int, kmin: int, nbytes: int, buffers: int, chip: Target) -> int:
+    """The largest contraction chunk whose L0A (m x k) and L0B (k x n) fragments fit; kmin when none does."""
+    for c in halvings(align(k, kmin), kmin):
+        if m * c * nbytes * buffers <= chip.buffer_bytes("l0a") and \
+                c * n * nbytes * buffers <= chip.buffer_bytes("l0b"):
+            return c
+    return kmin
+
+
+def flash_budget(s1: int, s2: int, d: int, dtype: DType, buffers: int, chip: Target, *,
+                 causal: bool = False, mask_itemsize: int = 0) -> Budget:
+    """What one FlashAttention work unit keeps on chip for an s1 x s2 block with head dim d."""
+    fm, fk, _ = fractal(chip, dtype)
+    s1, s2, d = align(s1, fm), align(s2, fm), align(d, fm)
+    b = dtype.itemsize
+    # Each vector unit paired with the cube takes its share of the block's rows (910B: one AIC, two
+    # AIVs, each with its own UB), so UB is budgeted per vector unit for s1 / vector_per_cube rows.
+    rows = -(-s1 // chip.data["cores"].get("vector_per_cube", 1))
+    # Score side, X = (4 / bytes + 1) * buffers in units of the input dtype: the f32 scores the cube
+    # delivers plus their softmax P in the input dtype for the second matmul, both double-buffered so
+    # FIXP lands block j+1 while the vector unit works on block j (f16: 6 bytes per element, f32: 8).
+    score = rows * s2 * (F32_BYTES + b) * buffers
+    # Output side, Y = 8 / bytes: the f32 accumulator O plus one f32 landing buffer for each block's
+    # P @ V; one buffer suffices because it is folded into O before the next P exists, and the cube
+    # fills that gap with the next Q @ K^T.
+    out = rows * d * 2 * F32_BYTES
+    # Row statistics: one f32 per row each, padded to a UB block as the vector unit addresses them.
+    vectors = FLASH_ROW_VECTORS * rows * chip.data["memory"]["ub_block_bytes"]
+    # Masks arrive as s1 x s2 tiles like K and V: a 1-byte causal tile, and the user's mask.
+    masks = rows * s2 * ((1 if causal else 0) + mask_itemsize) * buffers
+    # L1 holds the cube's operands: Q, K, V blocks and P on its way back in, each double-buffered.
+    l1 = (s1 * d + 2 * s2 * d + s1 * s2) * b * buffers
+    # L0A/L0B hold fractal chunks of the contraction (Q @ K^T contracts d, P @ V contracts s2).
+    kq = k_chunk(s1, s2, d, fk, b, buffers, chip)
+    kp = k_chunk(s1, d, s2, fk, b, buffers, chip)
+    l0a = max(s1 * kq, s1 * kp) * b * buffers
+    l0b = max(kq * s2, kp * d) * b * buffers
+    # L0C accumulates whole results in f32 (scores s1 x s2, then P @ V s1 x d), ping-ponged.
+    l0c = max(s1 * s2, s1 * d) * F32_BYTES * buffers
+    return Budget(score + out + vectors + masks, l1, l0a, l0b, l0c)
+
+
+def causal_skipped(sq: int, skv: int, s1: int, s2: int) -> int:
+    """Blocks per head that a top-left causal mask hides entirely (key block starts after the last row)."""
+    if not sq or not skv:
+        return 0
+    key_blocks = -(-skv // s2)
+    skipped = 0
+    for r0 in range(0, sq, s1):
+        last_row = min(r0 + s1, sq) - 1
+        skipped += max(0, key_blocks - (last_row // s2 + 1))
+    return skipped
+
+
+def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorType, causal: bool, has_mask: bool,
+                        chip: Target | str, buffers: int = 2, *, layout: str = "BNSD",
+                        mask_itemsize: int | None = None) -> FlashTiling:
+    """Template and blocks for one flash_attention, as ops-transformer picks them, fitted to `chip`.
+
+    Dynamic (`?`) sequence lengths are tiled for the largest bucket (> 1024 keys, the split
+    template), which is valid at every length: the runtime re-tiles once it knows the shape.
+    A dynamic head dim leaves the op untiled (raises Untiled): every budget scales with it.
+    """
+    check_buffers(buffers)
+    chip = as_target(chip)
+    bsz, n, sq, d = bnsd(q_type, layout)
+    skv = bnsd(k_type, layout)[2]
+    dv = bnsd(v_type, layout)[3]
+    if d is None or dv is None:
+        raise Untiled("the head dim is dynamic, and every buffer budget scales with it")
+    d = max(d, dv)
+    dtype = q_type.dtype
+    fm = fractal(chip, dtype)[0]
+    mask_bytes = (mask_itemsize if mask_itemsize is not None else dtype.itemsize) if has_mask else 0
+    cube = chip.cube_cores
+
+    def units(s1: int) -> int | None:
+        if None in (bsz, n, sq):
+            return None
+        return bsz * n * -(-sq // s1)
+
+    s1_pref = BLOCK if sq is None else max(1, min(BLOCK, sq))
+    if skv is not None and skv <= SHORT_KV:
+        template = WHOLE_ROW
+        rule = f"key sequence {skv} <= {SHORT_KV}: {WHOLE_ROW}, each row's keys in one block (s2 = Skv)"
+        s2_options = [(1, max(skv, 1))]
+        seg = 2
+        while -(-skv // (seg // 2)) > fm:  # split the row into segments until they are one fractal long
+            s2 = align(-(-skv // seg), fm)
+            s2_options.append((-(-skv // s2), s2))
+            seg *= 2
+    else:
+        template = SPLIT_KV
+        s2_options = [(1, s) for s in halvings(BLOCK, fm)]
+        if skv is None:
+            rule = f"key sequence is dynamic: {SPLIT_KV} for the largest bucket (> {LONG_KV}), valid at every length"
+        elif skv <= LONG_KV:
+            rule = f"key sequence {skv} in ({SHORT_KV}, {LONG_KV}]: {SPLIT_KV} with {BLOCK} x {BLOCK} blocks"
+        else:
+            rule = f"key sequence {skv} > {LONG_KV}: {SPLIT_KV}, both sequence axes split, s2 = {BLOCK}"
+            wide, narrow = (units(s) for s in LONG_S1)
+            if s1_pref == LONG_S1[0] and wide is not None and wide < cube and narrow > wide:
+                s1_pref = LONG_S1[1]
+                rule += (f", s1 = {s1_pref} so the {wide} work units at s1 = {LONG_S1[0]} "
+                         f"become {narrow} for {cube} cores")
+            else:
+                rule += f", s1 = {s1_pref}"
+
+    first_miss: tuple[int, int, tuple[str, int, int]] | None = None
+    row_miss = first_miss  # the smallest block of the last s2 that failed outright
+    last = first_miss  # the most recent block that did not fit
+    for segments, s2 in s2_options:
+        if first_miss is not None:
+            row_miss = last
+        for s1 in halvings(s1_pref, fm):
+            budget = flash_budget(s1, s2, d, dtype, buffers, chip, causal=causal, mask_itemsize=mask_bytes)
+            miss = budget.overflow(chip)
+            if miss is not None:
+                first_miss = first_miss or (s1, s2, miss)
+                last = (s1, s2, miss)
+                continue
+            if first_miss is not None:
+                p1, p2, (buf, need, cap) = first_miss
+                rule += (f"; {p1} x {p2} needs {need} bytes of {buf}, which holds {cap} on {chip.name} "
+                         f"({dtype}, d = {d}, {buffers} buffers)")
+                if s2 != p2:  # say what ruled out the larger s2 at its smallest s1
+                    l1_, l2_, (buf, need, cap) = row_miss
+                    rule += f", and even {l1_} x {l2_} needs {need} bytes of {buf}, which holds {cap}"
+                rule += f": shrunk to {s1} x {s2}"
+            if segments > 1:
+                rule += f" in {segments} key segments combined by log-sum-exp"
+            work = units(s1)
+            cores = cube if work is None else min(work, cube)
+            rule += f"; {'an unknown number of' if work is None else work} work units over {cores} cores"
+            skipped = causal_skipped(sq, skv, s1, s2) if causal and sq is not None and skv is not None else 0
+            if skipped:
+                rule += f"; causal skips {skipped} fully masked blocks per head"
+            return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, segments, budget.l1, budget.l0a,
+                               budget.l0b, budget.l0c, work, skipped, rule)
+    s1, s2, (buf, need, cap) = last
+    raise TilingError(f"no flash_attention tiling fits {chip.name}: even the smallest block s1 = {s1}, s2 = {s2} "
+                      f"with head dim {d} ({dtype}, {buffers} buffers) needs {need} bytes of {buf}, which holds {cap}")
+
+
+
+
+# --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------
+
+def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, TensorType, bool, bool, str, int | None]:
+    """q, k, v types, causal, has a mask, layout and the mask's itemsize of one flash_attention."""
+    q, k, v = sig.operands[:3]
+    mask = sig.operands[3] if len(sig.operands) > 3 else None
+    return (q, k, v, bool(sig.attr("causal", False)), mask is not None, sig.attr("layout", "BNSD"),
+            None if mask is None else mask.dtype.itemsize)
+
+
+def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Miss:
+    """The rule's tiling for one flash_attention, or why there is none."""
+    q, k, v, causal, has_mask, layout, mask_itemsize = _problem(sig)
+    try:
+        return choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
+                                   mask_itemsize=mask_itemsize)
+    except Untiled as e:
+        return Miss(str(e))
+    except TilingError as e:
+        return Miss(str(e), overflow=True)
+
+
+def budget(tiling: FlashTiling, sig: OpSignature, chip: Target) -> Budget:
+    """What one work unit of this tiling keeps on chip for this op."""
+    return _budget(tiling.s1, tiling.s2, tiling.d, tiling.buffers, sig, chip)
+
+
+def _budget(s1: int, s2: int, d: int, buffers: int, sig: OpSignature, chip: Target) -> Budget:
+    q, _, _, causal, has_mask, _, mask_itemsize = _problem(sig)
+    mask_bytes = (mask_itemsize or q.dtype.itemsize) if has_mask else 0
+    return flash_budget(s1, s2, d, q.dtype, buffers, chip, causal=causal, mask_itemsize=mask_bytes)
+
+
+def shrink(tiling: FlashTiling) -> tuple[FlashTiling, str] | None:
+    """Fewer query rows per work unit (s1 halved): less on chip, bit-identical results; None at the smallest."""
+    return halve(tiling, "s1", SMALLEST_BLOCK)
+
+
+def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTiling]:
+    """Every legal tiling of one flash_attention: each template's s1 x s2 blocks (and key segments) that fit."""
+    q, k, v, causal, has_mask, layout, mask_itemsize = _problem(sig)
+    bsz, n, sq, d = bnsd(q, layout)
+    skv = bnsd(k, layout)[2]
+    dv = bnsd(v, layout)[3]
+    if None in (bsz, n, sq, skv, d, dv):
+        return []
+    d = max(d, dv)
+    try:
+        fm = fractal(chip, q.dtype)[0]
+    except Untiled:
+        return []
+    out = []
+    s1_top = max(1, min(2 * BLOCK, sq))
+    for s2 in halvings(align(max(skv, 1), fm) if skv <= LONG_KV else LONG_KV, fm):
+        template = WHOLE_ROW if s2 >= skv else SPLIT_KV
+        blocks = -(-skv // s2)
+        for segments in sorted({1, *(s for s in (2, 4, 8) if s <= blocks)}):
+            if template == WHOLE_ROW and segments > 1:
+                continue
+            for s1 in halvings(s1_top, fm):
+                tiling = _tiling(template, s1, s2, d, buffers, segments, bsz, n, sq, skv, causal, chip, sig,
+                                 f"candidate {template} {s1} x {s2}" + (f" in {segments} key segments" if segments > 1 else ""))
+                if _budget(s1, s2, d, buffers, sig, chip).overflow(chip) is None:
+                    out.append(tiling)
+    return out
+
+
+def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int, bsz: int, n: int, sq: int,
+            skv: int, causal: bool, chip: Target, sig: OpSignature, rule: str) -> FlashTiling:
+    work = bsz * n * -(-sq // s1)
+    b = _budget(s1, s2, d, buffers, sig, chip)
+    skipped = causal_skipped(sq, skv, s1, s2) if causal else 0
+    return FlashTiling(template, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub, segments, b.l1, b.l0a, b.l0b,
+                       b.l0c, work, skipped, rule)
