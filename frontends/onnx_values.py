@@ -18,6 +18,7 @@ from geir.attributes import DenseAttr, DenseResourceAttr
 from geir.ir import Graph, Value
 from geir.opdef import ShapeError, lookup
 from geir.reference import run_op
+from geir.traits import Terminator
 from geir.types import DType, TensorType
 
 # Initializers (and constants computed from them: weights stay weights) larger than this go to the
@@ -200,5 +201,5 @@ class GraphBuilder:
     def remove_dead_ops(self) -> None:
         """Drop ops nothing uses (folding and forwarding leave some behind)."""
         for op in reversed(self.graph.ops):
-            if op.name != "ge.return" and not any(r.uses for r in op.results):
+            if not op.has_trait(Terminator) and not any(r.uses for r in op.results):
                 self.graph.erase(op)

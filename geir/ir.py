@@ -61,6 +61,8 @@ class Operation:
     NUM_RESULTS: ClassVar[int | None] = 1
     # attribute specs by name, collected from the class's `Attr` fields
     ATTRS: ClassVar[dict[str, Any]] = {}
+    # trait classes (geir.traits); `geir.opdef.op` adds those of the bases
+    TRAITS: ClassVar[tuple[type, ...]] = ()
 
     name: str
     operands: list[Value]
@@ -101,6 +103,11 @@ class Operation:
             return self.attributes[key]
         spec = self.ATTRS.get(key)
         return None if spec is None else spec.default_value
+
+    @classmethod
+    def has_trait(cls, trait: type) -> bool:
+        """Whether this op kind has `trait` (a class from geir.traits); works on an op or its class."""
+        return trait in cls.TRAITS
 
     # --- hooks each op kind overrides -------------------------------------------------------
     def verify(self) -> str | None:

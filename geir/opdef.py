@@ -5,6 +5,7 @@ An op kind is one class:
     @op("ge.softmax")
     class Softmax(Operation):
         OPERAND_NAMES = ("x",)
+        TRAITS = (RowWise,)
         axis = Attr(int, default=-1)
         def verify(self): ...
         def infer(self, x): ...
@@ -17,6 +18,7 @@ from typing import Any, Callable, TypeVar
 
 from geir.attributes import DenseAttr, DenseResourceAttr
 from geir.ir import Operation
+from geir.traits import Trait
 from geir.types import DType
 
 REQUIRED = object()
@@ -125,10 +127,11 @@ T = TypeVar("T", bound=type[Operation])
 
 
 def op(name: str) -> Callable[[T], T]:
-    """Register an op kind under `name` and give it accessors for its operands and attributes."""
+    """Register an op kind under `name`: accessors for its operands and attributes, and its bases' traits."""
 
     def register(cls: T) -> T:
         cls.ATTRS = {k: v for base in reversed(cls.__mro__) for k, v in vars(base).items() if isinstance(v, Attr)}
+        cls.TRAITS = tuple(dict.fromkeys(t for base in reversed(cls.__mro__) for t in vars(base).get("TRAITS", ())))
         for i, operand in enumerate(cls.OPERAND_NAMES):
             setattr(cls, operand.rstrip("*+?"), _operand_accessor(i, operand))
         cls.NAME = name
@@ -151,6 +154,13 @@ def lookup(name: str) -> type[Operation] | None:
     if not OPS:
         import geir.ops  # noqa: F401  (registers the ge dialect)
     return OPS.get(name)
+
+
+def ops_with_trait(trait: type[Trait]) -> tuple[str, ...]:
+    """The names of the registered op kinds that have `trait`, sorted."""
+    if not OPS:
+        import geir.ops  # noqa: F401  (registers the ge dialect)
+    return tuple(sorted(name for name, cls in OPS.items() if cls.has_trait(trait)))
 
 
 def operand_count_error(cls: type[Operation], count: int) -> str | None:

@@ -22,6 +22,7 @@ from geir.attributes import DenseAttr, DenseResourceAttr, NestedDict, NestedList
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, error
 from geir.ir import Graph, Module, Value
 from geir.opdef import lookup
+from geir.traits import Terminator
 from geir.types import DTYPES, TensorType, TypeSyntaxError, parse_type
 
 MAX_NESTING = 64
@@ -151,13 +152,13 @@ class _Builder(lark.Transformer):
             result_types = [None] * len(result_toks)
         else:
             result_types = [self.type_of(t) for t in types]
-            if name == "ge.return":
+            if cls.has_trait(Terminator):
                 result_types = []  # checked against the operands below
                 for tok, t, v in zip(types, [self.type_of(t) for t in types], operands):
                     if v.type is not None and v.type != t:
                         raise error(f"return type {t} contradicts the operand's type {v.type}", self.loc(tok))
                 if len(types) != len(operands):
-                    raise error(f"ge.return has {len(operands)} operands but {len(types)} types", self.loc(types[0]))
+                    raise error(f"{name} has {len(operands)} operands but {len(types)} types", self.loc(types[0]))
             elif len(result_types) != len(result_toks):
                 raise error(f"{name} has {len(result_toks)} result{'s' * (len(result_toks) != 1)} "
                             f"but {len(result_types)} type{'s' * (len(result_types) != 1)}", self.loc(types[0]))

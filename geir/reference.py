@@ -13,6 +13,7 @@ import numpy as np
 from geir.ir import Graph, Operation
 from geir.ops.numerics import round_to
 from geir.ops.core import Const
+from geir.traits import Terminator
 from geir.types import TensorType
 from geir.verifier import inferred_types
 
@@ -78,7 +79,7 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray], float64: bool = Fa
             remaining_uses[id(v)] = remaining_uses.get(id(v), 0) + 1
     for op in graph.ops:
         args = [env[id(v)] for v in op.operands]
-        if op.name == "ge.return":
+        if op.has_trait(Terminator):
             results = args
             break
         try:

@@ -10,11 +10,12 @@ from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Rewriter
 from geir.reference import run_op
+from geir.traits import Terminator
 
 
 def foldable(op: Operation, max_elements: int) -> bool:
     """All operands are dense constants and every result is static and small enough to materialise."""
-    if isinstance(op, Const) or op.name == "ge.return" or not op.operands:
+    if isinstance(op, Const) or op.has_trait(Terminator) or not op.operands:
         return False
     if not all(isinstance(v.owner, Const) and isinstance(v.owner.value, DenseAttr) for v in op.operands):
         return False

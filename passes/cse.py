@@ -9,6 +9,7 @@ import numpy as np
 from geir.attributes import DenseAttr
 from geir.ir import Graph, Module, Operation
 from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.traits import Terminator
 
 
 def _dense_key(values: np.ndarray) -> Hashable:
@@ -45,7 +46,7 @@ def eliminate_common_subexpressions(graph: Graph) -> int:
     seen: dict[Hashable, Operation] = {}
     merged = 0
     for op in graph.ops:
-        if op.name == "ge.return":
+        if op.has_trait(Terminator):
             continue
         key = op_key(op)
         first = seen.get(key)

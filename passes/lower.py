@@ -23,6 +23,7 @@ from geir.diagnostics import error
 from geir.ir import Graph, Module, Operation, Value
 from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.traits import Terminator
 
 ALIGN = 512
 COPY_STREAM = 0
@@ -104,7 +105,7 @@ def lower_graph(graph: Graph) -> Graph:
 
     pages = _ArenaPages(graph.attributes["arena_size"])
     for op in graph.ops:
-        if isinstance(op, Const) or op.name == "ge.return":
+        if isinstance(op, Const) or op.has_trait(Terminator):
             continue
         if "mem_offset" not in op.attributes:
             raise error(f"{op.name} has no mem_offset: run the plan pass before lower", op.loc)

@@ -17,6 +17,7 @@ from geir.diagnostics import Location
 from geir.ir import Graph, Operation, Value
 from geir.opdef import ShapeError, lookup
 from geir.ops.core import Const
+from geir.traits import Terminator
 from geir.types import TensorType
 
 
@@ -142,7 +143,8 @@ class PatternListener:
 
 
 def is_trivially_dead(op: Operation) -> bool:
-    return op.name != "ge.return" and not any(r.uses for r in op.results)
+    """Whether erasing `op` changes nothing: it ends no graph and nothing uses its results."""
+    return not op.has_trait(Terminator) and not any(r.uses for r in op.results)
 
 
 def apply_patterns_greedily(graph: Graph, patterns: Iterable[Pattern], listener: PatternListener | None = None,

@@ -31,17 +31,9 @@ import attrs
 import numpy as np
 
 from geir.diagnostics import Location
-from geir.ir import Graph, Module, Value
+from geir.ir import Graph, Module, Operation, Value
 from geir.passes.pass_manager import Pass, PassContext, register_pass
-
-# Ops whose result element i depends only on element i of each same-sized operand.
-ELEMENTWISE = frozenset(
-    f"ge.{n}" for n in (
-        "add", "sub", "mul", "div", "max", "min", "pow", "greater", "less", "equal", "select",
-        "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast",
-        "fused_elementwise",
-    )
-)
+from geir.traits import InPlaceCapable
 
 
 class UnplannableError(ValueError):
@@ -75,10 +67,10 @@ def align(nbytes: int, alignment: int) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def _can_take_slot(op_name: str, x: Value, r: Value) -> bool:
-    """Whether result `r` of an elementwise op may overwrite its operand `x` element by element."""
+def _can_take_slot(op: Operation, x: Value, r: Value) -> bool:
+    """Whether result `r` of `op` may overwrite its operand `x` element by element."""
     a, b = x.type, r.type
-    return (op_name in ELEMENTWISE and a.num_elements == b.num_elements
+    return (op.has_trait(InPlaceCapable) and a.num_elements == b.num_elements
             and a.dtype.itemsize == b.dtype.itemsize and a.format == b.format)
 
 
@@ -107,7 +99,7 @@ def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> Mem
             taken = None
             if inplace and len(op.results) == 1:
                 taken = next((x for x in op.operands
-                              if x in slot and lifetimes[x][1] == i and _can_take_slot(op.name, x, r)), None)
+                              if x in slot and lifetimes[x][1] == i and _can_take_slot(op, x, r)), None)
             if taken is None:
                 slot[r] = len(buf_values)
                 buf_values.append([r])

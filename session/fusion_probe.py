@@ -19,6 +19,7 @@ from geir.passes import complete_pipeline
 from geir.passes.fuse import FUSION_RULES, Fuse
 from geir.passes.pattern import FusionOutcome
 from geir.session.pipeline import lowering_pipeline, run_passes
+from geir.traits import CubeOp, Normalization
 from geir.types import TensorType
 
 # Where fusion stands in GE's pipeline when a pipeline has no fuse pass: before the first of these.
@@ -30,9 +31,6 @@ FUSED_KERNEL = {
     "rms_norm": "ge.rms_norm", "gelu": "ge.gelu", "matmul_epilogue": "ge.fused_matmul",
     "elementwise": "ge.fused_elementwise",
 }
-# Ops that end an attention candidate going up from its second matmul: the first matmul (included)
-# and other kernels that fusion would never fold into attention (not included).
-_BOUNDARY = frozenset({"ge.matmul", "ge.fused_matmul", "ge.flash_attention", "ge.layer_norm", "ge.rms_norm"})
 # The most ops an attention spelling has between its two matmuls (written-out softmax, casts, masks, scale).
 _MAX_REGION = 64
 
@@ -94,6 +92,13 @@ def _same_place(a: Location, b: Location) -> bool:
     return (a.file, a.line, a.col) == (b.file, b.line, b.col)
 
 
+def _ends_region(op: Operation) -> bool:
+    """Whether the walk up from an attention candidate's second matmul stops at `op`: a cube op or a norm."""
+    # kernels of their own that fusion never folds into attention; the first matmul is one of them,
+    # and the region takes it in
+    return op.has_trait(CubeOp) or op.has_trait(Normalization)
+
+
 def attention_region(root: Operation, graph: Graph) -> list[Operation]:
     """The ops one attention candidate is made of: its second matmul and, going up its probabilities,
     every op up to and including the first matmul (and a transpose feeding it k) whose results feed
@@ -105,7 +110,7 @@ def attention_region(root: Operation, graph: Graph) -> list[Operation]:
         op = stack.pop()
         if op is None or isinstance(op, Const) or id(op) in reached or id(op) not in order:
             continue
-        if op.name in _BOUNDARY and op.name != "ge.matmul":
+        if _ends_region(op) and op.name != "ge.matmul":
             continue
         reached[id(op)] = op
         if op.name == "ge.matmul":

@@ -26,6 +26,7 @@ from geir.runtime.profile import profile
 from geir.session.pipeline import DEFAULT_PIPELINE, compile_module, run_program
 from geir.session.plan_cache import bind_shapes
 from geir.target_npu.target import DEFAULT_TARGET
+from geir.traits import Terminator
 
 
 def _is_const(v: Value) -> bool:
@@ -34,7 +35,7 @@ def _is_const(v: Value) -> bool:
 
 def cut_points(graph: Graph) -> list[int]:
     """Op indices before which exactly one computed value (not a constant, not an argument) is live."""
-    ops = [op for op in graph.ops if op.name != "ge.return"]
+    ops = [op for op in graph.ops if not op.has_trait(Terminator)]
     position = {id(op): i for i, op in enumerate(ops)}
     last_use: dict[int, int] = {}
     for i, op in enumerate(ops):
@@ -61,7 +62,7 @@ def partition(graph: Graph, parts: int) -> list[Graph]:
     Each subgraph takes the graph arguments and earlier results it uses, clones the constants it
     uses, and returns what later subgraphs (or the graph's result) need.
     """
-    ops = [op for op in graph.ops if op.name != "ge.return"]
+    ops = [op for op in graph.ops if not op.has_trait(Terminator)]
     candidates = cut_points(graph)
     cuts: list[int] = []
     for k in range(1, parts):

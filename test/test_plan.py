@@ -10,14 +10,17 @@ from hypothesis import strategies as st
 
 from geir.diagnostics import DiagnosticEngine
 from geir.ir import Graph, Module
+from geir.opdef import ops_with_trait
 from geir.parser import parse
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
-from geir.passes.plan import ELEMENTWISE, MemoryPlan, UnplannableError, align, assign_offsets, live_bytes_peak, plan_memory
+from geir.passes.plan import MemoryPlan, UnplannableError, align, assign_offsets, live_bytes_peak, plan_memory
 from geir.printer import print_module
+from geir.traits import InPlaceCapable
 from geir.types import TensorType, format_type, parse_type
 from geir.verifier import verify_graph
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ELEMENTWISE = ops_with_trait(InPlaceCapable)
 
 
 def typed(text: str) -> Graph:

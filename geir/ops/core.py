@@ -7,12 +7,14 @@ import numpy as np
 from geir.attributes import DenseAttr, DenseResourceAttr
 from geir.ir import Operation
 from geir.opdef import Attr, op
+from geir.traits import NoKernel, Terminator
 
 
 @op("ge.const")
 class Const(Operation):
     """A constant: `dense<...>` literal or `dense_resource<"key">` from the weights archive."""
 
+    TRAITS = (NoKernel,)
     value = Attr("dense")
 
     def verify(self) -> str | None:
@@ -42,6 +44,7 @@ class Return(Operation):
 
     OPERAND_NAMES = ("x*",)
     NUM_RESULTS = 0
+    TRAITS = (Terminator, NoKernel)
 
     def infer(self, *types):
         return ()

@@ -9,6 +9,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.opdef import Attr, ShapeError, op
 from geir.ops.numerics import broadcast_dims, erf, require_float, same_dtype, work
+from geir.traits import Elementwise, InPlaceCapable
 from geir.types import DType, TensorType
 
 
@@ -16,6 +17,7 @@ class Binary(Operation):
     """`a OP b` with numpy broadcasting; both operands share one dtype."""
 
     OPERAND_NAMES = ("a", "b")
+    TRAITS = (Elementwise, InPlaceCapable)
     fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
 
     def infer(self, a: TensorType, b: TensorType) -> TensorType:
@@ -64,6 +66,7 @@ class Select(Operation):
     """`np.where(cond, a, b)` with broadcasting of all three."""
 
     OPERAND_NAMES = ("cond", "a", "b")
+    TRAITS = (Elementwise, InPlaceCapable)
 
     def infer(self, cond: TensorType, a: TensorType, b: TensorType) -> TensorType:
         if cond.dtype != DType.i1:
@@ -79,6 +82,7 @@ class Unary(Operation):
     """`OP(x)` elementwise."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (Elementwise, InPlaceCapable)
     FLOAT_ONLY = True
     fn: Callable[[np.ndarray], np.ndarray]
 
@@ -133,6 +137,7 @@ class Cast(Operation):
     """Convert elements to the dtype `to` (floats to ints truncate toward zero)."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (Elementwise, InPlaceCapable)
     to = Attr(DType)
 
     def infer(self, x: TensorType) -> TensorType:

@@ -11,18 +11,29 @@ from typing import Any
 import numpy as np
 
 from geir.ir import Operation
-from geir.opdef import Attr, ShapeError, lookup, op
+from geir.opdef import OPS, Attr, ShapeError, lookup, op, ops_with_trait
 from geir.ops.linalg import Matmul
 from geir.ops.numerics import broadcast_dims, work
+from geir.traits import Elementwise, Fused, InPlaceCapable
 from geir.types import TensorType
 
-# The ops a vector kernel can chain: elementwise, with numpy broadcasting.
-ELEMENTWISE_OPS = frozenset(
-    f"ge.{n}" for n in (
-        "add", "sub", "mul", "div", "max", "min", "pow", "greater", "less", "equal", "select",
-        "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast",
-    )
-)
+
+def chainable(kind: Operation | type[Operation]) -> bool:
+    """Whether a fused_elementwise body may chain this op (or op kind): elementwise, and not itself fused."""
+    return kind.has_trait(Elementwise) and not kind.has_trait(Fused)
+
+
+def chainable_ops() -> tuple[str, ...]:
+    """The names of the op kinds a fused_elementwise body may chain, sorted."""
+    return tuple(name for name in ops_with_trait(Elementwise) if chainable(OPS[name]))
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    # ELEMENTWISE_OPS stays for the vector kernel until it asks chainable_ops(); computed when read,
+    # so that it sees every op registered by then, whatever the import order
+    if name == "ELEMENTWISE_OPS":
+        return frozenset(chainable_ops())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _step_op(step: dict[str, Any]) -> Operation:
@@ -40,6 +51,7 @@ class FusedElementwise(Operation):
     """
 
     OPERAND_NAMES = ("x+",)
+    TRAITS = (Elementwise, InPlaceCapable, Fused)
     body = Attr(list)
 
     def verify(self) -> str | None:
@@ -49,9 +61,9 @@ class FusedElementwise(Operation):
         for j, step in enumerate(self.body):
             if not isinstance(step, dict) or not isinstance(step.get("op"), str) or not isinstance(step.get("args"), list):
                 return f"body step {j} must be a dictionary {{op = \"ge.NAME\", args = [...]}}"
-            if step["op"] not in ELEMENTWISE_OPS:
-                return f"body step {j}: '{step['op']}' is not an elementwise op"
             cls = lookup(step["op"])
+            if cls is None or not chainable(cls):
+                return f"body step {j}: '{step['op']}' is not an elementwise op"
             arity = len(cls.OPERAND_NAMES)
             if len(step["args"]) != arity:
                 return f"body step {j}: {step['op']} takes {arity} argument{'s' * (arity != 1)}, got {len(step['args'])}"
@@ -103,6 +115,7 @@ class FusedMatmul(Matmul):
     """matmul with an epilogue: `act(a @ b + bias)`, the bias and activation applied in f32 before the result is rounded."""
 
     OPERAND_NAMES = ("a", "b", "bias?")
+    TRAITS = (Fused,)
     activation = Attr(str, default="none", choices=ACTIVATIONS)
 
     def infer(self, a: TensorType, b: TensorType, bias: TensorType | None = None) -> TensorType:

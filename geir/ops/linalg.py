@@ -9,6 +9,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.opdef import Attr, ShapeError, op
 from geir.ops.numerics import broadcast_dims, require_float, same_dtype, softmax, work
+from geir.traits import CubeOp, Fused
 from geir.types import DType, TensorType
 
 
@@ -17,6 +18,7 @@ class Matmul(Operation):
     """`np.matmul` with batch broadcasting and optional transposes of the last two axes."""
 
     OPERAND_NAMES = ("a", "b")
+    TRAITS = (CubeOp,)
     transpose_a = Attr(bool, default=False)
     transpose_b = Attr(bool, default=False)
 
@@ -45,6 +47,7 @@ class FlashAttention(Operation):
     """softmax(scale * q @ k^T + mask) @ v with grouped-query heads and an optional causal mask."""
 
     OPERAND_NAMES = ("q", "k", "v", "mask?")
+    TRAITS = (CubeOp, Fused)
     scale = Attr(float, default=None)  # None: 1/sqrt(head dim)
     causal = Attr(bool, default=False)
     layout = Attr(str, default="BNSD", choices=("BNSD", "BSND"))

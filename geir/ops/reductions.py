@@ -8,6 +8,7 @@ from geir.ir import Operation
 from geir.opdef import Attr, ShapeError, op
 from geir.ops import numerics
 from geir.ops.numerics import broadcast_dims, normalize_axis, require_float, work
+from geir.traits import Normalization, RowWise
 from geir.types import TensorType
 
 
@@ -15,6 +16,7 @@ class Reduce(Operation):
     """Reduce over `axes`, keeping them as size 1 when `keepdims`."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (RowWise,)
     axes = Attr("ints")
     keepdims = Attr(bool, default=False)
 
@@ -48,6 +50,7 @@ class Softmax(Operation):
     """softmax along one axis."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (RowWise,)
     axis = Attr(int, default=-1)
 
     def infer(self, x: TensorType) -> TensorType:
@@ -71,6 +74,7 @@ class LayerNorm(Operation):
     """(x - mean) / sqrt(var + epsilon) * gamma + beta, over the axes from `axis` to the last."""
 
     OPERAND_NAMES = ("x", "gamma", "beta")
+    TRAITS = (RowWise, Normalization)
     axis = Attr(int, default=-1)
     epsilon = Attr(float, default=1e-5)
 
@@ -94,6 +98,7 @@ class RmsNorm(Operation):
     """x / sqrt(mean(x^2) + epsilon) * gamma over the last axis."""
 
     OPERAND_NAMES = ("x", "gamma")
+    TRAITS = (RowWise, Normalization)
     epsilon = Attr(float, default=1e-6)
 
     def infer(self, x: TensorType, gamma: TensorType) -> TensorType:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from geir.ir import Operation
 from geir.opdef import Attr, OPS, op
 from geir.ops.core import Const
+from geir.traits import Terminator
 from geir.types import TensorType
 
 
@@ -96,6 +97,7 @@ class RtReturn(Operation):
 
     OPERAND_NAMES = ("x*",)
     NUM_RESULTS = 0
+    TRAITS = (Terminator,)
 
     def infer(self, *types):
         return ()

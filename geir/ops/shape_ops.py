@@ -7,6 +7,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.opdef import Attr, ShapeError, op
 from geir.ops.numerics import multiply_dims, normalize_axis
+from geir.traits import DataMovement, ShapeView
 from geir.types import Dim, TensorType
 
 
@@ -15,6 +16,7 @@ class Transpose(Operation):
     """Permute axes: result axis i is input axis perm[i]."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (DataMovement,)
     perm = Attr("ints")
 
     def infer(self, x: TensorType) -> TensorType:
@@ -31,6 +33,7 @@ class Reshape(Operation):
     """Same elements, new shape; one entry of `shape` may be -1 (inferred)."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (DataMovement, ShapeView)
     shape = Attr("ints")
 
     def verify(self) -> str | None:
@@ -65,6 +68,7 @@ class Concat(Operation):
     """Join tensors along `axis`; other dims must agree."""
 
     OPERAND_NAMES = ("x+",)
+    TRAITS = (DataMovement,)
     axis = Attr(int)
 
     def infer(self, *xs: TensorType) -> TensorType:
@@ -91,6 +95,7 @@ class Split(Operation):
     """Cut a tensor along `axis` into pieces of `sizes`; one result per piece."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (DataMovement,)
     NUM_RESULTS = None
     axis = Attr(int)
     sizes = Attr("ints")
@@ -121,6 +126,7 @@ class Slice(Operation):
     """`x[starts:ends]` on the given axes (negative indices count from the end, clamped as in numpy)."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (DataMovement,)
     axes = Attr("ints")
     starts = Attr("ints")
     ends = Attr("ints")
@@ -154,6 +160,7 @@ class TransData(Operation):
     """Change the storage format (ND <-> NZ); the values are unchanged."""
 
     OPERAND_NAMES = ("x",)
+    TRAITS = (DataMovement,)
     dst_format = Attr(str, choices=("ND", "NZ"))
 
     def infer(self, x: TensorType) -> TensorType:

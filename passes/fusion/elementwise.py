@@ -7,19 +7,19 @@ elementwise op); it takes in every producer that is elementwise and used only in
 from __future__ import annotations
 
 from geir.ir import Operation, Value
-from geir.ops.fused import ELEMENTWISE_OPS
+from geir.ops.fused import chainable, chainable_ops
 from geir.passes.pattern import Match, Pattern, Rewriter
 
 
 def _feeds_one_elementwise(op: Operation) -> bool:
     users = op.result.users()
-    return len(users) == 1 and users[0].name in ELEMENTWISE_OPS and len(op.result.uses) == 1
+    return len(users) == 1 and chainable(users[0]) and len(op.result.uses) == 1
 
 
 class FuseElementwiseChain(Pattern):
     """Elementwise producers used only by the chain fold into one vector kernel."""
 
-    NAME, ROOT, BENEFIT, EXPLAIN = "elementwise", tuple(sorted(ELEMENTWISE_OPS)), 1, True
+    NAME, ROOT, BENEFIT, EXPLAIN = "elementwise", chainable_ops(), 1, True
 
     def match(self, root: Operation) -> Match | None:
         if _feeds_one_elementwise(root):
@@ -32,7 +32,7 @@ class FuseElementwiseChain(Pattern):
             seen.add(id(op))
             for v in op.operands:
                 p = v.owner
-                if p is not None and id(p) not in seen and p.name in ELEMENTWISE_OPS and _feeds_one_elementwise(p):
+                if p is not None and id(p) not in seen and chainable(p) and _feeds_one_elementwise(p):
                     visit(p)
             steps.append(op)
 

@@ -1,0 +1,59 @@
+"""Op traits: facts about an op kind, declared on its class and queried instead of lists of op names.
+
+An op kind declares its traits in a `TRAITS` tuple; a subclass has its bases' traits as well as
+its own (geir.opdef.op collects them), so `ge.fused_matmul` is a cube op because `ge.matmul` is:
+
+    @op("ge.softmax")
+    class Softmax(Operation):
+        TRAITS = (RowWise,)
+
+Query an op or an op class with `op.has_trait(RowWise)`, or every registered op kind with
+`geir.opdef.ops_with_trait(RowWise)`. The ops a `ge.fused_elementwise` body may chain are the
+Elementwise ops that are not Fused (a body does not nest fused ops): see geir.ops.fused.chainable.
+"""
+
+from __future__ import annotations
+
+
+class Trait:
+    """A fact about an op kind; subclasses are the facts, never instantiated."""
+
+
+class Elementwise(Trait):
+    """Result element i depends only on element i of each operand, broadcast to the result's shape."""
+
+
+class InPlaceCapable(Trait):
+    """The result may take the memory slot of a same-sized operand that dies at this op, element by element."""
+
+
+class Fused(Trait):
+    """Made by fusion to stand for several ops (so never a step of a fused_elementwise body)."""
+
+
+class CubeOp(Trait):
+    """Runs on the cube unit: a matrix multiplication, possibly with work around it."""
+
+
+class RowWise(Trait):
+    """Reduces over rows: the vector kernel keeps each whole row in the Unified Buffer."""
+
+
+class Normalization(Trait):
+    """Normalises each row by its own statistics and scales it by learned weights (gamma)."""
+
+
+class ShapeView(Trait):
+    """A new shape over the same ND data in the same order: a view, no bytes need to move."""
+
+
+class DataMovement(Trait):
+    """Moves or reorders bytes and computes nothing."""
+
+
+class NoKernel(Trait):
+    """Never launched as a kernel: the Runtime or the graph's bookkeeping provides it."""
+
+
+class Terminator(Trait):
+    """Ends its graph: its operands are the graph's results."""
