@@ -17,6 +17,7 @@ from geir.ir import Operation
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
 from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, buffers_of
 from geir.target_npu.target import Target
+from geir.traits import DataMovement, NoKernel
 
 
 @attrs.define
@@ -189,13 +190,10 @@ def flops_of(op: Operation) -> float:
         skv = kv.shape[2] if op.attr("layout") == "BNSD" else kv.shape[1]
         pairs = sq * skv if not op.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
         return 4.0 * b * n * pairs * d
-    if op.name in _DATA_MOVEMENT:
+    if op.has_trait(DataMovement) or op.has_trait(NoKernel):
         return 0.0  # moves bytes, computes nothing
     return float(out.num_elements or 0) if out is not None else 0.0
 
-
-_DATA_MOVEMENT = frozenset({"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data",
-                            "ge.const", "ge.return"})
 
 
 def allocate(target: Target, budget: Budget, what: str) -> None:

@@ -63,7 +63,7 @@ class FlashTiling(KernelTiling):
     l0c_bytes: int
     work_units: int | None = printed_if_set(None)
     skipped_blocks: int = printed_if_set(0)
-    rule: str = never_printed("", eq=False)
+    rule: str = never_printed("")
 
 
 def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[int | None, ...]:
@@ -126,6 +126,17 @@ def causal_skipped(sq: int, skv: int, s1: int, s2: int) -> int:
     return skipped
 
 
+def whole_row_options(skv: int, fm: int) -> list[tuple[int, int]]:
+    """(key segments, s2) for a short key row: whole, then split into segments until one is a fractal long."""
+    options = [(1, max(skv, 1))]
+    seg = 2
+    while -(-skv // (seg // 2)) > fm:
+        s2 = align(-(-skv // seg), fm)
+        options.append((-(-skv // s2), s2))
+        seg *= 2
+    return options
+
+
 def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorType, causal: bool, has_mask: bool,
                         chip: Target | str, buffers: int = 2, *, layout: str = "BNSD",
                         mask_itemsize: int | None = None) -> FlashTiling:
@@ -157,12 +168,7 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
     if skv is not None and skv <= SHORT_KV:
         template = WHOLE_ROW
         rule = f"key sequence {skv} <= {SHORT_KV}: {WHOLE_ROW}, each row's keys in one block (s2 = Skv)"
-        s2_options = [(1, max(skv, 1))]
-        seg = 2
-        while -(-skv // (seg // 2)) > fm:  # split the row into segments until they are one fractal long
-            s2 = align(-(-skv // seg), fm)
-            s2_options.append((-(-skv // s2), s2))
-            seg *= 2
+        s2_options = whole_row_options(skv, fm)
     else:
         template = SPLIT_KV
         s2_options = [(1, s) for s in halvings(BLOCK, fm)]
@@ -269,19 +275,16 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
         fm = fractal(chip, q.dtype)[0]
     except Untiled:
         return []
+    if skv <= SHORT_KV:
+        template, options = WHOLE_ROW, whole_row_options(skv, fm)
+    else:  # the rule's blocks and larger ones, up to a key block of 4 x BLOCK
+        template, options = SPLIT_KV, [(1, s2) for s2 in halvings(min(4 * BLOCK, align(skv, fm)), fm)]
     out = []
-    s1_top = max(1, min(2 * BLOCK, sq))
-    for s2 in halvings(align(max(skv, 1), fm) if skv <= LONG_KV else LONG_KV, fm):
-        template = WHOLE_ROW if s2 >= skv else SPLIT_KV
-        blocks = -(-skv // s2)
-        for segments in sorted({1, *(s for s in (2, 4, 8) if s <= blocks)}):
-            if template == WHOLE_ROW and segments > 1:
-                continue
-            for s1 in halvings(s1_top, fm):
-                tiling = _tiling(template, s1, s2, d, buffers, segments, bsz, n, sq, skv, causal, chip, sig,
-                                 f"candidate {template} {s1} x {s2}" + (f" in {segments} key segments" if segments > 1 else ""))
-                if _budget(s1, s2, d, buffers, sig, chip).overflow(chip) is None:
-                    out.append(tiling)
+    for segments, s2 in options:
+        for s1 in halvings(max(1, min(2 * BLOCK, sq)), fm):
+            if _budget(s1, s2, d, buffers, sig, chip).overflow(chip) is None:
+                rule = f"candidate {template} {s1} x {s2}" + (f" in {segments} key segments" if segments > 1 else "")
+                out.append(_tiling(template, s1, s2, d, buffers, segments, bsz, n, sq, skv, causal, chip, sig, rule))
     return out
 
 

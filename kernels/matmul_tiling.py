@@ -43,14 +43,14 @@ class MatmulTiling(KernelTiling):
     k: int
     buffers: int
     cores: int
-    ub_bytes: int = attrs.field(metadata={"least": 0})  # 0 without an epilogue: FIXP drains L0C straight to GM
+    ub_bytes: int  # 0 without an activation: FIXP drains L0C straight to GM
     l1_bytes: int
     l0a_bytes: int
     l0b_bytes: int
     l0c_bytes: int
     # how many output tiles there are (None: a dimension is dynamic); part of the choice, not of the attribute
     work_units: int | None = never_printed(None)
-    rule: str = never_printed("", eq=False)
+    rule: str = never_printed("")
 
     @property
     def blocks(self) -> dict[str, int]:

@@ -102,10 +102,10 @@ class OpSignature:
                 repr(sorted(self.attributes.items())))
 
 
-def never_printed(default: Any = None, eq: bool = True) -> Any:
-    """A tiling field that is not part of the IR attribute: a fact of the choice (its work units), or with
-    `eq=False` its prose (the rule that chose it), which does not make two tilings differ."""
-    return attrs.field(default=default, eq=eq, metadata={"print": "never"})
+def never_printed(default: Any = None) -> Any:
+    """A tiling field that is not part of the IR attribute (the rule that chose it, the work units it makes):
+    known where the tiling was chosen, absent once decoded, so it does not make two tilings differ."""
+    return attrs.field(default=default, eq=False, metadata={"print": "never"})
 
 
 def printed_if_set(default: Any) -> Any:
@@ -158,10 +158,9 @@ class KernelTiling:
                 if value not in cls.TEMPLATES:
                     raise TilingAttrError(f"{what}: template {value!r} is not one of {', '.join(cls.TEMPLATES)}")
             else:
-                least = f.metadata.get("least", 0 if how == "if_set" else 1)
-                if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                    kind = "a positive" if least == 1 else "a non-negative"
-                    raise TilingAttrError(f"{what}: '{f.name}' must be {kind} integer, not {value!r}")
+                # sizes may be 0: an empty tensor has empty rows and tiles
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise TilingAttrError(f"{what}: '{f.name}' must be a non-negative integer, not {value!r}")
             values[f.name] = value
         unknown = sorted(set(attr) - set(values) - {f.name for f in cls._fields()})
         if unknown:

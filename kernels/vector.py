@@ -39,9 +39,11 @@ from geir.kernels.data_movement import (
 )
 from geir.kernels.tiling import Budget, Miss, OpSignature, TilingError, Untiled
 from geir.kernels.vector_tiling import RowTiling, VectorTiling, reduced_axes
-from geir.ops.fused import ELEMENTWISE_OPS
+from geir.opdef import ops_with_trait
+from geir.ops.fused import chainable_ops
 from geir.ops.numerics import round_to, work
 from geir.target_npu.target import Target
+from geir.traits import RowWise
 
 _F32 = np.float32
 _HALF = ("float16", "bfloat16")
@@ -131,7 +133,7 @@ class _Streams:
 class ElementwiseKernel(Kernel):
     """Every elementwise op, and fused chains of them, over the flattened output."""
 
-    OPS = tuple(sorted(ELEMENTWISE_OPS)) + ("ge.fused_elementwise",)
+    OPS = chainable_ops() + ("ge.fused_elementwise",)
     TILING = VectorTiling
     TEMPLATE = tiling_rules.ELEMENTWISE
 
@@ -234,7 +236,7 @@ def _row_op(op: Operation) -> Operation:
 class RowKernel(Kernel):
     """Row-wise ops: the reduced axes (moved last when they are not) stay whole in UB, `rows` rows a tile."""
 
-    OPS = ("ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm")
+    OPS = ops_with_trait(RowWise)
     TILING = RowTiling
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> RowTiling | Miss:

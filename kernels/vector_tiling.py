@@ -25,7 +25,6 @@ from geir.kernels.tiling import (
     as_target,
     check_buffers,
     halve,
-    halvings,
     never_printed,
     product,
 )
@@ -49,7 +48,7 @@ class VectorTiling(KernelTiling):
     cores: int
     ub_bytes: int
     work_units: int | None = never_printed(None)
-    rule: str = never_printed("", eq=False)
+    rule: str = never_printed("")
 
     @property
     def blocks(self) -> dict[str, int]:
@@ -70,7 +69,7 @@ class RowTiling(KernelTiling):
     ub_bytes: int
     segments: int
     work_units: int | None = never_printed(None)
-    rule: str = never_printed("", eq=False)
+    rule: str = never_printed("")
 
     @property
     def blocks(self) -> dict[str, int]:
@@ -242,7 +241,8 @@ def shrink_rows(tiling: RowTiling) -> tuple[RowTiling, str] | None:
 
 def elementwise_candidates(sig: OpSignature, chip: Target, buffers: int = 2,
                            template: str = ELEMENTWISE) -> list[VectorTiling]:
-    """Flat tiles of every power-of-two count of UB blocks that fits, largest first."""
+    """Flat tiles that cut the tensor into a power of two of pieces, or into pieces for every vector unit
+    (once, twice, four times over), in whole UB blocks that fit; largest first."""
     try:
         _check_types(sig)
     except Untiled:
@@ -250,21 +250,27 @@ def elementwise_candidates(sig: OpSignature, chip: Target, buffers: int = 2,
     block = chip.data["memory"]["ub_block_bytes"]
     s = _streams(sig, chip, buffers, template in COPY_TEMPLATES)
     fit = ((chip.buffer_bytes("ub") - s.fixed) // s.per_elem) // block * block
-    if fit < block:
+    if fit < block or s.total is None:
         return []
-    top = fit if s.total is None else min(fit, align(s.total, block))
-    return [_flat(template, e, buffers, s, chip, f"candidate {e} elements a tile") for e in halvings(top, block)]
+    pieces = {1 << i for i in range(max(s.total // block, 1).bit_length())}
+    pieces |= {chip.vector_cores * m for m in (1, 2, 4)}
+    sizes = {max(block, min(fit, align(-(-s.total // p), block))) for p in pieces}
+    return [_flat(template, e, buffers, s, chip, f"candidate {e} elements a tile") for e in sorted(sizes, reverse=True)]
 
 
 def row_candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[RowTiling]:
-    """Row tiles of every power-of-two row count that fits, at the segmentation the rule needs."""
+    """Row tiles that cut the rows into a power of two of pieces, or into pieces for every vector unit (once,
+    twice, four times over), at the segmentation the rule needs; largest first."""
     try:
         chosen = choose_row_tiling(sig, chip, buffers)
     except (Untiled, TilingError):
         return []
     s = _streams(sig, chip, buffers, False)
     rows, _ = _row_extent(sig.name, sig.operands[0], sig.attributes)
+    if rows is None:
+        return []
     fit = (chip.buffer_bytes("ub") - s.fixed) // _row_bytes(chosen.cols, s, chip.data["memory"]["ub_block_bytes"])
-    top = fit if rows is None else max(1, min(fit, rows))
+    pieces = {1 << i for i in range(max(rows, 1).bit_length())} | {chip.vector_cores * m for m in (1, 2, 4)}
+    counts = {max(1, min(fit, -(-rows // p))) for p in pieces}
     return [_rows(r, chosen.cols, chosen.segments, rows, buffers, s, chip, f"candidate {r} rows a tile")
-            for r in halvings(top, 1)]
+            for r in sorted(counts, reverse=True)]

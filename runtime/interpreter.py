@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 import attrs
 import numpy as np
 
+from geir.diagnostics import Diagnostic
 from geir.ir import Graph, Operation, Value
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
@@ -165,21 +166,11 @@ class Runtime:
         return 2 * once
 
     def _tilings(self, program: Graph) -> dict[int, KernelTiling | None]:
-        """Every launch's tiling, decoded once from its attribute by its kernel; a malformed one fails at the launch."""
-        out: dict[int, KernelTiling | None] = {}
-        for op in program.ops:
-            if op.name != "rt.launch":
-                continue
-            kernel = KERNELS.get(op.kernel)
-            if kernel is None:
-                raise RuntimeFailure(f"{op.loc}: no kernel implements {op.kernel}")
-            try:
-                out[id(op)] = kernel.decode(op.tiling, f"the tiling of {op.kernel}") if op.tiling else None
-            except TilingAttrError as e:
-                raise RuntimeFailure(f"{op.loc}: {e}") from None
-            if out[id(op)] is None and kernel.needs_tiling(_launch_signature(op)):
-                raise RuntimeFailure(f"{op.loc}: {op.kernel} has no tiling: run the tile pass before lowering")
-        return out
+        """Every launch's tiling, decoded once from its attribute by its kernel; RuntimeFailure at a bad one."""
+        tilings, problems = load_tilings(program)
+        if problems:
+            raise RuntimeFailure(f"{problems[0].loc}: {problems[0].message}")
+        return tilings
 
     def _launch_recovering(self, op: Operation, tiling: KernelTiling | None, device: DeviceMemory,
                            where: dict[int, int], cores: Cores, gm: GlobalMemory, streams: dict[int, float],
@@ -235,6 +226,29 @@ class Runtime:
             where[id(r)] = offset
         streams[op.stream] = stats.end / self.cycles_per_us
         return stats
+
+
+def load_tilings(program: Graph) -> tuple[dict[int, KernelTiling | None], list[Diagnostic]]:
+    """Each launch's typed tiling (by id of the launch), decoded by its kernel from the `tiling` attribute,
+    and an error at every launch whose kernel is unknown or whose tiling attribute is malformed."""
+    tilings: dict[int, KernelTiling | None] = {}
+    problems: list[Diagnostic] = []
+    for op in program.ops:
+        if op.name != "rt.launch":
+            continue
+        kernel = KERNELS.get(op.kernel)
+        if kernel is None:
+            problems.append(Diagnostic("error", f"no kernel implements {op.kernel}", op.attr_loc("kernel")))
+            continue
+        try:
+            tilings[id(op)] = kernel.decode(op.tiling, f"the tiling of {op.kernel}") if op.tiling else None
+        except TilingAttrError as e:
+            problems.append(Diagnostic("error", str(e), op.attr_loc("tiling")))
+            continue
+        if tilings[id(op)] is None and kernel.needs_tiling(_launch_signature(op)):
+            problems.append(Diagnostic("error", f"{op.kernel} has no tiling: run the tile pass before lowering",
+                                       op.loc))
+    return tilings, problems
 
 
 def without_core(cores: Cores, dead: int) -> Cores:

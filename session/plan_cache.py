@@ -88,6 +88,11 @@ class Replan:
                 "retiled": self.retiled, "tiled_ops": self.tiled, "arena_size": self.arena_size}
 
 
+def _changed(old: KernelTiling, new: KernelTiling) -> bool:
+    """Whether an op was re-tiled: other blocks or budgets, or the same blocks cutting the work into other units."""
+    return old != new or getattr(old, "work_units", None) != getattr(new, "work_units", None)
+
+
 class Session:
     """A graph compiled once and specialised per input shape signature: GE's dynamic execution plan.
 
@@ -174,7 +179,7 @@ class Session:
                 tilings[(d.loc, d.op, n)] = d
         previous = self._last_tilings
         retiled = tuple(Retiling(d.op, d.loc, previous[key].tiling, d.tiling) for key, d in tilings.items()
-                        if key in previous and previous[key].tiling != d.tiling)
+                        if key in previous and _changed(previous[key].tiling, d.tiling))
         self._last_tilings.update(tilings)  # an op absent from this plan keeps its last tiling for the next comparison
         unfused = tuple(r for r in self._records if isinstance(r, Unfusion))
         memory = program.attributes.get("memory") or {}

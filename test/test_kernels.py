@@ -11,13 +11,14 @@ import pytest
 
 from geir.diagnostics import DiagnosticEngine
 from geir.kernels import KERNELS, LaunchContext
-from geir.ops.fused import ELEMENTWISE_OPS
+from geir.ops.fused import chainable_ops
 from geir.parser import parse
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
 from geir.reference import run_op
 from geir.target_npu import load_target
 from geir.target_npu.sim import PIPE_INDEX, CapacityError, Cores, GlobalMemory
 
+ELEMENTWISE_OPS = frozenset(chainable_ops())
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": BF16, "i1": np.dtype(np.bool_),
       "i32": np.dtype(np.int32)}

@@ -460,7 +460,14 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     session = None
     if is_program:
+        from geir.runtime.interpreter import load_tilings
+
         program = graph
+        problems = load_tilings(program)[1]
+        for d in problems:
+            printer(d)
+        if problems:
+            return EXIT_FAILURE
     else:
         reference = select_graph(parse(text, name), args.entry, name) if args.check else None
         try:

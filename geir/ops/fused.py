@@ -28,14 +28,6 @@ def chainable_ops() -> tuple[str, ...]:
     return tuple(name for name in ops_with_trait(Elementwise) if chainable(OPS[name]))
 
 
-def __getattr__(name: str) -> frozenset[str]:
-    # ELEMENTWISE_OPS stays for the vector kernel until it asks chainable_ops(); computed when read,
-    # so that it sees every op registered by then, whatever the import order
-    if name == "ELEMENTWISE_OPS":
-        return frozenset(chainable_ops())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _step_op(step: dict[str, Any]) -> Operation:
     """A detached op standing for one step of a fused body (for its shape rule and semantics)."""
     cls = lookup(step["op"])
