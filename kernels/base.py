@@ -98,6 +98,13 @@ class Kernel:
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[KernelTiling]:
         return []
 
+    def with_budget(self, tiling: KernelTiling, sig: OpSignature, target: Target) -> KernelTiling:
+        """`tiling` with the buffer bytes it records (ub_bytes, l1_bytes, ...) recomputed from its blocks."""
+        budget = self.budget(tiling, sig, target)
+        fields = {f.name for f in attrs.fields(type(tiling))}
+        return attrs.evolve(tiling, **{f"{b}_bytes": getattr(budget, b) for b in ("ub", "l1", "l0a", "l0b", "l0c")
+                                       if f"{b}_bytes" in fields})
+
     def decode(self, attr: Any, what: str = "tiling") -> KernelTiling:
         """The typed tiling an IR `tiling` attribute holds (TilingAttrError says what is wrong with it)."""
         return self.TILING.from_attr(attr, what)

@@ -222,14 +222,17 @@ def product(dims: tuple[int | None, ...]) -> int | None:
 
 
 def halve(tiling: KernelTiling, key: str, least: int) -> tuple[KernelTiling, str] | None:
-    """`tiling` with its parallel block dimension `key` halved (and its UB bound with it), or None below `least`.
+    """`tiling` with its parallel block dimension `key` halved, else (at `least`) single-buffered; None when
+    neither is left.
 
     Halving the dimension that splits independent work changes how work is cut into units, never
-    the order in which any result element is summed, so results stay bit-identical.
+    the order in which any result element is summed, and the number of buffers changes only when
+    data moves, so results stay bit-identical. The budgets it records are the kernel's to recompute
+    (Kernel.with_budget).
     """
     value = getattr(tiling, key)
-    if value // 2 < least:
-        return None
-    # ub_bytes is an upper bound: the halved dimension scales it
-    new = attrs.evolve(tiling, **{key: value // 2, "ub_bytes": -(-tiling.ub_bytes // 2)})
-    return new, f"{key} {value} -> {value // 2}"
+    if value // 2 >= least:
+        return attrs.evolve(tiling, **{key: value // 2}), f"{key} {value} -> {value // 2}"
+    if tiling.buffers == 2:
+        return attrs.evolve(tiling, buffers=1), "buffers 2 -> 1"
+    return None

@@ -183,14 +183,19 @@ class Runtime:
         - core: a core stops during the kernel; its work is re-dispatched over the remaining cores
           (the kernel runs again on them, from when the loss is noticed), which serve from then on.
         """
-        if ("ub_overflow", index) in self.faults:
+        if ("ub_overflow", index) in self.faults and tiling is None:
+            # a view (a reshape of ND data) keeps no tile on chip: there is nothing to overflow
+            faults.append({"kind": "ub_overflow", "task": index, "op": op.kernel, "loc": str(op.loc),
+                           "recovery": "the kernel is a view with no tile on chip: nothing to re-tile, it ran as planned"})
+        elif ("ub_overflow", index) in self.faults:
             try:
                 self._launch(op, tiling, device, where, cores, gm, streams, "ub_overflow")
             except CapacityError as e:
-                smaller = None if tiling is None else KERNELS[op.kernel].shrink(tiling)
+                smaller = KERNELS[op.kernel].shrink(tiling)
                 if smaller is None:
                     raise RuntimeFailure(f"{op.loc}: {op.kernel}: {e}; the kernel has no smaller tiling") from e
-                tiling, change = smaller
+                tiling = KERNELS[op.kernel].with_budget(smaller[0], _launch_signature(op), self.target)
+                change = smaller[1]
                 faults.append({"kind": "ub_overflow", "task": index, "op": op.kernel, "loc": str(op.loc),
                                "recovery": f"the kernel was re-tiled ({change}) and ran again", "error": str(e)})
             else:
@@ -199,7 +204,8 @@ class Runtime:
             return self._launch(op, tiling, device, where, cores, gm, streams), cores
         if cores.count < 2:
             raise RuntimeFailure(f"{op.loc}: the only core stopped during kernel #{index} ({op.kernel})")
-        lost = self._launch(op, tiling, device, where, cores, gm, streams)  # the attempt whose core dies
+        # the attempt whose core dies: it takes its time, and its results are lost with it
+        lost = self._launch(op, tiling, device, where, cores, gm, streams, commit=False)
         dead = 0  # the core of the kernel's first work unit: every launch uses it
         survivors = without_core(cores, dead)
         stats = self._launch(op, tiling, device, where, survivors, gm, streams)
@@ -210,7 +216,13 @@ class Runtime:
         return stats, survivors
 
     def _launch(self, op: Operation, tiling: KernelTiling | None, device: DeviceMemory, where: dict[int, int],
-                cores: Cores, gm: GlobalMemory, streams: dict[int, float], fault: str | None = None) -> KernelStats:
+                cores: Cores, gm: GlobalMemory, streams: dict[int, float], fault: str | None = None,
+                commit: bool = True) -> KernelStats:
+        """Run one launch on `cores`; with `commit`, store its results in device memory when it completes.
+
+        A launch whose core stops never completes: its results are not stored (`commit=False`), so an
+        in-place result cannot overwrite the operand that the re-dispatched launch still has to read.
+        """
         kernel_op = detached_op(op)
         kernel = KERNELS[op.kernel]
         args = [device.view(where[id(v)], v.type) for v in op.operands]
@@ -220,11 +232,13 @@ class Runtime:
                             [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None)
         outs, stats = measure(ctx, op.kernel, tiling, flops_of(kernel_op),
                               lambda: kernel.run(kernel_op, args, tiling, ctx))
+        streams[op.stream] = stats.end / self.cycles_per_us
+        if not commit:
+            return stats
         # results are stored only now: with an in-place plan they may overwrite an operand the kernel read
         for r, offset, array in zip(op.results, op.offsets, outs):
             device.write(offset, r.type, array)
             where[id(r)] = offset
-        streams[op.stream] = stats.end / self.cycles_per_us
         return stats
 
 

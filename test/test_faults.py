@@ -91,7 +91,7 @@ def _tiling(template: str, **blocks):
     """A typed tiling of the kernel whose template this is, with these blocks (the rest filled in)."""
     kernel = next(k for k in KERNELS.values() if template in k.TILING.TEMPLATES)
     fields = {f.name: 1 for f in attrs.fields(kernel.TILING) if f.default is attrs.NOTHING}
-    return kernel, kernel.TILING(**{**fields, "template": template, "buffers": 2, **blocks})
+    return kernel, kernel.TILING(**{**fields, "template": template, "buffers": 2} | blocks)
 
 
 @pytest.mark.parametrize("tiling, key, value", [
@@ -109,9 +109,12 @@ def test_shrink_halves_the_parallel_block(tiling, key, value) -> None:
 
 
 def test_no_smaller_tiling_below_the_smallest_block() -> None:
+    # at the smallest block a double-buffered tiling gives up its second buffer, then there is nothing left
     kernel, typed = _tiling("S1Bn2gs1", s1=16, s2=128)
-    assert kernel.shrink(typed) is None
-    kernel, typed = _tiling("VectorRow", rows=1)
+    single, change = kernel.shrink(typed)
+    assert single.buffers == 1 and single.s1 == 16 and change == "buffers 2 -> 1"
+    assert kernel.shrink(single) is None
+    kernel, typed = _tiling("VectorRow", rows=1, buffers=1)
     assert kernel.shrink(typed) is None
     with pytest.raises(TilingAttrError, match="template 'Unknown' is not one of"):
         KERNELS["ge.flash_attention"].decode({"template": "Unknown", "s1": 16, "s2": 16, "d": 16, "buffers": 2,
