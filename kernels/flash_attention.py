@@ -212,13 +212,11 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
     nq, nk = -(-Sq // s1), -(-Skv // s2)
     per_seg = -(-nk // segments)
-    qname, kname, vname = ctx.operand_names[:3]
-    mname = ctx.operand_names[3] if mask is not None else None
-    oname = ctx.result_names[0]
-    for name, blocks in ((qname, B * N * nq), (kname, B * Nkv * nk), (vname, B * Nkv * nk),
-                         (mname, B * N * nq * nk), (oname, B * N * nq * segments)):
-        if name is not None:
-            gm.ensure(name, blocks)
+    roles = [("q", ctx.operand_names[0], B * N * nq), ("k", ctx.operand_names[1], B * Nkv * nk),
+             ("v", ctx.operand_names[2], B * Nkv * nk),
+             ("mask", ctx.operand_names[3] if mask is not None else None, B * N * nq * nk),
+             ("o", ctx.result_names[0], B * N * nq * segments)]
+    qname, kname, vname, mname, oname = _role_names(gm, roles)
     units = B * N * nq * segments
     q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
 
@@ -292,6 +290,28 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
 
     if segments > 1:
         _time_combine(ctx, oname, units // segments, segments, s1, D, isz)
+
+
+def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None]:
+    """The GM name each operand role is tracked under, each registered with its own blocks.
+
+    One tensor may play two roles (`flash_attention %q, %q, %v`), cut into blocks differently for
+    each (row blocks of q, key blocks of k): a role that finds its tensor already registered with
+    other blocks is tracked under a name of its own, starting from the tensor's residency.
+    """
+    out: list[str | None] = []
+    blocks_of: dict[str, int] = {}
+    for role, name, blocks in roles:
+        if name is not None and blocks_of.get(name, blocks) != blocks:
+            shared, name = name, f"{name}:{role}"
+            gm.tensor_clock[name] = gm.tensor_clock.get(shared, -np.inf)
+            if shared in gm.sizes:
+                gm.sizes[name] = gm.sizes[shared]
+        if name is not None:
+            blocks_of[name] = blocks
+            gm.ensure(name, blocks)
+        out.append(name)
+    return out
 
 
 def _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free) -> None:

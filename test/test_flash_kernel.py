@@ -152,3 +152,21 @@ def test_a_tile_too_large_for_the_buffers_is_an_error() -> None:
     q = rng.standard_normal((1, 1, 512, 512)).astype(np.float16)
     with pytest.raises(CapacityError, match=r"(UB|L1|L0A|L0B|L0C) overflow: .* needs \d+ bytes, but .* holds \d+ bytes"):
         flash_attention_forward(q, q, q, None, False, 0.05, _blocks(512, 512), _context())
+
+
+def test_one_tensor_as_q_and_k_is_cut_into_the_blocks_of_each_role() -> None:
+    # Skv > 1024: s1 = 64 row blocks of q, s2 = 128 key blocks of k; the same GM tensor plays both roles
+    rng = np.random.default_rng(5)
+    q = (0.5 * rng.standard_normal((1, 2, 2048, 64))).astype(np.float16)
+    v = rng.standard_normal((1, 2, 2048, 64)).astype(np.float16)
+    tiling = FlashTiling.from_attr(_tiling(q, q, False, None))
+    shared = LaunchContext(load_target("ascend910b"), Cores(24), GlobalMemory(load_target("ascend910b")),
+                           ["q", "q", "v"], ["o"])
+    apart = _context()
+    out = flash_attention_forward(q, q, v, None, False, 0.125, tiling, shared)
+    again = flash_attention_forward(q, q.copy(), v, None, False, 0.125, tiling, apart)
+    assert out.tobytes() == again.tobytes()
+    ref = FlashAttention("ge.flash_attention", [], [], {"scale": 0.125}).compute(
+        *(x.astype(np.float64) for x in (q, q, v)))
+    assert np.allclose(out, ref, rtol=1e-2, atol=1e-3)
+    assert shared.gm.gm_read_bytes == apart.gm.gm_read_bytes  # the same bytes move, whoever holds them
