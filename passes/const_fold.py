@@ -54,6 +54,10 @@ class ConstFold(Pass):
     REQUIRES = ("infer-shapes",)
     max_elements: int = 1 << 16
 
+    def __attrs_post_init__(self) -> None:
+        if self.max_elements < 0:
+            raise ValueError(f"option 'max-elements' must be a count of elements (0 or more), not {self.max_elements}")
+
     def run(self, module: Module, ctx: PassContext) -> None:
         for g in module.graphs:
             fold_constants(g, self.max_elements)

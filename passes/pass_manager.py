@@ -117,11 +117,22 @@ def parse_pipeline(text: str) -> list[Pass]:
     """`a,b{k=v k2=x,y},c` -> pass instances; raises PipelineError with the column of the mistake."""
     passes: list[Pass] = []
     i, n = 0, len(text)
-    while i < n:
-        while i < n and text[i] in " ,":
+    while True:
+        while i < n and text[i] == " ":
             i += 1
         if i >= n:
             break
+        if passes:  # between two passes: one comma
+            if text[i] != ",":
+                raise PipelineError("expected ',' between passes", i)
+            comma = i
+            i += 1
+            while i < n and text[i] == " ":
+                i += 1
+            if i >= n or text[i] == ",":
+                raise PipelineError("expected a pass name after ','", comma if i >= n else i)
+        elif text[i] == ",":
+            raise PipelineError("expected a pass name before ','", i)
         start = i
         while i < n and text[i] not in ",{ ":
             i += 1
@@ -239,7 +250,18 @@ class PassManager:
     timings: dict[str, float] = attrs.field(factory=dict)
 
     def run(self, module: Module, ctx: PassContext) -> bool:
-        """Run the pipeline; False (with diagnostics emitted) when a pass or verification fails."""
+        """Run the pipeline; False (with diagnostics emitted) when a pass or verification fails.
+
+        GE's passes transform ge.graphs: a module holding an already lowered rt.program is refused
+        (every pass would misread it: dce would find its tasks dead, tile would re-tile launches).
+        """
+        if self.passes:
+            lowered = [g for g in module.graphs if g.kind == "rt.program"]
+            for g in lowered:
+                ctx.error(f"@{g.name} is an rt.program (already lowered): GE's passes "
+                          f"('{self.passes[0].NAME}' first) run on a ge.graph", g.loc)
+            if lowered:
+                return False
         for p in self.passes:
             if self.before:
                 self.before(p, module)

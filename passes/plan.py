@@ -36,6 +36,14 @@ from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.traits import InPlaceCapable
 
 
+# the largest alignment an option may ask for: 1 GiB, far above any hardware block
+MAX_ALIGNMENT = 1 << 30
+
+
+def _values(graph: Graph) -> list[Value]:
+    return list(graph.args) + [r for op in graph.ops for r in op.results]
+
+
 class UnplannableError(ValueError):
     """A tensor the arena would hold has no static size; `value` is the first such tensor."""
 
@@ -172,11 +180,19 @@ class Plan(Pass):
     alignment: int = 512
     inplace: bool = True
 
+    def __attrs_post_init__(self) -> None:
+        # checked when the pipeline is parsed: the pass manager reports a ValueError as a usage error
+        a = self.alignment
+        if a < 1 or a > MAX_ALIGNMENT or a & (a - 1):
+            raise ValueError(f"option 'alignment' must be a power of two from 1 to {MAX_ALIGNMENT} bytes, not {a}")
+
     def run(self, module: Module, ctx: PassContext) -> None:
-        if self.alignment <= 0:
-            ctx.error(f"plan: alignment must be a positive number of bytes, not {self.alignment}",
-                      Location(module.file, 0, 0))
-            return
+        for g in module.graphs:
+            widest = max((v.type.dtype.itemsize for v in _values(g) if v.type is not None), default=1)
+            if self.alignment < widest:
+                ctx.error(f"plan: alignment {self.alignment} is smaller than the graph's {widest}-byte elements",
+                          g.loc)
+                return
         for g in module.graphs:
             _clear(g)
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from functools import lru_cache
 from pathlib import Path
@@ -37,6 +38,65 @@ class Target:
         return self.data["buffers_kib"][name] * 1024
 
 
+class TargetError(KeyError):
+    """A target that cannot be had: an unknown name, or a data file that is not valid TOML or lacks a
+    quantity the model needs (the message names the file and the key)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# Every quantity the model reads, by table: (key, least value allowed); optional tables may be absent.
+_REQUIRED = {
+    "cores": (("cube", 1), ("vector", 1), ("clock_ghz", 1e-9)),
+    "buffers_kib": (("ub", 1), ("l1", 1), ("l0a", 1), ("l0b", 1), ("l0c", 1)),
+    "vector": (("bytes_per_cycle", 1),),
+    "memory": (("l2_mib", 0), ("gm_read_bytes_per_cycle_l2", 1e-9), ("gm_read_bytes_per_cycle_hbm", 1e-9),
+               ("hbm_tb_per_s", 1e-9), ("ub_block_bytes", 1), ("hbm_block_bytes", 1), ("dma_latency_cycles", 0),
+               ("onchip_bytes_per_cycle", 1e-9)),
+}
+_OPTIONAL = {
+    "cores": (("vector_per_cube", 1),),
+    "host": (("pcie_gb_per_s", 1e-9), ("copy_latency_us", 0), ("launch_latency_us", 0)),
+}
+_CUBE_MODES = ("f16", "bf16", "f32")
+
+
+def _check_data(data: dict[str, Any], where: str) -> None:
+    """TargetError naming the first missing or out-of-range quantity."""
+    def number(table: str, key: str, least: float, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TargetError(f"{where}: [{table}] {key} must be a number, not {value!r}")
+        if value < least:
+            bound = "positive" if least > 0 else "non-negative"
+            raise TargetError(f"{where}: [{table}] {key} must be {bound}, not {value}")
+
+    for table, keys in _REQUIRED.items():
+        section = data.get(table)
+        if not isinstance(section, dict):
+            raise TargetError(f"{where}: the target has no [{table}] table")
+        for key, least in keys:
+            if key not in section:
+                raise TargetError(f"{where}: [{table}] has no {key}")
+            number(table, key, least, section[key])
+    for table, keys in _OPTIONAL.items():
+        section = data.get(table, {})
+        for key, least in keys:
+            if key in section:
+                number(table, key, least, section[key])
+    cube = data.get("cube")
+    if not isinstance(cube, dict) or not any(m in cube for m in _CUBE_MODES):
+        raise TargetError(f"{where}: [cube] needs an m x k x n fractal for at least one of {', '.join(_CUBE_MODES)}")
+    for mode, fractal in cube.items():
+        if not (isinstance(fractal, list) and len(fractal) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in fractal)):
+            raise TargetError(f"{where}: [cube] {mode} must be three positive integers [m, k, n], not {fractal!r}")
+
+
 def available_targets() -> list[str]:
     """Names of the bundled targets."""
     return sorted(p.stem for p in TARGET_DIR.glob("*.toml"))
@@ -44,13 +104,21 @@ def available_targets() -> list[str]:
 
 @lru_cache(maxsize=None)
 def load_target(name_or_path: str = DEFAULT_TARGET) -> Target:
-    """A bundled target by name, or a user's own TOML file by path (KeyError if neither)."""
+    """A bundled target by name, or a user's own TOML file by path; TargetError (a KeyError) if neither, or if
+    the file is not a valid target."""
     path = Path(name_or_path)
     if not (path.suffix == ".toml" and path.is_file()):
         path = TARGET_DIR / f"{name_or_path}.toml"
         if not path.is_file():
-            raise KeyError(name_or_path)
-    data = tomllib.loads(path.read_text())
+            known = available_targets()
+            close = difflib.get_close_matches(str(name_or_path), known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise TargetError(f"unknown target '{name_or_path}' (available: {', '.join(known)}){hint}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
+        raise TargetError(f"{name_or_path}: not a valid target file: {e}") from None
+    _check_data(data, str(name_or_path))
     return Target(data.get("name", path.stem), data)
 
 
@@ -59,5 +127,5 @@ def check_target(instance: object, attribute: object, name: str) -> None:
     if name:
         try:
             load_target(name)
-        except KeyError:
-            raise ValueError(f"unknown target '{name}' (available: {', '.join(available_targets())})") from None
+        except TargetError as e:
+            raise ValueError(str(e)) from None

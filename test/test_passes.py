@@ -82,7 +82,7 @@ def op_names(text: str) -> list[str]:
 
 def test_pipeline_parsing():
     assert [p.NAME for p in parse_pipeline("cse,dce")] == ["cse", "dce"]
-    assert [p.NAME for p in parse_pipeline(" cse , dce ,")] == ["cse", "dce"]
+    assert [p.NAME for p in parse_pipeline(" cse , dce ")] == ["cse", "dce"]
     assert [p.NAME for p in parse_pipeline("cse{},canonicalize")] == ["cse", "canonicalize"]
     assert parse_pipeline("") == []
     assert pipeline_text(parse_pipeline("infer-shapes,cse")) == "infer-shapes,cse"
@@ -92,6 +92,10 @@ def test_pipeline_parsing():
     "text, message, column",
     [
         ("bogus", "unknown pass 'bogus'", 0),
+        (",,", "expected a pass name before ','", 0),
+        ("fuse,", "expected a pass name after ','", 4),
+        ("cse,,dce", "expected a pass name after ','", 4),
+        ("cse dce", "expected ',' between passes", 4),
         ("cse,dce,bogus{a=1}", "unknown pass 'bogus'", 8),
         ("cse{x=1}", "pass 'cse' has no option 'x' (its options: none)", 4),
         ("cse, dce{ y=2}", "pass 'dce' has no option 'y'", 10),

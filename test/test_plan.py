@@ -12,7 +12,7 @@ from geir.diagnostics import DiagnosticEngine
 from geir.ir import Graph, Module
 from geir.opdef import ops_with_trait
 from geir.parser import parse
-from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
+from geir.passes import PipelineError, PassContext, PassManager, complete_pipeline, parse_pipeline
 from geir.passes.plan import MemoryPlan, UnplannableError, align, assign_offsets, live_bytes_peak, plan_memory
 from geir.printer import print_module
 from geir.traits import InPlaceCapable
@@ -334,10 +334,16 @@ def test_pass_options() -> None:
     assert len(set(offsets)) == 3 and all(o % 64 == 0 for o in offsets)
 
 
-def test_bad_alignment_is_an_error() -> None:
-    _, diags = run_plan(SMALL, "plan{alignment=0}")
+@pytest.mark.parametrize("alignment", [0, 3, -512, 1 << 40])
+def test_bad_alignment_is_a_usage_error(alignment) -> None:
+    with pytest.raises(PipelineError, match=f"option 'alignment' must be a power of two from 1 to {1 << 30} bytes"):
+        parse_pipeline(f"plan{{alignment={alignment}}}")
+
+
+def test_an_alignment_below_the_element_size_is_an_error() -> None:
+    _, diags = run_plan(SMALL, "plan{alignment=1}")
     assert [d.severity for d in diags] == ["error"]
-    assert "alignment must be a positive" in diags[0].message
+    assert "alignment 1 is smaller than the graph's" in diags[0].message
 
 
 def test_replanning_replaces_the_old_plan() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.target_npu.target import DEFAULT_TARGET, load_target
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         load_target(args.target)
-    except KeyError:
-        raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})",
+    except KeyError as e:
+        raise ToolError(str(e),
                         EXIT_USAGE) from None
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)

@@ -16,7 +16,7 @@ from geir.passes import (
     parse_pipeline,
     pipeline_text,
 )
-from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.target_npu.target import DEFAULT_TARGET, load_target
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         load_target(args.target)
-    except KeyError:
-        raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})", EXIT_USAGE)
+    except KeyError as e:
+        raise ToolError(str(e), EXIT_USAGE)
     sources = SourceManager()
     try:
         pipeline = complete_pipeline(parse_pipeline(args.passes))

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from geir.passes import PipelineError
-from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.target_npu.target import DEFAULT_TARGET, load_target
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -412,8 +412,8 @@ def trace_json(results: list, span_groups: list[list[tuple]]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         load_target(args.target)
-    except KeyError:
-        raise ToolError(f"unknown target '{args.target}' (available: {', '.join(available_targets())})", EXIT_USAGE)
+    except KeyError as e:
+        raise ToolError(str(e), EXIT_USAGE)
     if args.timeline:
         from geir.runtime.timeline import matplotlib_available
 
