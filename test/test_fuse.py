@@ -89,3 +89,25 @@ def test_every_block_of_a_long_chain_fuses() -> None:
     lines += [f"  ge.return {prev}", "}"]
     ops = [op.name for op in _fuse("\n".join(lines) + "\n").graphs[0].ops]
     assert ops == ["ge.flash_attention"] * 200 + ["ge.return"]
+
+
+def test_a_chain_of_thousands_of_ops_fuses_without_recursion():
+    # exported models have elementwise chains this long; the rule walks them iteratively and cuts
+    # them into kernels of at most MAX_STEPS steps, each of which the vector tiling can hold
+    from geir.passes.fusion.elementwise import MAX_STEPS
+
+    n = 2000
+    ops = ["%v0 = ge.exp %x"] + [f"%v{i} = ge.{'mul' if i % 3 else 'add'} %v{i - 1}, %c" for i in range(1, n)]
+    text = ("ge.graph @main(%x: tensor<8x64xf32>) -> tensor<8x64xf32> {\n  %c = ge.const dense<0.5> : tensor<f32>\n  "
+            + "\n  ".join(ops) + f"\n  ge.return %v{n - 1}\n}}\n")
+    module = parse(text)
+    diags: list = []
+    ctx = PassContext(diagnostics=DiagnosticEngine(diags.append))
+    assert PassManager(complete_pipeline(parse_pipeline("fuse,tile"))).run(module, ctx), diags
+    fused = [op for op in module.graphs[0].ops if op.name == "ge.fused_elementwise"]
+    assert len(fused) == -(-n // MAX_STEPS) and all(len(op.attr("body")) <= MAX_STEPS for op in fused)
+    assert all("tiling" in op.attributes for op in fused)
+    x = {"x": np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)}
+    (want,) = run_graph(parse(text).graphs[0], x)
+    (got,) = run_graph(module.graphs[0], x)
+    assert np.array_equal(got, want)

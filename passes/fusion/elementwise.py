@@ -16,6 +16,34 @@ def _feeds_one_elementwise(op: Operation) -> bool:
     return len(users) == 1 and chainable(users[0]) and len(op.result.uses) == 1
 
 
+# The most steps one fused vector kernel takes: its tiling keeps an f32 working copy of the tile per
+# step in UB (kernels/vector_tiling.py), so a longer body would shrink the tile below a useful size
+# (at 32 steps an f16 tile is still over 1000 elements). A longer chain becomes several kernels.
+MAX_STEPS = 32
+
+
+def _post_order(root: Operation) -> list[Operation]:
+    """The chain ending at `root` (at most MAX_STEPS ops, the nearest to it), producers first.
+
+    Iterative: exported models have chains thousands of ops long, deeper than Python's recursion.
+    """
+    steps: list[Operation] = []
+    seen = {id(root)}
+    stack: list[tuple[Operation, int]] = [(root, 0)]
+    while stack:
+        op, i = stack.pop()
+        if i < len(op.operands):
+            stack.append((op, i + 1))
+            p = op.operands[i].owner
+            if (p is not None and id(p) not in seen and len(seen) < MAX_STEPS and chainable(p)
+                    and _feeds_one_elementwise(p)):
+                seen.add(id(p))
+                stack.append((p, 0))
+        else:
+            steps.append(op)
+    return steps
+
+
 class FuseElementwiseChain(Pattern):
     """Elementwise producers used only by the chain fold into one vector kernel."""
 
@@ -24,19 +52,7 @@ class FuseElementwiseChain(Pattern):
     def match(self, root: Operation) -> Match | None:
         if _feeds_one_elementwise(root):
             return None  # not the end of its chain; the op it feeds is the root
-        steps: list[Operation] = []
-        seen: set[int] = set()
-
-        def visit(op: Operation) -> None:
-            # post-order: producers first, so every step's arguments are defined before it
-            seen.add(id(op))
-            for v in op.operands:
-                p = v.owner
-                if p is not None and id(p) not in seen and chainable(p) and _feeds_one_elementwise(p):
-                    visit(p)
-            steps.append(op)
-
-        visit(root)
+        steps = _post_order(root)
         if len(steps) < 2:
             return None  # a lone op is already one kernel
         return Match(root, steps=steps)
@@ -44,9 +60,10 @@ class FuseElementwiseChain(Pattern):
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         inputs: list[Value] = []
         index: dict[int, int] = {}
+        in_chain = {id(op) for op in m.steps}
         for op in m.steps:
             for v in op.operands:
-                if v.owner not in m.steps and id(v) not in index:
+                if id(v.owner) not in in_chain and id(v) not in index:
                     index[id(v)] = len(inputs)
                     inputs.append(v)
         body = []
