@@ -44,6 +44,8 @@ def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = Fals
     def type_of(v: Value) -> TensorType | None:
         return v.type if v.type is not None else known.get(id(v))
 
+    for a in graph.args:
+        _check_size(a.type, a.loc, report)
     ops = graph.ops
     end = graph.terminator_name
     if not ops or ops[-1].name != end:
@@ -73,6 +75,7 @@ def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = Fals
             continue
         inferred = list(inferred) if isinstance(inferred, tuple) else [inferred]
         for r, t in zip(op.results, inferred):
+            _check_size(r.type if r.type is not None else t, r.loc, report)
             if r.type is None:
                 if t is not None:
                     known[id(r)] = t
@@ -81,6 +84,25 @@ def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = Fals
             elif t is not None and not (types_compatible(r.type, t) and _format_ok(op, r.type, t)):
                 report(f"result type {format_type(r.type)} contradicts the inferred type {format_type(t)}", r.loc)
     return not errors
+
+
+# The largest tensor GEIR models: 2^48 bytes (256 TiB), beyond any device's memory, so that sizes,
+# offsets and sums of them stay exact in 64-bit integers; and numpy's limit of 64 dimensions.
+MAX_TENSOR_BYTES = 1 << 48
+MAX_RANK = 64
+
+
+def _check_size(t: TensorType | None, loc: Location, report) -> None:
+    """Report a type GEIR cannot hold: more dimensions than numpy has, or more bytes than any device."""
+    if t is None:
+        return
+    if t.rank > MAX_RANK:
+        report(f"a tensor of rank {t.rank}: at most {MAX_RANK} dimensions are supported", loc)
+        return
+    nbytes = t.nbytes
+    if nbytes is not None and nbytes > MAX_TENSOR_BYTES:
+        report(f"{format_type(t)} holds {nbytes} bytes, more than the {MAX_TENSOR_BYTES} (256 TiB) a tensor may hold",
+               loc)
 
 
 def _format_ok(op: Operation, declared: TensorType, inferred: TensorType) -> bool:

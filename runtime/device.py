@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from geir.diagnostics import Diagnostic
+from geir.ir import Graph
 from geir.types import TensorType
 
 
@@ -37,3 +41,38 @@ class DeviceMemory:
     def read(self, offset: int, t: TensorType) -> np.ndarray:
         """A copy of the tensor at `offset` (later writes to the same bytes do not change it)."""
         return self.view(offset, t).copy()
+
+
+def host_bytes_available() -> int | None:
+    """Memory the host can still give this process (Linux MemAvailable; else physical memory), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_memory_problem(graph: Graph, available: int | None = None) -> Diagnostic | None:
+    """An error at the largest input when simulating a run of `graph` cannot fit in host memory, before
+    anything is allocated: the inputs live on the host and again in the simulated device's memory (with,
+    for a lowered program, its constants and arena)."""
+    available = host_bytes_available() if available is None else available
+    sizes = [(a.type.nbytes or 0, a) for a in graph.args if a.type is not None]
+    if available is None or not sizes:
+        return None
+    inputs = sum(n for n, _ in sizes)
+    memory = graph.attributes.get("memory") if graph.kind == "rt.program" else None
+    device = sum(int(memory.get(k, 0)) for k in ("inputs", "constants", "arena")) if memory else inputs
+    needed = inputs + device
+    if needed <= available:
+        return None
+    _, largest = max(sizes, key=lambda s: s[0])
+    return Diagnostic("error", f"simulating this run needs at least {needed} bytes of host memory ({inputs} for the "
+                      f"inputs on the host, {device} for the simulated device's memory), but {available} are "
+                      f"available; %{largest.name} alone holds {largest.type.nbytes} bytes", largest.loc)

@@ -143,6 +143,12 @@ def run(args: argparse.Namespace) -> int:
     if lowered and (args.passes is not None or args.no_fuse):
         raise ToolError(f"@{graph.name} in {args.input} is an rt.program (already lowered): --passes and --no-fuse "
                         f"apply to a ge.graph", EXIT_USAGE)
+    from geir.runtime.device import host_memory_problem
+
+    too_big = host_memory_problem(graph)
+    if too_big is not None:
+        printer(too_big)
+        return EXIT_FAILURE
     weights = onnx_weights if onnx_weights is not None else load_weights(graph, args, printer)
     inputs = npz_inputs(graph, args.inputs) if args.inputs else random_inputs(graph, args.seed)
     try:

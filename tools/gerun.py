@@ -452,6 +452,12 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         raise ToolError(f"@{graph.name} in {name} is an rt.program (already lowered): --passes and --no-fuse "
                         f"apply to a ge.graph", EXIT_USAGE)
     faults.extend(requested_faults)
+    from geir.runtime.device import host_memory_problem
+
+    too_big = host_memory_problem(graph)
+    if too_big is not None:
+        printer(too_big)
+        return EXIT_FAILURE
 
     weights = load_weights(graph, args, printer)
 
