@@ -65,3 +65,65 @@ def test_geopt_and_gerun_report_unmodellable_types(text, tmp_path, capsys):
         assert tool(argv) == 1
         err = capsys.readouterr().err
         assert f"{src}:1:16: error:" in err and "Traceback" not in err and "internal error" not in err
+
+
+WEIGHTED = """ge.graph @main(%x: tensor<4x20xDT>) -> tensor<4x20xDT> {
+  %w = ge.const dense_resource<"w"> : tensor<4x20xDT>
+  %a = ge.add %x, %w
+  ge.return %a
+}
+"""
+
+
+def _weights_run(tmp_path, capsys, array, dtype="f16", save=None):
+    import numpy as np
+
+    src = tmp_path / "w.geir"
+    src.write_text(WEIGHTED.replace("DT", dtype))
+    if save is None:
+        np.savez(tmp_path / "w.npz", w=array)
+    else:
+        save(tmp_path / "w.npz", array)
+    rc = gerun_main([str(src), "-o", str(tmp_path / "out.npz")])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda np: np.ones((4, 20)) + 1j, "is complex (complex128): GEIR has no complex dtype"),
+    (lambda np: np.full((4, 20), "ab"), "holds <U2 data, which no GEIR dtype stands for"),
+    (lambda np: np.zeros((4, 20), dtype=[("a", "f4"), ("b", "i4")]), "which no GEIR dtype stands for"),
+])
+def test_weights_no_dtype_stands_for_are_errors_at_the_constant(tmp_path, capsys, make, message):
+    import numpy as np
+
+    rc, err = _weights_run(tmp_path, capsys, make(np))
+    assert rc == 1 and "w.geir:2:17: error: weight 'w'" in err and message in err
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_a_narrowing_weight_cast_is_a_warning(tmp_path, capsys):
+    import numpy as np
+
+    rc, err = _weights_run(tmp_path, capsys, np.full((4, 20), 1.0 + 2.0 ** -20))
+    assert rc == 0 and "w.geir:2:17: warning: weight 'w' in" in err and "is float64: rounded to f16" in err
+
+
+def test_bf16_weights_as_numpy_stores_them(tmp_path, capsys):
+    import ml_dtypes
+    import numpy as np
+
+    w = (np.arange(80).reshape(4, 20) / 8).astype(ml_dtypes.bfloat16)
+    rc, err = _weights_run(tmp_path, capsys, w, dtype="bf16")
+    assert rc == 0 and err == ""
+    assert np.load(tmp_path / "w.npz")["w"].dtype.kind == "V"  # what np.savez wrote: raw 2-byte void
+
+
+def test_an_npy_renamed_npz_is_not_an_archive(tmp_path, capsys):
+    import numpy as np
+
+    def save_npy(path, array):
+        with open(path, "wb") as f:
+            np.save(f, array)
+
+    rc, err = _weights_run(tmp_path, capsys, np.ones((4, 20), np.float16), save=save_npy)
+    assert rc == 1 and "is not an npz archive" in err

@@ -182,17 +182,45 @@ def load_weights(graph: Graph, args: argparse.Namespace, printer: DiagnosticPrin
                                         f"{t}", op.attr_loc("value")))
             failed = True
             continue
-        weights[key] = a
+        problem, narrowing = array_dtype_problem(a, t.dtype)
+        if problem:
+            printer(Diagnostic("error", f"weight '{key}' in '{path}' {problem}", op.attr_loc("value")))
+            failed = True
+            continue
+        if narrowing:
+            printer(Diagnostic("warning", f"weight '{key}' in '{path}' is {a.dtype}: rounded to {t.dtype} "
+                                          f"({narrowing})", op.attr_loc("value")))
+        weights[key] = as_bf16(a) if t.dtype is DType.bf16 else a
     if failed:
         raise ToolError("")
     return weights
 
 
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    """bf16 arrays as numpy stores them: np.savez of an ml_dtypes.bfloat16 array loads back as raw 2-byte void."""
+    return a.view(DType.bf16.np) if a.dtype.kind == "V" and a.dtype.itemsize == 2 and a.dtype.names is None else a
+
+
+def array_dtype_problem(a: np.ndarray, dtype: DType) -> tuple[str | None, str | None]:
+    """(why the array cannot stand for a `dtype` tensor, or None; what a narrowing cast to it loses, or None)."""
+    k = a.dtype.kind
+    if dtype is DType.bf16 and as_bf16(a) is not a:
+        return None, None
+    if a.dtype.names is not None or k in "OSUVMm":
+        return f"holds {a.dtype} data, which no GEIR dtype stands for", None
+    if k == "c":
+        return f"is complex ({a.dtype}): GEIR has no complex dtype, and dropping the imaginary part would change it", None
+    if a.dtype == dtype.np or np.can_cast(a.dtype, dtype.np, "safe"):
+        return None, None
+    return None, "a narrowing cast"
+
+
 def _load_npz(path: str, what: str) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if not hasattr(z, "files"):
-                raise ToolError(f"{what} '{path}' is not an .npz archive")
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy renamed: one array, not an archive
+            raise ToolError(f"{what} '{path}' is not an npz archive (it holds a single .npy array)")
+        with z:
             return {k: z[k] for k in z.files}
     except ToolError:
         raise
@@ -233,6 +261,10 @@ def npz_inputs(graph: Graph, path: str) -> dict[str, np.ndarray]:
         x = archive[a.name]
         if len(x.shape) != t.rank or any(d is not None and d != s for d, s in zip(t.shape, x.shape)):
             raise ToolError(f"input '{a.name}' in '{path}' has shape {list(x.shape)}, but %{a.name} is {t}")
+        problem, _ = array_dtype_problem(x, t.dtype)
+        if problem:
+            raise ToolError(f"input '{a.name}' in '{path}' {problem}")
+        x = as_bf16(x) if t.dtype is DType.bf16 else x
         try:
             with np.errstate(all="ignore"):
                 out[a.name] = x.astype(t.dtype.np)
