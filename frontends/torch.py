@@ -13,7 +13,6 @@ Only this module and its `torch_*` siblings import torch, so `import geir` works
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -125,15 +124,14 @@ def save(module: Module, path: str | Path) -> tuple[Path, Path | None]:
     bf16 weights are stored as float32 (npz has no bf16; gerun casts them back exactly). Returns
     the paths written (the .npz is None when the module has no weights).
     """
-    from geir.files import ToolError, write_atomically
+    from geir.files import ToolError, npz_bytes, write_atomically
 
     path = Path(path)
     weights_path = path.with_suffix(".npz") if module.resources else None
     try:
         if weights_path is not None:
-            buf = io.BytesIO()
-            np.savez(buf, **{k: _storable(np.asarray(a)) for k, a in module.resources.items()})
-            write_atomically(str(weights_path), buf.getvalue())
+            write_atomically(str(weights_path),
+                             npz_bytes({k: _storable(np.asarray(a)) for k, a in module.resources.items()}))
         write_atomically(str(path), print_module(module))
     except ToolError as e:  # the tools' one-line message, as the OSError a library caller expects
         raise OSError(str(e)) from None

@@ -63,3 +63,19 @@ def write_atomically(path: str, data: str | bytes) -> None:
         if isinstance(e, OSError):  # e.g. OUT is a directory: a diagnostic, not a traceback
             raise ToolError(f"cannot write '{path}': {e.strerror or e}") from None
         raise
+
+
+def npz_bytes(arrays: dict) -> bytes:
+    """An .npz archive of named arrays, as np.savez writes it, for any names: np.savez takes the names as
+    keyword arguments, so arrays named 'file' or 'allow_pickle' would collide with its own parameters."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, array in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
+    return buf.getvalue()

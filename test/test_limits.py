@@ -127,3 +127,24 @@ def test_an_npy_renamed_npz_is_not_an_archive(tmp_path, capsys):
 
     rc, err = _weights_run(tmp_path, capsys, np.ones((4, 20), np.float16), save=save_npy)
     assert rc == 1 and "is not an npz archive" in err
+
+
+def test_weights_named_like_savez_parameters_survive_geimport(tmp_path, capsys):
+    onnx = pytest.importorskip("onnx")
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from geir.tools.geimport import main as geimport_main
+
+    rng = np.random.default_rng(0)
+    inits = {n: rng.standard_normal((4, 8)).astype(np.float32) for n in ("file", "allow_pickle")}
+    nodes = [helper.make_node("Add", ["x", "file"], ["y"]), helper.make_node("Add", ["y", "allow_pickle"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 8])],
+                              [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx")
+    assert geimport_main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.geir")]) == 0
+    with np.load(tmp_path / "m.npz") as z:
+        assert sorted(z.files) == ["allow_pickle", "file"]
+        assert all(np.array_equal(z[n], a) for n, a in inits.items())

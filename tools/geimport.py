@@ -15,13 +15,12 @@ and op type), 2 bad usage.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import sys
 from pathlib import Path
 
-import numpy as np
+from geir.files import npz_bytes
 from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, run_tool, write_atomically
 
 from geir.printer import print_module
@@ -61,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
     except OnnxImportError as e:
         raise ToolError(f"{args.model}: {e}") from None
     text = print_module(module)
-    buf = io.BytesIO()
-    np.savez(buf, **weights)
     # both files or neither: the weights first, removed again if the graph cannot be written
-    write_atomically(str(weights_path), buf.getvalue())
+    write_atomically(str(weights_path), npz_bytes(weights))
     try:
         write_atomically(str(out), text)
     except ToolError:

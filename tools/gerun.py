@@ -22,7 +22,6 @@ Exit codes: 0 success, 1 bad input, a failed run or a failed --check, 2 bad usag
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -48,6 +47,7 @@ from geir.tools.common import (
 )
 
 from geir.accuracy import TOLERANCES, compare  # noqa: F401  (the tolerance policy, re-exported for the tests)
+from geir.files import npz_bytes
 from geir.attributes import DenseResourceAttr
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.ir import Graph, Module
@@ -375,9 +375,7 @@ def outputs_npz(runs: list[list[np.ndarray]]) -> bytes:
     for r, outs in enumerate(runs):
         for i, a in enumerate(outs):
             arrays[f"run{r}.result{i}" if len(runs) > 1 else f"result{i}"] = _storable(np.asarray(a))
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
+    return npz_bytes(arrays)
 
 
 def summary_line(name: str, a: np.ndarray, t: TensorType) -> str:
