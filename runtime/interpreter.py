@@ -232,14 +232,14 @@ def without_core(cores: Cores, dead: int) -> Cores:
 
 def detached_op(launch: Operation) -> Operation:
     """The ge op a launch runs, rebuilt with typed operands and results so its kernel and semantics apply."""
-    cls = lookup(launch.kernel)
+    from geir.builder import create_op
+
     attributes = dict(launch.attrs)
     if launch.tiling:
         attributes["tiling"] = dict(launch.tiling)
     operands = [Value(v.type, v.name) for v in launch.operands]
-    op = cls(launch.kernel, operands, [], attributes, launch.loc)
-    op.results = [Value(r.type, r.name, op, i) for i, r in enumerate(launch.results)]
-    return op
+    return create_op(launch.kernel, operands, [r.type for r in launch.results], attributes, launch.loc,
+                     [r.name for r in launch.results])
 
 
 def _gm_name(offset: int) -> str:

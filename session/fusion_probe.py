@@ -14,8 +14,9 @@ import re
 
 import attrs
 
+from geir.builder import clone_graph
 from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location
-from geir.ir import Graph, Module, Operation, clone_graph
+from geir.ir import Graph, Module, Operation
 from geir.ops.core import Const
 from geir.passes import PassContext, PassManager, complete_pipeline
 from geir.passes.fuse import FUSION_RULES, Fuse

@@ -7,7 +7,8 @@ from typing import Mapping
 
 import attrs
 
-from geir.ir import Graph, Module, clone_graph
+from geir.builder import clone_graph
+from geir.ir import Graph, Module
 from geir.ops.core import Const
 from geir.passes.fusion_guards import FusionGuards
 from geir.session.pipeline import DEFAULT_PIPELINE, lowering_pipeline, run_passes
