@@ -22,6 +22,7 @@ import numpy as np
 from geir.frontends.onnx_node import Node, UseFunctionBody, converter, optional, required
 from geir.frontends.onnx_shapes import reshape_to
 from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor
+from geir.ops.linalg import bnsd
 from geir.types import DType
 
 
@@ -69,7 +70,7 @@ def attention(b: GraphBuilder, node: Node, xs: list[Tensor | None]) -> list[Tens
         out = b.emit1("ge.select", [dead, b.const(np.array(0, dtype=out.type.dtype.np)), out])
     if q.rank == 3:
         out = b.emit1("ge.transpose", [out], {"perm": [0, 2, 1, 3]})
-        bsz, s, n, d = out.shape
+        bsz, n, s, d = bnsd(out.type, "BSND")
         out = reshape_to(b, out, (bsz, s, None if n is None or d is None else n * d))
     return [out, k4 if node.wants(1) else None, v4 if node.wants(2) else None, None]
 

@@ -22,7 +22,6 @@ from geir.frontends.onnx_definitions import evaluate, function_body
 from geir.frontends.onnx_node import CONVERTERS, Node, UseFunctionBody
 from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor, dtype_of
 from geir.ir import Graph, Module
-from geir.opdef import lookup
 from geir.types import TensorType
 from geir.verifier import verify_module
 
@@ -57,7 +56,7 @@ class OnnxGraphImporter:
             self.env[init.name] = Tensor(array=array, name=init.name, initializer=True)
         for vi in g.input:
             if vi.name not in self.env:  # an input that is also an initializer is a constant with a default
-                self.env[vi.name] = self.b.argument(vi.name, self._input_type(vi))
+                self.env[vi.name] = Tensor(value=self.b.argument(self._input_type(vi), vi.name), name=vi.name)
         for node in g.node:
             self._convert(node, self.opsets)
         results = []
@@ -71,9 +70,7 @@ class OnnxGraphImporter:
                 raise OnnxImportError(f"graph output '{out.name}': {e}", unsupported=e.unsupported) from None
             self._check_declared(out, value.type)
             results.append(value)
-        ret = lookup("ge.return").create("ge.return", results, [])
-        self.graph.ops.append(ret)
-        self.graph.result_types = [v.type for v in results]
+        self.b.finish(results)
         self.b.remove_dead_ops()
         module = Module([self.graph], self.source, dict(self.b.resources))
         try:

@@ -8,15 +8,15 @@ reaches the graph.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import attrs
 import numpy as np
 
-from geir.attributes import DenseAttr, DenseResourceAttr
+from geir.attributes import DenseAttr
+from geir.builder import Builder, create_op, infer_result_types
 from geir.ir import Graph, Value
-from geir.opdef import ShapeError, lookup
+from geir.opdef import ShapeError
 from geir.reference import run_op
 from geir.traits import Terminator
 from geir.types import DType, TensorType
@@ -27,8 +27,6 @@ WEIGHT_INLINE_ELEMENTS = 16
 # Constants computed at import (masks, shapes, scales) stay literals up to const-fold's default size,
 # so later passes can read them (a causal mask is recognised by its values).
 COMPUTED_INLINE_ELEMENTS = 1 << 16
-
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9_$.\-]")
 
 
 class ImportProblem(Exception):
@@ -96,37 +94,21 @@ class Tensor:
         return len(self.shape)
 
 
-class GraphBuilder:
-    """Appends ops to one graph, folding those whose operands are all constants."""
+class GraphBuilder(Builder):
+    """geir.builder's Builder for the ONNX importer: folds ops whose operands are all constants."""
 
     def __init__(self, graph: Graph):
-        self.graph = graph
+        super().__init__(graph)
         self.resources: dict[str, np.ndarray] = {}
-        self._taken: set[str] = set()
-
-    # --- names -------------------------------------------------------------------------------------
-    def fresh_name(self, onnx_name: str) -> str:
-        """A value name for the IR from an ONNX name: odd characters become '_', repeats get a suffix."""
-        base = _NAME_CHARS.sub("_", onnx_name) or "v"
-        name, i = base, 1
-        while name in self._taken:
-            name, i = f"{base}_{i}", i + 1
-        self._taken.add(name)
-        return name
 
     def _resource_key(self, onnx_name: str) -> str:
-        base = _NAME_CHARS.sub("_", onnx_name) or "weight"
+        base = self.NAME_CHARS.sub("_", onnx_name) or "weight"
         key, i = base, 1
         while key in self.resources:
             key, i = f"{base}_{i}", i + 1
         return key
 
     # --- values ------------------------------------------------------------------------------------
-    def argument(self, onnx_name: str, type: TensorType) -> Tensor:
-        v = Value(type, self.fresh_name(onnx_name), None, len(self.graph.args))
-        self.graph.args.append(v)
-        return Tensor(value=v, name=onnx_name)
-
     def const(self, array: Any, dtype: Any = None, name: str = "") -> Tensor:
         """A constant tensor (nothing is added to the graph until an op needs it)."""
         return Tensor(array=np.asarray(array, dtype=dtype), name=name)
@@ -135,56 +117,43 @@ class GraphBuilder:
         """The IR value of a tensor, adding a `ge.const` for a constant the first time it is needed."""
         if t.value is None:
             arr = t.array
-            result_type = t.type
             limit = WEIGHT_INLINE_ELEMENTS if t.initializer else COMPUTED_INLINE_ELEMENTS
+            name = t.name or None
             if _is_splat(arr):
-                attr: Any = DenseAttr(storable(np.asarray(arr.flat[0])))  # prints as one value
+                t.value = self.constant(DenseAttr(storable(np.asarray(arr.flat[0]))), t.type, name=name)  # one value
             elif arr.size > limit:
                 key = self._resource_key(t.name or "const")
                 self.resources[key] = storable(np.ascontiguousarray(arr))
-                attr = DenseResourceAttr(key)
+                t.value = self.resource(key, t.type, name=name)
             else:
-                attr = DenseAttr(storable(np.ascontiguousarray(arr)))
-            name = self.fresh_name(t.name) if t.name else None
-            op = lookup("ge.const").create("ge.const", [], [result_type], {"value": attr}, result_names=[name])
-            self.graph.ops.append(op)
-            t.value = op.result
+                t.value = self.constant(DenseAttr(storable(np.ascontiguousarray(arr))), t.type, name=name)
         return t.value
 
     # --- ops ---------------------------------------------------------------------------------------
     def emit(self, name: str, operands: list[Tensor], attrs: dict[str, Any] | None = None,
              results: int = 1) -> list[Tensor]:
         """Add `name(operands) {attrs}`, or evaluate it now when every operand is a constant."""
-        cls = lookup(name)
-        op = cls(name, [], [], dict(attrs or {}))
-        op.results = [Value(None, None, op, i) for i in range(results)]
-        for key, spec in cls.ATTRS.items():
-            if key in op.attributes:
-                why = spec.check(op.attributes[key])
+        # checked, typed and (when it can be) evaluated detached, before any operand is materialised
+        probe = create_op(name, [], [None] * results, attrs)
+        for key, spec in probe.ATTRS.items():
+            if key in probe.attributes:
+                why = spec.check(probe.attributes[key])
             else:
                 why = f"needs attribute '{key}'" if spec.required else None
             if why is not None:
                 raise ImportProblem(f"{name}: {why}", unsupported=False)
-        why = op.verify()
+        why = probe.verify()
         if why is not None:
             raise ImportProblem(f"{name}: {why}", unsupported=False)
-        types = [t.type for t in operands]
         try:
-            inferred = op.infer(*types)
+            inferred = infer_result_types(probe, [t.type for t in operands])
         except ShapeError as e:
-            raise ImportProblem(f"{name} on {', '.join(str(t) for t in types)}: {e}", unsupported=False) from None
-        inferred = list(inferred) if isinstance(inferred, tuple) else [inferred]
+            raise ImportProblem(str(e), unsupported=False) from None
         if all(t.is_const for t in operands):
-            arrays = run_op(op, [t.array for t in operands], result_types=inferred)
+            arrays = run_op(probe, [t.array for t in operands], result_types=inferred)
             weight = any(t.initializer for t in operands)
             return [Tensor(array=a, initializer=weight) for a in arrays]
-        values = [self.value_of(t) for t in operands]
-        op.operands = values
-        for v in values:
-            v.uses.append(op)
-        for r, t in zip(op.results, inferred):
-            r.type = t
-        self.graph.ops.append(op)
+        op = self.create(name, [self.value_of(t) for t in operands], attrs, inferred)
         return [Tensor(value=r) for r in op.results]
 
     def emit1(self, name: str, operands: list[Tensor], attrs: dict[str, Any] | None = None) -> Tensor:

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from geir.builder import clone_graph
 from geir.frontends.torch_builder import TorchImportError, from_numpy, geir_dtype, to_numpy
 from geir.frontends.torch_import import ImportedProgram, import_program
-from geir.ir import Graph, Module, clone_graph
+from geir.ir import Graph, Module
 from geir.printer import print_module
 from geir.runtime.interpreter import RunResult
 from geir.session import DEFAULT_PIPELINE, Session, run_program

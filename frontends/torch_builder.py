@@ -1,4 +1,4 @@
-"""Building a GEIR graph op by op for the PyTorch importer: typed emission, constants, names, errors.
+"""Building a GEIR graph for the PyTorch importer: geir.builder's Builder with torch's dtypes, names and errors.
 
 Each op is created with its result type inferred by the op's own shape rule, so a mapping mistake
 surfaces at the aten node that caused it (as a TorchImportError naming the node), never later
@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from geir.attributes import DenseAttr, DenseResourceAttr
+from geir.attributes import DenseAttr
+from geir.builder import Builder
 from geir.diagnostics import UNKNOWN, Location
-from geir.ir import Operation, Value
-from geir.opdef import ShapeError, lookup
+from geir.ir import Graph, Operation, Value
+from geir.opdef import ShapeError
 from geir.types import Dim, DType, TensorType
 
 # torch dtypes GEIR can hold, and their GEIR names
@@ -112,25 +113,20 @@ def from_numpy(a: np.ndarray, dtype: DType) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a.astype(dtype.np, copy=False)))
 
 
-class GraphBuilder:
-    """Appends ops to a new graph, inferring result types and keeping value names unique."""
+class GraphBuilder(Builder):
+    """geir.builder's Builder for the PyTorch importer: torch's value names, the weights, TorchImportError.
 
-    def __init__(self) -> None:
-        self.ops: list[Operation] = []
+    Ops are created with their result types inferred by their own shape rule, so a mapping mistake
+    is reported at the fx node being converted.
+    """
+
+    # fx node names become value names; only identifier characters are kept
+    NAME_CHARS = re.compile(r"[^A-Za-z0-9_]")
+
+    def __init__(self, name: str = "main") -> None:
+        super().__init__(Graph(name, [], []))
         self.weights: dict[str, np.ndarray] = {}
-        self._names: set[str] = set()
-        self.loc: Location = UNKNOWN  # where the node being converted came from
-        self.node: Any = None  # the fx node being converted, for error messages
-
-    def fresh_name(self, hint: str) -> str:
-        """A value name not used yet, close to `hint`."""
-        base = re.sub(r"[^A-Za-z0-9_]", "_", hint) or "v"
-        name, i = base, 1
-        while name in self._names:
-            name = f"{base}_{i}"
-            i += 1
-        self._names.add(name)
-        return name
+        self.node: Any = None  # the fx node being converted, for error messages; self.loc is where it came from
 
     def error(self, message: str) -> TorchImportError:
         """A TorchImportError about the node being converted."""
@@ -141,22 +137,14 @@ class GraphBuilder:
     def emit(self, name: str, operands: list[Value], attributes: dict[str, Any] | None = None,
              hint: str | None = None) -> Operation:
         """Append op `name` with its result type(s) from the op's shape rule."""
-        cls = lookup(name)
-        op = cls(name, list(operands), [], dict(attributes or {}), self.loc)
-        try:
-            inferred = op.infer(*[v.type for v in operands])
-        except ShapeError as e:
-            raise self.error(f"{name} does not type-check: {e}") from None
-        types = list(inferred) if isinstance(inferred, tuple) else [inferred]
-        for v in op.operands:
-            v.uses.append(op)
         hint = hint or (self.node.name if self.node is not None else name.split(".")[-1])
-        op.results = [Value(t, self.fresh_name(hint if len(types) == 1 else f"{hint}_{i}"), op, i, self.loc)
-                      for i, t in enumerate(types)]
+        try:
+            op = self.create(name, operands, attributes, hint=hint)
+        except ShapeError as e:
+            raise self.error(str(e)) from None
         why = op.verify()
         if why:
             raise self.error(f"{name}: {why}")
-        self.ops.append(op)
         return op
 
     def value(self, name: str, operands: list[Value], attributes: dict[str, Any] | None = None,
@@ -171,14 +159,10 @@ class GraphBuilder:
         t = TensorType(tuple(int(d) for d in array.shape), dtype)
         if array.size <= limit or _is_splat(array):
             values = array if array.size <= limit else array.reshape(-1)[:1].reshape(())
-            attr: Any = DenseAttr(_literal_values(values, dtype))
-        else:
-            key = self._resource_key(key or hint)
-            self.weights[key] = np.array(array, dtype=dtype.np, order="C")  # np.array keeps rank 0
-            attr = DenseResourceAttr(key)
-        op = _const_op(attr, t, self.fresh_name(hint), self.loc)
-        self.ops.append(op)
-        return op.result
+            return self.constant(DenseAttr(_literal_values(values, dtype)), t, name=hint)
+        key = self._resource_key(key or hint)
+        self.weights[key] = np.array(array, dtype=dtype.np, order="C")  # np.array keeps rank 0
+        return self.resource(key, t, name=hint)
 
     def scalar(self, value: float | bool, dtype: DType, hint: str = "c") -> Value:
         """A rank-0 constant of `dtype`."""
@@ -221,10 +205,3 @@ def _literal_values(values: np.ndarray, dtype: DType) -> np.ndarray:
     kind = np.float64 if dtype.is_float else np.bool_ if dtype is DType.i1 else np.int64
     return np.array(values, dtype=kind, order="C")  # np.ascontiguousarray would make a scalar 1-D
 
-
-def _const_op(attr: Any, t: TensorType, name: str, loc: Location) -> Operation:
-    """A ge.const op with value `attr` and result type `t`."""
-    cls = lookup("ge.const")
-    op = cls("ge.const", [], [], {"value": attr}, loc)
-    op.results = [Value(t, name, op, 0, loc)]
-    return op

@@ -21,7 +21,7 @@ from geir.diagnostics import UNKNOWN, DiagnosticError
 from geir.frontends.torch_builder import (COMPUTED_LITERAL_LIMIT, LITERAL_LIMIT, GraphBuilder, TorchImportError,
                                           dims_of, geir_dtype, node_description, source_location, to_numpy)
 from geir.frontends.torch_ops import CONVERTERS, TAKES_RUNTIME_SIZES, Unavailable
-from geir.ir import Graph, Module, Value
+from geir.ir import Module, Value
 from geir.types import TensorType
 from geir.verifier import verify_graph
 
@@ -58,21 +58,20 @@ def functional(ep: ExportedProgram) -> ExportedProgram:
 
 def import_program(ep: ExportedProgram, name: str = "main", source: str = "<torch.export>") -> ImportedProgram:
     """Translate an exported program into a verified `ge.graph @name` with its weights; `source` names the module."""
-    return _Importer(functional(ep)).run(name, source)
+    return _Importer(functional(ep), name).run(source)
 
 
 class _Importer:
     """One walk over an exported program's fx graph, building the GEIR graph as it goes."""
 
-    def __init__(self, ep: ExportedProgram):
+    def __init__(self, ep: ExportedProgram, name: str):
         self.ep = ep
-        self.b = GraphBuilder()
+        self.b = GraphBuilder(name)
         self.env: dict[Any, Any] = {}
-        self.args: list[Value] = []
         self.input_names: list[str | None] = []
         self._consts: dict[int, Value] = {}
 
-    def run(self, name: str, source: str) -> ImportedProgram:
+    def run(self, source: str) -> ImportedProgram:
         """Convert every node in order, then verify the graph."""
         specs = {s.arg.name: s for s in self.ep.graph_signature.input_specs}
         results: list[Value] = []
@@ -88,8 +87,7 @@ class _Importer:
                 raise TorchImportError(f"{node_description(node)}: {node.op} nodes (submodules, control flow) are "
                                        f"not supported")
         self.b.node, self.b.loc = None, UNKNOWN
-        self.b.emit("ge.return", results)
-        graph = Graph(name, self.args, [v.type for v in results], list(self.b.ops), loc=UNKNOWN)
+        graph = self.b.finish(results)
         try:
             verify_graph(graph)
         except DiagnosticError as e:  # a converter produced bad IR: the importer's bug, reported plainly
@@ -108,8 +106,7 @@ class _Importer:
                 return
             val = node.meta["val"]
             t = TensorType(dims_of(val.shape), geir_dtype(val.dtype, f"input '{node.name}'"))
-            arg = Value(t, self.b.fresh_name(node.name), None, len(self.args), self.b.loc)
-            self.args.append(arg)
+            arg = self.b.argument(t, node.name)
             self.input_names.append(arg.name)
             self.env[node] = arg
             return

@@ -1,6 +1,6 @@
 """GEIR: an MLIR-style graph IR and compiler toolkit for a simulated Ascend-style NPU.
 
-The IR core lives here (types, ops, parser, printer, verifier, diagnostics, reference
+The IR core lives here (types, ops, builder, parser, printer, verifier, diagnostics, reference
 interpreter); `geir.passes` is the graph engine, `geir.runtime`, `geir.kernels` and
 `geir.target_npu` the execution side, `geir.tools` the command-line programs.
 """

@@ -53,6 +53,8 @@ class Operation:
 
     Each op kind is a subclass registered with `geir.opdef.op`; its class variables describe
     its operands and attributes, and its methods hold its checks, shape rule and semantics.
+    Ops are made by `geir.builder.create_op` (or a Builder), which allocates the results and
+    registers the uses; calling the class directly makes neither.
     """
 
     # operand names; "x+" takes one or more, "x*" any number, "mask?" may be left out
@@ -72,24 +74,6 @@ class Operation:
     # where each attribute was written, for diagnostics that point at it (None for built ops)
     attr_locs: dict[str, Location] | None = None
     erased: bool = False
-
-    @classmethod
-    def create(
-        cls,
-        name: str,
-        operands: list[Value],
-        result_types: list[TensorType | None],
-        attributes: dict[str, Any] | None = None,
-        loc: Location = UNKNOWN,
-        result_names: list[str | None] | None = None,
-    ) -> "Operation":
-        """Build an operation with fresh result values and register its operand uses."""
-        op = cls(name, list(operands), [], dict(attributes or {}), loc)
-        names = result_names or [None] * len(result_types)
-        op.results = [Value(t, n, op, i, loc) for i, (t, n) in enumerate(zip(result_types, names))]
-        for v in op.operands:
-            v.uses.append(op)
-        return op
 
     @property
     def result(self) -> Value:
@@ -246,24 +230,3 @@ class Module:
             return self.graphs[0]
         raise KeyError("main")
 
-
-def clone_op(op: Operation, operands: list[Value], mapping: dict[int, Value]) -> Operation:
-    """A copy of `op` on new operands, with new results; `mapping` gets old result id -> new result."""
-    new = type(op)(op.name, operands, [], dict(op.attributes), op.loc, op.attr_locs)
-    for v in new.operands:
-        v.uses.append(new)
-    new.results = [Value(r.type, r.name, new, i, r.loc) for i, r in enumerate(op.results)]
-    for r, nr in zip(op.results, new.results):
-        mapping[id(r)] = nr
-    return new
-
-
-def clone_graph(graph: Graph) -> Graph:
-    """A copy of a graph with new values and ops (attribute dictionaries copied, their values shared)."""
-    mapping: dict[int, Value] = {}
-    args = []
-    for i, a in enumerate(graph.args):
-        mapping[id(a)] = Value(a.type, a.name, None, i, a.loc)
-        args.append(mapping[id(a)])
-    ops = [clone_op(op, [mapping[id(v)] for v in op.operands], mapping) for op in graph.ops]
-    return Graph(graph.name, args, list(graph.result_types), ops, dict(graph.attributes), graph.loc, kind=graph.kind)

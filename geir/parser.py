@@ -19,6 +19,7 @@ from lark import Lark, Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from geir.attributes import DenseAttr, DenseResourceAttr, NestedDict, NestedList, literal_to_array
+from geir.builder import create_op
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, error
 from geir.ir import Graph, Module, Value
 from geir.opdef import lookup
@@ -162,17 +163,14 @@ class _Builder(lark.Transformer):
             elif len(result_types) != len(result_toks):
                 raise error(f"{name} has {len(result_toks)} result{'s' * (len(result_toks) != 1)} "
                             f"but {len(result_types)} type{'s' * (len(result_types) != 1)}", self.loc(types[0]))
-        op = cls(name, operands, [], attributes, loc, attr_locs)
-        for v in operands:
-            v.uses.append(op)
-        results = op.results
-        for i, tok in enumerate(result_toks):
-            rname = str(tok)[1:]
-            if rname in scope:
+        names = [str(tok)[1:] for tok in result_toks]
+        locs = [loc] + [self.loc(tok) for tok in result_toks[1:]] if result_toks else []
+        op = create_op(name, operands, result_types, attributes, loc, names, result_locs=locs, attr_locs=attr_locs,
+                       op_class=cls)
+        for tok, v in zip(result_toks, op.results):
+            if v.name in scope:
                 self.define(tok)
-            v = Value(result_types[i], rname, op, i, loc if i == 0 else self.loc(tok))
-            scope[rname] = v
-            results.append(v)
+            scope[v.name] = v
         self.current._ops.append(op)
 
     def result_list(self, children: list) -> list[Token]:

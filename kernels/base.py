@@ -15,6 +15,7 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
+from geir.ops.linalg import bnsd
 from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, buffers_of
 from geir.target_npu.target import Target
 from geir.traits import DataMovement, NoKernel
@@ -193,8 +194,8 @@ def flops_of(op: Operation) -> float:
         return 2.0 * (out.num_elements or 0) * k
     if op.name == "ge.flash_attention":
         q, kv = op.operands[0].type, op.operands[1].type
-        b, n, sq, d = q.shape if op.attr("layout") == "BNSD" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-        skv = kv.shape[2] if op.attr("layout") == "BNSD" else kv.shape[1]
+        b, n, sq, d = bnsd(q, op.attr("layout"))
+        skv = bnsd(kv, op.attr("layout"))[2]
         pairs = sq * skv if not op.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
         return 4.0 * b * n * pairs * d
     if op.has_trait(DataMovement) or op.has_trait(NoKernel):

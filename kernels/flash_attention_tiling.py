@@ -28,6 +28,7 @@ from geir.kernels.tiling import (
     never_printed,
     printed_if_set,
 )
+from geir.ops.linalg import bnsd
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
 
@@ -64,12 +65,6 @@ class FlashTiling(KernelTiling):
     work_units: int | None = printed_if_set(None)
     skipped_blocks: int = printed_if_set(0)
     rule: str = never_printed("")
-
-
-def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[int | None, ...]:
-    """(B, N, S, D) of a rank-4 attention operand in `layout`."""
-    b, x, y, d = t.shape
-    return (b, x, y, d) if layout == "BNSD" else (b, y, x, d)
 
 
 def k_chunk(m: int, n: int, k: int, kmin: int, nbytes: int, buffers: int, chip: Target) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from geir.builder import create_op
 from geir.diagnostics import error
 from geir.ir import Graph, Module, Operation, Value
 from geir.ops.core import Const
@@ -49,13 +50,8 @@ class _Builder:
 
     def emit(self, name: str, operands: list[Value], attributes: dict[str, Any], result_types: list,
              loc, result_names: list | None = None) -> Operation:
-        from geir.opdef import lookup
-
-        op = lookup(name)(name, list(operands), [], attributes, loc)
-        for v in op.operands:
-            v.uses.append(op)
-        op.results = [Value(t, n, op, i, loc) for i, (t, n) in enumerate(zip(result_types, result_names or
-                                                                               [None] * len(result_types)))]
+        """Append op `name` to the program."""
+        op = create_op(name, operands, result_types, attributes, loc, result_names)
         self.program.append(op)
         return op
 

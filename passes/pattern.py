@@ -13,9 +13,10 @@ from typing import Any, ClassVar, Iterable
 
 import attrs
 
+from geir.builder import Builder
 from geir.diagnostics import Location
 from geir.ir import Graph, Operation, Value
-from geir.opdef import ShapeError, lookup
+from geir.opdef import ShapeError
 from geir.ops.core import Const
 from geir.traits import Terminator
 from geir.types import TensorType
@@ -58,23 +59,16 @@ class Rewriter:
 
     def __init__(self, graph: Graph):
         self.graph = graph
+        self.builder = Builder(graph)
         self.touched: list[Operation] = []
 
     def create(self, name: str, operands: list[Value], attributes: dict[str, Any] | None = None,
                result_types: list[TensorType] | None = None, *, before: Operation,
                loc: Location | None = None) -> Operation:
-        """Insert a new op before `before`; result types are inferred when not given."""
-        cls = lookup(name)
-        if cls is None:
-            raise KeyError(name)
-        op = cls(name, list(operands), [], dict(attributes or {}), loc or before.loc)
-        for v in op.operands:
-            v.uses.append(op)
-        if result_types is None:
-            inferred = op.infer(*[v.type for v in operands])
-            result_types = list(inferred) if isinstance(inferred, tuple) else [inferred]
-        op.results = [Value(t, None, op, i, op.loc) for i, t in enumerate(result_types)]
-        self.graph.insert_before(before, op)
+        """Insert a new op before `before`, at its location unless `loc` is given; result types are inferred
+        when not given (ShapeError naming the op when its shape rule rejects the operands)."""
+        self.builder.set_insertion_point_before(before)
+        op = self.builder.create(name, operands, attributes, result_types, loc=loc or before.loc)
         self.touched.append(op)
         return op
 

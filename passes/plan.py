@@ -30,7 +30,6 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from geir.diagnostics import Location
 from geir.ir import Graph, Module, Operation, Value
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.traits import InPlaceCapable

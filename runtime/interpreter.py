@@ -13,12 +13,12 @@ from typing import Any, Iterable, Mapping
 import attrs
 import numpy as np
 
+from geir.builder import create_op
 from geir.diagnostics import Diagnostic
 from geir.ir import Graph, Operation, Value
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
 from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
-from geir.opdef import lookup
 from geir.runtime.device import DeviceFault, DeviceMemory
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.target_npu.target import Target
@@ -277,14 +277,10 @@ def without_core(cores: Cores, dead: int) -> Cores:
 
 def detached_op(launch: Operation) -> Operation:
     """The ge op a launch runs, rebuilt with typed operands and results so its kernel and semantics apply."""
-    cls = lookup(launch.kernel)
-    attributes = dict(launch.attrs)
-    if launch.tiling:
-        attributes["tiling"] = dict(launch.tiling)
+    attributes = dict(launch.attrs)  # the tiling goes to the kernel typed, not as an attribute
     operands = [Value(v.type, v.name) for v in launch.operands]
-    op = cls(launch.kernel, operands, [], attributes, launch.loc)
-    op.results = [Value(r.type, r.name, op, i) for i, r in enumerate(launch.results)]
-    return op
+    return create_op(launch.kernel, operands, [r.type for r in launch.results], attributes, launch.loc,
+                     [r.name for r in launch.results])
 
 
 def _launch_signature(launch: Operation) -> OpSignature:

@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from geir.builder import clone_graph
 from geir.diagnostics import DiagnosticError, Location
-from geir.ir import Graph, Module, Operation, clone_graph
+from geir.ir import Graph, Module, Operation
 from geir.kernels.base import KernelStats
 from geir.ops.core import Const
 from geir.parser import parse

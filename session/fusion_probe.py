@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import attrs
 
+from geir.builder import clone_graph
 from geir.diagnostics import Location
-from geir.ir import Graph, Module, Operation, clone_graph
+from geir.ir import Graph, Module, Operation
 from geir.ops.core import Const
 from geir.passes import complete_pipeline
 from geir.passes.fuse import FUSION_RULES, Fuse

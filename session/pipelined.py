@@ -19,8 +19,9 @@ from typing import Any, Mapping
 import attrs
 import numpy as np
 
-from geir.ir import Graph, Module, Operation, Value, clone_op
-from geir.ops.core import Const, Return
+from geir.builder import Builder, clone_op
+from geir.ir import Graph, Module, Operation, Value
+from geir.ops.core import Const
 from geir.runtime.interpreter import RunResult
 from geir.runtime.profile import profile
 from geir.session.pipeline import DEFAULT_PIPELINE, compile_module, run_program
@@ -87,9 +88,8 @@ def partition(graph: Graph, parts: int) -> list[Graph]:
 
 def _subgraph(graph: Graph, n: int, piece: list[Operation], needed_later: set[int]) -> Graph:
     """One piece as a ge.graph of its own (values keep their names; unnamed ones get one)."""
+    b = Builder(Graph(f"{graph.name}_part{n}", [], [], loc=graph.loc))
     mapping: dict[int, Value] = {}
-    args: list[Value] = []
-    ops: list[Operation] = []
     inside = {id(op) for op in piece}
 
     def name_of(v: Value) -> str:
@@ -98,15 +98,14 @@ def _subgraph(graph: Graph, n: int, piece: list[Operation], needed_later: set[in
         return v.name
 
     def clone(op: Operation) -> None:
-        ops.append(clone_op(op, [value(v) for v in op.operands], mapping))
+        b.insert(clone_op(op, [value(v) for v in op.operands], mapping))
 
     def value(v: Value) -> Value:
         if id(v) not in mapping:
             if v.owner is not None and id(v.owner) not in inside and _is_const(v):
                 clone(v.owner)  # a constant used here: this subgraph holds its own copy
             else:
-                mapping[id(v)] = Value(v.type, name_of(v), None, len(args), v.loc)
-                args.append(mapping[id(v)])
+                mapping[id(v)] = b.argument(v.type, name_of(v), loc=v.loc)
         return mapping[id(v)]
 
     for op in piece:
@@ -114,11 +113,7 @@ def _subgraph(graph: Graph, n: int, piece: list[Operation], needed_later: set[in
     outs = [mapping[id(r)] for op in piece for r in op.results if id(r) in needed_later]
     for v in outs:
         name_of(v)
-    ret = Return("ge.return", outs, [], {}, graph.loc)
-    for v in outs:
-        v.uses.append(ret)
-    ops.append(ret)
-    return Graph(f"{graph.name}_part{n}", args, [v.type for v in outs], ops, {}, graph.loc)
+    return b.finish(outs, loc=graph.loc)
 
 
 @attrs.frozen

@@ -7,8 +7,9 @@ from typing import Mapping
 
 import attrs
 
+from geir.builder import clone_graph
 from geir.diagnostics import Location
-from geir.ir import Graph, Module, clone_graph
+from geir.ir import Graph, Module
 from geir.kernels.tiling import KernelTiling
 from geir.ops.core import Const
 from geir.passes.fusion_guards import FusionGuards, Unfusion

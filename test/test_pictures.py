@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from geir import parse_file
+from geir.builder import create_op
 from geir.dot import FUSED_KINDS, quote, to_dot
 from geir.ir import Graph, Operation, Value
 from geir.runtime.interpreter import Runtime
@@ -239,9 +240,9 @@ def test_quote_escapes_for_dot():
 
 def test_to_dot_escapes_a_string_attribute_with_quotes():
     x = Value(TensorType((4,), DType.f32), "x")
-    op = Operation.create("test.op", [x], [TensorType((4,), DType.f32)], {"note": 'say "hi"\n<there>'},
-                          result_names=["y"])
-    ret = Operation.create("ge.return", [op.result], [])
+    op = create_op("test.op", [x], [TensorType((4,), DType.f32)], {"note": 'say "hi"\n<there>'},
+                   result_names=["y"], op_class=Operation)
+    ret = create_op("ge.return", [op.result], [])
     text = to_dot([Graph("main", [x], [TensorType((4,), DType.f32)], [op, ret])])
     dot = read_dot(text)
     (label,) = [a["label"] for n, a in dot["nodes"].items() if "_op" in n]

@@ -10,8 +10,8 @@ import pytest
 
 from geir import parse, print_module
 from geir.attributes import DenseAttr, DenseResourceAttr, format_float
+from geir.builder import create_op
 from geir.ir import Graph, Value
-from geir.opdef import lookup
 from geir.printer import format_attr, format_dense, print_graph, print_op
 from geir.types import DType, TensorType
 
@@ -212,10 +212,9 @@ def test_a_folded_f16_constant_prints_and_reads_back():
     # IR that passes build holds narrow arrays; printing them gives the same constant after a re-parse
     x = Value(TensorType((3,), DType.f16), "x")
     values = np.array([0.1, -2.0, 1e-4], dtype=np.float16)
-    const = lookup("ge.const").create("ge.const", [], [TensorType((3,), DType.f16)], {"value": DenseAttr(values)},
-                                      result_names=["c"])
-    add = lookup("ge.add").create("ge.add", [x, const.result], [None], result_names=["y"])
-    ret = lookup("ge.return").create("ge.return", [add.result], [])
+    const = create_op("ge.const", [], [TensorType((3,), DType.f16)], {"value": DenseAttr(values)}, result_names=["c"])
+    add = create_op("ge.add", [x, const.result], [None], result_names=["y"])
+    ret = create_op("ge.return", [add.result], [])
     g = Graph("main", [x], [TensorType((3,), DType.f16)], [const, add, ret])
     text = print_graph(g)
     assert text == (
@@ -234,11 +233,11 @@ def test_unnamed_values_get_fresh_names_that_do_not_clash():
     ops = []
     prev = x
     for _ in range(3):
-        op = lookup("ge.neg").create("ge.neg", [prev], [TensorType((2,), DType.f32)])
+        op = create_op("ge.neg", [prev], [TensorType((2,), DType.f32)])
         ops.append(op)
         prev = op.result
     ops[1].results[0].name = "1"
-    ret = lookup("ge.return").create("ge.return", [prev], [])
+    ret = create_op("ge.return", [prev], [])
     g = Graph("main", [x], [TensorType((2,), DType.f32)], ops + [ret])
     text = print_graph(g)
     assert text == (
@@ -273,9 +272,9 @@ def test_examples_round_trip():
 def test_empty_constants_of_any_rank_round_trip():
     # a pass may build an empty constant of rank 2; `dense<[]>` must read back as that constant
     x = Value(TensorType((0, 3), DType.f32), "x")
-    const = lookup("ge.const").create("ge.const", [], [TensorType((0, 3), DType.f32)],
-                                      {"value": DenseAttr(np.zeros((0, 3), np.float32))}, result_names=["c"])
-    ret = lookup("ge.return").create("ge.return", [const.result], [])
+    const = create_op("ge.const", [], [TensorType((0, 3), DType.f32)],
+                      {"value": DenseAttr(np.zeros((0, 3), np.float32))}, result_names=["c"])
+    ret = create_op("ge.return", [const.result], [])
     text = print_graph(Graph("main", [x], [TensorType((0, 3), DType.f32)], [const, ret]))
     assert "%c = ge.const dense<[]> : tensor<0x3xf32>" in text
     m = parse(text)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from geir.builder import create_op
 from geir.ir import Operation
 from geir.opdef import OPS, Attr, ShapeError, lookup, op, ops_with_trait
 from geir.ops.linalg import Matmul
@@ -30,8 +31,7 @@ def chainable_ops() -> tuple[str, ...]:
 
 def _step_op(step: dict[str, Any]) -> Operation:
     """A detached op standing for one step of a fused body (for its shape rule and semantics)."""
-    cls = lookup(step["op"])
-    return cls(step["op"], [], [], dict(step.get("attrs", {})))
+    return create_op(step["op"], [], [], step.get("attrs"))
 
 
 @op("ge.fused_elementwise")

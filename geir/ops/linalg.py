@@ -10,7 +10,7 @@ from geir.ir import Operation
 from geir.opdef import Attr, ShapeError, op
 from geir.ops.numerics import broadcast_dims, require_float, same_dtype, softmax, work
 from geir.traits import CubeOp, Fused
-from geir.types import DType, TensorType
+from geir.types import Dim, DType, TensorType
 
 
 @op("ge.matmul")
@@ -42,6 +42,19 @@ class Matmul(Operation):
         return np.matmul(a, b)
 
 
+def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[Dim, Dim, Dim, Dim]:
+    """(B, N, S, D) of a rank-4 attention operand in `layout` ("BNSD" or "BSND", as flash_attention's attribute).
+
+    The swap of N and S is its own inverse, so the same call also gives a BNSD shape in BSND order.
+    """
+    b, x, y, d = t.shape
+    if layout == "BNSD":
+        return b, x, y, d
+    if layout == "BSND":
+        return b, y, x, d
+    raise ValueError(f"unknown attention layout '{layout}' (BNSD or BSND)")
+
+
 @op("ge.flash_attention")
 class FlashAttention(Operation):
     """softmax(scale * q @ k^T + mask) @ v with grouped-query heads and an optional causal mask."""
@@ -56,17 +69,13 @@ class FlashAttention(Operation):
     # O(Sq + Skv) for long sequences instead of O(Sq * Skv)
     REFERENCE_SCORE_ELEMENTS = 1 << 24
 
-    def _bnsd(self, t: TensorType) -> tuple:
-        s = t.shape
-        return s if self.layout == "BNSD" else (s[0], s[2], s[1], s[3])
-
     def infer(self, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None = None) -> TensorType:
         dtype = same_dtype(self.name, q, k, v)
         require_float(q, "q")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.rank != 4:
                 raise ShapeError(f"{name} must have rank 4 ({self.layout}), got {t}")
-        (b, n, sq, d), (bk, nk, skv, dk), (bv, nv, sv, dv) = self._bnsd(q), self._bnsd(k), self._bnsd(v)
+        (b, n, sq, d), (bk, nk, skv, dk), (bv, nv, sv, dv) = (bnsd(t, self.layout) for t in (q, k, v))
         for what, x, y in (("batch", b, bk), ("batch", b, bv), ("head dim of q and k", d, dk),
                            ("key and value sequence", skv, sv), ("key and value heads", nk, nv)):
             if x is not None and y is not None and x != y:
@@ -84,8 +93,7 @@ class FlashAttention(Operation):
                 x is not None and y is not None and x != y for x, y in zip(full, (b, n, sq, skv))
             ):
                 raise ShapeError(f"mask {mask} does not broadcast to [B, N, Sq, Skv] = [{b}, {n}, {sq}, {skv}]")
-        out = (b, n, sq, dv) if self.layout == "BNSD" else (b, sq, n, dv)
-        return TensorType(out, dtype)
+        return TensorType(bnsd(TensorType((b, n, sq, dv), dtype), self.layout), dtype)
 
     def effective_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)

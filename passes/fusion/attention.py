@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from geir.builder import create_op
 from geir.ir import Operation, Value
 from geir.opdef import ShapeError
 from geir.passes.fusion.guards import flash_attention_guard
 from geir.target_npu.target import DEFAULT_TARGET, load_target
-from geir.ops.linalg import FlashAttention
 from geir.passes.fusion.match import const_array, defining, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 from geir.types import DType
@@ -112,7 +112,7 @@ class FuseFlashAttention(Pattern):
         try:
             types = [x.type for x in operands]
             types[1] = k_type
-            t = FlashAttention("ge.flash_attention", [], [], attrs).infer(*types)
+            t = create_op("ge.flash_attention", [], [], attrs).infer(*types)
         except ShapeError as e:
             return Miss(f"the fused op would not type-check: {e}")
         if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:

@@ -15,8 +15,9 @@ import numpy as np
 
 from geir.attributes import DenseAttr
 from geir.ir import Operation, Value
+from geir.ops.linalg import bnsd
 from geir.passes.pattern import Rewriter
-from geir.kernels.flash_attention_tiling import bnsd, choose_flash_tiling
+from geir.kernels.flash_attention_tiling import choose_flash_tiling
 from geir.kernels.tiling import TilingError, Untiled, fractal
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
@@ -95,13 +96,14 @@ def decompose_flash_attention(op: Operation, rw: Rewriter) -> None:
 
     q, k, v = op.operands[:3]
     mask = op.operands[3] if len(op.operands) > 3 else None
-    bsnd = op.attr("layout") == "BSND"
+    layout = op.attr("layout")
+    _, n, sq, d = bnsd(q.type, layout)
+    _, nkv, skv, _ = bnsd(k.type, layout)
+    bsnd = layout == "BSND"
     if bsnd:
         q, k, v = (make("ge.transpose", [x], {"perm": [0, 2, 1, 3]}) for x in (q, k, v))
     dtype = q.type.dtype
-    n, d = q.type.shape[1], q.type.shape[3]
-    sq, skv = q.type.shape[2], k.type.shape[2]
-    group = n // k.type.shape[1]
+    group = n // nkv
     if group > 1:
         k, v = _repeat_heads(rw, k, group, op), _repeat_heads(rw, v, group, op)
     s = make("ge.matmul", [q, k], {"transpose_b": True})
