@@ -143,8 +143,8 @@ def _tool_main(tool: str) -> Callable[[list[str]], int]:
     return {"geopt": geopt.main, "gerun": gerun.main, "geimport": geimport.main}[tool]
 
 
-class _Slow(Exception):
-    pass
+class _Slow(BaseException):
+    """The alarm of a run that simulates too long (a BaseException, so that the tools' wrapper lets it through)."""
 
 
 def run_case(case: Case, workdir: Path) -> Outcome:
