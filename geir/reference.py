@@ -1,7 +1,17 @@
 """The reference interpreter: runs a graph op by op with each op's numpy semantics.
 
 This is the single home of what every op computes (the `compute` method of its class);
-constant folding, `gerun --check` and kernel tests all call into it.
+constant folding, `gerun --check` and kernel tests all call into it. It runs in one of two modes:
+
+- eager (the default): each op in its own precision, as a framework's eager mode runs it. Elementwise
+  ops on f16 and bf16 compute in f32 and round to the op's dtype once per op; matmuls and reductions
+  (softmax and the norms among them) accumulate in f32 and round the result to the op's dtype; f32
+  ops compute in f32 and integers exactly. A fused op is one op, rounded once, except that
+  `ge.fused_elementwise` rounds each step as the ops it stands for would. This is both what constant
+  folding must produce (the unfolded op's bits) and the baseline whose error `gerun --check` allows
+  a result (`geir.accuracy`).
+- float64 (`float64=True`): every float value is held in float64 from the inputs on (each first
+  cast to its argument's dtype, as the device sees it): the reference a result is judged against.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ class ReferenceRunError(RuntimeError):
 def run_op(op: Operation, args: list[np.ndarray], float64: bool = False,
            resources: Mapping[str, np.ndarray] | None = None,
            result_types: list[TensorType | None] | None = None) -> list[np.ndarray]:
-    """Evaluate one op on arrays; results come back in their result dtypes (or float64 on request).
+    """Evaluate one op on arrays, eagerly (results rounded to their result dtypes) or in float64 on request.
 
-    `result_types` stands in for results whose type the IR does not spell out.
+    `result_types` stands in for results whose type the IR does not spell out; a result with neither
+    comes back as computed.
     """
     if isinstance(op, Const):
         out = [op.compute(dict(resources or {}))]
@@ -57,9 +68,9 @@ def _as_result(a: np.ndarray, t: TensorType | None, float64: bool) -> np.ndarray
 
 def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray], float64: bool = False,
               resources: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
-    """Run a graph on named inputs (argument names without `%`); returns its results in order.
+    """Run a graph eagerly (or in float64) on named inputs (argument names without `%`); returns its results in order.
 
-    Inputs are cast to each argument's dtype (or to float64 with `float64=True`).
+    Inputs are cast to each argument's dtype (and then to float64 with `float64=True`).
     """
     inferred = inferred_types(graph)
     env: dict[int, np.ndarray] = {}

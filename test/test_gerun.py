@@ -14,6 +14,7 @@ import pytest
 
 from geir.runtime.profile import PROFILE_KEYS
 from geir.target_npu.sim import PIPES
+from geir import accuracy
 from geir.tools import gerun as gerun_mod
 from geir.tools.geopt import main as geopt_main
 from geir.tools.gerun import compare, main
@@ -59,8 +60,9 @@ def test_attention_check_passes(capsys):
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("result0: tensor<1x8x128x64xf16>")
-    assert lines[1].startswith("check result0 tensor<1x8x128x64xf16>: max abs err ")
-    assert lines[1].endswith("(rtol 0.01, atol 0.001): PASS")
+    assert lines[1].startswith("check result0 tensor<1x8x128x64xf16>: max err ")
+    assert "x tolerance (rtol 0.01, atol 0.001), rms err " in lines[1] and " vs eager " in lines[1]
+    assert lines[1].endswith("(limit 2x + atol/10): PASS (element-wise)")
     assert lines[-1] == "check: PASS"
 
 
@@ -104,9 +106,10 @@ ge.graph @main(%x: tensor<4x8xbf16>, %y: tensor<4x8xf32>, %m: tensor<4x8xi1>, %i
     assert z["result1"].dtype == np.bool_ and not z["result1"].any()
     assert z["result2"].dtype == np.float32
     assert z["result3"].dtype == np.int32
-    assert out.count("): PASS") == 4
-    assert "check result0 tensor<4x8xbf16>" in out and "(rtol 0.02, atol 0.01)" in out
-    assert "check result1 tensor<4x8xi1>" in out and "(exact)" in out
+    assert out.count(": PASS (") == 4
+    assert "check result0 tensor<4x8xbf16>: max err " in out and "(rtol 0.02, atol 0.01)" in out
+    assert "(limit 3x + atol/10)" in out  # bf16's multiplier
+    assert "check result1 tensor<4x8xi1>: PASS (exact)" in out
 
 
 def test_inputs_from_npz_cast_to_argument_dtype(tmp_path, capsys):
@@ -411,11 +414,14 @@ def test_a_fault_that_cannot_be_recovered_is_an_error(tmp_path, capsys, monkeypa
 
 
 def test_failed_check_exits_1_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    # no element-wise slack, and no more RMS error allowed than none at all
     monkeypatch.setitem(gerun_mod.TOLERANCES, DType.f16, (0.0, 0.0))
+    monkeypatch.setitem(accuracy.RMS_MULTIPLIERS, DType.f16, 0.0)
     out_path = tmp_path / "o.npz"
     rc, out, err = gerun([ATTENTION, "--no-fuse", "--check", "-o", out_path], capsys)
     assert rc == 1 and not out_path.exists()
-    assert "(rtol 0, atol 0): FAIL" in out and out.splitlines()[-1].startswith("check: FAIL")
+    assert "(rtol 0, atol 0), rms err " in out and "(limit 0x + atol/10): FAIL" in out
+    assert out.splitlines()[-1].startswith("check: FAIL")
 
 
 def test_unwritable_output_is_an_error(tmp_path, capsys):
@@ -441,19 +447,19 @@ def test_internal_errors_are_one_line(tmp_path, capsys, monkeypatch):
 def test_compare_uses_the_allclose_rule():
     t = TensorType((3,), DType.f16)
     b = np.array([1.0, 0.0, -2.0])
-    assert compare(np.array([1.0105, 0.0009, -2.02]), b, t)[2]  # |a - b| <= 1e-3 + 1e-2 * |b|
-    assert not compare(np.array([1.0115, 0.0, -2.0]), b, t)[2]
-    assert not compare(np.array([1.0, 0.0011, -2.0]), b, t)[2]
-    max_abs, max_rel, passed, tol = compare(np.array([1.05, 0.0, -2.0]), b, TensorType((3,), DType.f32))
-    assert not passed and max_abs == pytest.approx(0.05) and max_rel == pytest.approx(0.05)
-    assert tol == "rtol 0.0001, atol 1e-05"
+    assert compare(np.array([1.0105, 0.0009, -2.02]), b, t).passed  # |a - b| <= 1e-3 + 1e-2 * |b|
+    assert not compare(np.array([1.0115, 0.0, -2.0]), b, t).passed
+    assert not compare(np.array([1.0, 0.0011, -2.0]), b, t).passed
+    verdict = compare(np.array([1.05, 0.0, -2.0]), b, TensorType((3,), DType.f32))
+    assert not verdict.passed and verdict.max_err == pytest.approx(0.05 / (1e-5 + 1e-4))
+    assert (verdict.rtol, verdict.atol, verdict.mismatched) == (1e-4, 1e-5, 1)
     # NaN where the reference has NaN is equal; NaN elsewhere fails; same-signed infinities are equal
     nan_ref = np.array([np.nan, np.inf, 1.0])
-    assert compare(np.array([np.nan, np.inf, 1.0], np.float32), nan_ref, TensorType((3,), DType.f32))[2]
-    assert not compare(np.array([np.nan, np.inf, np.nan], np.float32), nan_ref, TensorType((3,), DType.f32))[2]
-    assert not compare(np.array([np.nan, -np.inf, 1.0], np.float32), nan_ref, TensorType((3,), DType.f32))[2]
-    assert compare(np.array([1, 2], np.int32), np.array([1, 2]), TensorType((2,), DType.i32))[2]
-    assert not compare(np.array([1, 3], np.int32), np.array([1, 2]), TensorType((2,), DType.i32))[2]
+    assert compare(np.array([np.nan, np.inf, 1.0], np.float32), nan_ref, TensorType((3,), DType.f32)).passed
+    assert not compare(np.array([np.nan, np.inf, np.nan], np.float32), nan_ref, TensorType((3,), DType.f32)).passed
+    assert not compare(np.array([np.nan, -np.inf, 1.0], np.float32), nan_ref, TensorType((3,), DType.f32)).passed
+    assert compare(np.array([1, 2], np.int32), np.array([1, 2]), TensorType((2,), DType.i32)).passed
+    assert not compare(np.array([1, 3], np.int32), np.array([1, 2]), TensorType((2,), DType.i32)).passed
 
 
 def test_progress_line_only_on_a_terminal(tmp_path, capsys, monkeypatch):

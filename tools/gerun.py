@@ -347,20 +347,20 @@ def check_inputs_match(program: Graph, inputs: dict[str, np.ndarray], which: str
 
 def check_run(reference: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray],
               outputs: list[np.ndarray], types: list[TensorType], prefix: str) -> bool:
-    """Run the reference, print one line per result and return whether all passed."""
+    """Run the float64 reference and the eager baseline, print one line per result and return whether all passed."""
     from geir.reference import ReferenceRunError, run_graph
 
     try:
         with np.errstate(all="ignore"):
             expected = run_graph(reference, inputs, float64=True, resources=weights)
+            eager = run_graph(reference, inputs, resources=weights)
     except ReferenceRunError as e:
         raise ToolError(f"--check: the reference interpreter cannot run @{reference.name}: {e}") from None
     passed = True
-    for i, (a, b, t) in enumerate(zip(outputs, expected, types)):
-        max_abs, max_rel, ok, tol = compare(a, b, t)
-        passed &= ok
-        print(f"check {prefix}result{i} {t}: max abs err {max_abs:.3e}, max rel err {max_rel:.3e} ({tol}): "
-              f"{'PASS' if ok else 'FAIL'}")
+    for i, (a, b, e, t) in enumerate(zip(outputs, expected, eager, types)):
+        verdict = compare(a, b, t, e)
+        passed &= verdict.passed
+        print(f"check {verdict.render(f'{prefix}result{i}')}")
     return passed
 
 

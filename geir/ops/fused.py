@@ -16,7 +16,7 @@ from geir.opdef import OPS, Attr, ShapeError, lookup, op, ops_with_trait
 from geir.ops.linalg import Matmul
 from geir.ops.numerics import broadcast_dims, work
 from geir.traits import Elementwise, Fused, InPlaceCapable
-from geir.types import TensorType
+from geir.types import DType, TensorType
 
 
 def chainable(kind: Operation | type[Operation]) -> bool:
@@ -87,9 +87,10 @@ class FusedElementwise(Operation):
 
     def compute(self, *xs: np.ndarray) -> np.ndarray:
         # Round each step to its dtype as the unfused graph would, unless the reference runs in
-        # float64 (then every step keeps full precision, as unfused ops do there too).
+        # float64 (then every step keeps full precision, as unfused ops do there too). The dtypes
+        # come from the arrays, since operands written without a type have none in the IR.
         float64 = any(x.dtype == np.float64 for x in xs)
-        types = self.step_types(*[v.type for v in self.operands]) if not float64 else None
+        types = None if float64 else self.step_types(*[TensorType(x.shape, DType.from_numpy(x.dtype)) for x in xs])
         values = list(xs)
         for j, step in enumerate(self.body):
             out = _step_op(step).compute(*[values[a] for a in step["args"]])
