@@ -7,6 +7,7 @@ not run yet, and `pipeline_text` shows the pipeline actually run.
 
 from __future__ import annotations
 
+import difflib
 import time
 import typing
 from typing import Any, Callable, ClassVar
@@ -105,6 +106,12 @@ def register_pass(name: str) -> Callable[[P], P]:
     return register
 
 
+def closest(word: str, known: typing.Iterable[str]) -> str | None:
+    """The known name `word` most likely misspells (difflib's closest match), or None."""
+    matches = difflib.get_close_matches(word, list(known), n=1)
+    return matches[0] if matches else None
+
+
 class PipelineError(Exception):
     """A bad --passes string: the message and the 0-based column in the pipeline text."""
 
@@ -139,8 +146,7 @@ def parse_pipeline(text: str) -> list[Pass]:
         name = text[start:i]
         cls = PASSES.get(name)
         if cls is None:
-            known = ", ".join(sorted(PASSES))
-            raise PipelineError(f"unknown pass '{name}' (known passes: {known})", start)
+            raise PipelineError(unknown_pass_message(name), start)
         options: dict[str, tuple[str, int]] = {}
         if i < n and text[i] == "{":
             close = text.find("}", i)
@@ -158,6 +164,14 @@ def parse_pipeline(text: str) -> list[Pass]:
                 raise PipelineError(f"expected ',' after the options of '{name}'", i)
         passes.append(_instantiate(cls, options))
     return passes
+
+
+def unknown_pass_message(name: str) -> str:
+    """`unknown pass 'fsue'; did you mean 'fuse'?`, or the known passes when none is close."""
+    guess = closest(name, PASSES)
+    if guess:
+        return f"unknown pass '{name}'; did you mean '{guess}'?"
+    return f"unknown pass '{name}' (known passes: {', '.join(sorted(PASSES))})"
 
 
 def _option_items(body: str, base: int) -> list[tuple[str, str, int]]:
@@ -181,8 +195,10 @@ def _instantiate(cls: type[Pass], options: dict[str, tuple[str, int]]) -> Pass:
     for key, (value, col) in options.items():
         field = fields.get(key.replace("-", "_"))
         if field is None:
-            known = ", ".join(f.replace("_", "-") for f in fields) or "none"
-            raise PipelineError(f"pass '{cls.NAME}' has no option '{key}' (its options: {known})", col)
+            known = [f.replace("_", "-") for f in fields]
+            guess = closest(key, known)
+            hint = f"; did you mean '{guess}'?" if guess else f" (its options: {', '.join(known) or 'none'})"
+            raise PipelineError(f"pass '{cls.NAME}' has no option '{key}'{hint}", col)
         try:
             kwargs[field.name] = _convert(value, hints[field.name])
         except ValueError as e:

@@ -83,17 +83,45 @@ def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
     return out
 
 
+# what each figure of the --profile table is (a definition, never a verdict the number could contradict)
+_LEGEND = {
+    "simulated_time_us": "simulated us from the run's start to the end of its last task (copy or kernel)",
+    "tflops": "TFLOP/s achieved: the kernels' FLOPs over the kernels' time",
+    "cube_peak_fraction": "tflops / the target's f16 cube peak",
+    "overlap_ratio": "overlapped share of the shorter of MTE2 (data in) and compute time",
+    "memory_bound": "MTE2 time / max(cube, vector) time (above 1: loading takes longer than computing)",
+    "mte2_ratio": "MTE2 (global memory in) busy: busy cycles / (kernel cycles x cores used)",
+    "cube_ratio": "cube unit (matmuls) busy, likewise",
+    "vec_ratio": "vector unit busy, likewise",
+    "mte3_ratio": "MTE3 (global memory out) busy, likewise",
+    "fixp_ratio": "FIXP (cube results out of L0C) busy, likewise",
+    "gm_read_bytes": "bytes the cores read from global memory",
+    "gm_write_bytes": "bytes the cores wrote to global memory",
+    "hbm_read_bytes": "bytes of those reads that missed L2 and came from HBM",
+    "hbm_write_bytes": "bytes of those writes that reached HBM past L2",
+}
+
+
 def format_profile(p: dict[str, Any]) -> str:
-    """The --profile table: the run's figures, then one line per kernel (msprof's column names)."""
+    """The --profile table: each figure by its spec key with what it is, then one line per kernel."""
+
+    def row(key: str, value: str) -> str:
+        return f"{key:<20}{value:>14}   {_LEGEND[key]}"
+
+    def mib(key: str) -> str:
+        return row(key, f"{p[key]}") + f" ({p[key] / 2**20:.2f} MiB)"
+
     lines = [
-        f"simulated time      {p['simulated_time_us']:12.2f} us",
-        f"achieved            {p['tflops']:12.2f} TFLOP/s   ({100 * p['cube_peak_fraction']:.1f} % of cube peak)",
-        f"overlap_ratio       {p['overlap_ratio']:12.2f}   (DMA hidden under compute)",
-        f"memory_bound        {p['memory_bound']:12.2f}   (mte2 / max(cube, vector))",
-        "pipes               " + "  ".join(f"{k} {p[k]:.2f}" for k in _RATIO_PIPES),
-        f"global memory       read {p['gm_read_bytes'] / 2**20:10.2f} MiB   write {p['gm_write_bytes'] / 2**20:10.2f} MiB",
-        f"HBM (past L2)       read {p['hbm_read_bytes'] / 2**20:10.2f} MiB   write {p['hbm_write_bytes'] / 2**20:10.2f} MiB",
+        row("simulated_time_us", f"{p['simulated_time_us']:.2f}"),
+        row("tflops", f"{p['tflops']:.2f}"),
+        row("cube_peak_fraction", f"{p['cube_peak_fraction']:.3f}"),
+        row("overlap_ratio", f"{p['overlap_ratio']:.2f}"),
+        row("memory_bound", f"{p['memory_bound']:.2f}"),
+        *(row(key, f"{p[key]:.2f}") for key in _RATIO_PIPES),
+        *(mib(key) for key in ("gm_read_bytes", "gm_write_bytes", "hbm_read_bytes", "hbm_write_bytes")),
         "",
+        "per kernel: time_us its simulated time, cores the cores it ran on, then the figures above",
+        "(overlap = overlap_ratio, mem_bnd = memory_bound, TFLOP/s = tflops, peak% = 100 x cube_peak_fraction)",
         f"{'kernel':<24}{'time_us':>10}{'cores':>6}{'mte2':>7}{'cube':>7}{'vec':>7}{'mte3':>7}{'fixp':>7}"
         f"{'overlap':>8}{'mem_bnd':>8}{'TFLOP/s':>9}{'peak%':>7}",
     ]

@@ -112,8 +112,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET) -> Target:
         if not path.is_file():
             known = available_targets()
             close = difflib.get_close_matches(str(name_or_path), known, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise TargetError(f"unknown target '{name_or_path}' (available: {', '.join(known)}){hint}")
+            hint = f"; did you mean '{close[0]}'?" if close else f" (available: {', '.join(known)})"
+            raise TargetError(f"unknown target '{name_or_path}'{hint}")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:

@@ -315,3 +315,28 @@ def test_make_model_rejects_bad_options(tmp_path: Path, args: list[str]) -> None
     with pytest.raises(SystemExit) as e:
         make_model.main([*args, "-o", str(tmp_path / "m.geir")])
     assert e.value.code == 2
+
+
+# --- the ONNX example ---------------------------------------------------------------------------
+
+def test_onnx_example_is_what_its_script_writes(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    spec = importlib.util.spec_from_file_location("make_onnx_model", EXAMPLES / "onnx" / "make_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(str(tmp_path)) == 0
+    assert onnx.load(str(tmp_path / "attention.onnx")) == onnx.load(str(EXAMPLES / "onnx" / "attention.onnx"))
+    with (np.load(tmp_path / "attention_inputs.npz") as made,
+          np.load(EXAMPLES / "onnx" / "attention_inputs.npz") as shipped):
+        assert made.files == shipped.files == ["x"]
+        np.testing.assert_array_equal(made["x"], shipped["x"])
+
+
+def test_onnx_example_imports_to_one_flash_attention() -> None:
+    pytest.importorskip("onnx")
+    from geir.frontends.onnx import import_onnx
+
+    module, weights = import_onnx(str(EXAMPLES / "onnx" / "attention.onnx"))
+    assert set(weights) == {"wq", "wk", "wv", "wo"}
+    fused, remarks = _fuse(print_module(module))
+    assert _op_counts(fused.graph())["ge.flash_attention"] == 1, remarks

@@ -180,7 +180,8 @@ def test_typed_pass_options(options_pass):
         ("test-options{count=1 sizes=1,b}", "option 'sizes' of pass 'test-options': expected an integer, got 'b'", 21),
         ("test-options{ratio=fast}", "option 'ratio' of pass 'test-options': expected a number, got 'fast'", 13),
         ("test-options{count=1 count=2}", "option 'count' given twice", 21),
-        ("test-options{depth=1}", "pass 'test-options' has no option 'depth' (its options: count, ratio, flag, names, "
+        ("test-options{depth=1}", "pass 'test-options' has no option 'depth'; did you mean 'max-depth'?", 13),
+        ("test-options{width=1}", "pass 'test-options' has no option 'width' (its options: count, ratio, flag, names, "
                                   "sizes, max-depth)", 13),
     ],
 )

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import metadata
 from typing import Callable
 
 from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
+from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 
 from geir.diagnostics import Diagnostic, Location, SourceManager
 from geir.ir import Graph, Module
 
 from geir.files import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, ToolError, read_input, write_atomically  # noqa: F401
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a program stopped by Ctrl-C
 
 
 class DiagnosticPrinter:
@@ -28,6 +32,94 @@ class DiagnosticPrinter:
 
 def tool_error(tool: str, message: str) -> None:
     print(f"{tool}: error: {message}", file=sys.stderr)
+
+
+def version_line(tool: str) -> str:
+    """`TOOL (GEIR) VERSION`, the version from the installed package's metadata."""
+    try:
+        version = metadata.version("geir")
+    except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
+        version = "(not installed)"
+    return f"{tool} (GEIR) {version}"
+
+
+def add_version(parser: argparse.ArgumentParser, tool: str) -> None:
+    parser.add_argument("--version", action="version", version=version_line(tool),
+                        help="print the tool's name and GEIR's version, then exit")
+
+
+def targets_summary() -> str:
+    """One line per bundled target: its name, cores and clock."""
+    lines = []
+    for name in available_targets():
+        t = load_target(name)
+        default = "  (default)" if name == DEFAULT_TARGET else ""
+        lines.append(f"{name:<12}{t.cube_cores:>3} cube cores, {t.vector_cores:>3} vector cores, "
+                     f"{t.clock_hz / 1e9:.2f} GHz{default}")
+    return "\n".join(lines)
+
+
+class _ListTargets(argparse.Action):
+    """--list-targets: print the bundled targets and exit 0, as --version does, whatever else is given."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(targets_summary())
+        parser.exit(EXIT_OK)
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """--target NAME and --list-targets."""
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"simulated chip: a bundled name or a target .toml file (default {DEFAULT_TARGET})")
+    parser.add_argument("--list-targets", action=_ListTargets,
+                        help="print the bundled targets (cores, clock) and exit")
+
+
+def check_target(name: str) -> None:
+    """A usage error unless --target names a bundled chip or a target file."""
+    try:
+        load_target(name)
+    except KeyError as e:  # TargetError: an unknown name (with the nearest one) or an invalid file, said in it
+        raise ToolError(str(e), EXIT_USAGE) from None
+
+
+def _written_in_place(path: str) -> bool:
+    """An existing device, pipe or terminal: write_atomically writes it in place, it holds no file to lose."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False  # one of them does not exist (yet)
+
+
+def refuse_overwrites(inputs: list[tuple[str, str | None]], outputs: list[tuple[str, str | None]]) -> None:
+    """A usage error, before any work, when an output is an input or two outputs share a path.
+
+    Each entry is (the flag as the user knows it, its path); None and '-' (stdin, stdout) and
+    devices or pipes are left out. Paths are compared resolved, so `./a`, a symbolic link to it
+    and a hard link of it all count as `a`.
+    """
+    def real(entries: list[tuple[str, str | None]]) -> list[tuple[str, str]]:
+        return [(flag, path) for flag, path in entries if path and path != "-" and not _written_in_place(path)]
+
+    outs, ins = real(outputs), real(inputs)
+    for i, (flag, path) in enumerate(outs):
+        for in_flag, in_path in ins:
+            if _same_file(path, in_path):
+                raise ToolError(f"{flag} '{path}' and {in_flag} '{in_path}' are the same file: an output must "
+                                f"not overwrite an input", EXIT_USAGE)
+        for other_flag, other in outs[:i]:
+            if _same_file(path, other):
+                raise ToolError(f"{other_flag} '{other}' and {flag} '{path}' are the same file: give each output "
+                                f"its own path", EXIT_USAGE)
 
 
 def checked_pipeline(args: argparse.Namespace, sources: SourceManager) -> str:
@@ -62,7 +154,11 @@ def select_graph(module: Module, entry: str | None, name: str) -> Graph:
 
 def run_tool(tool: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
              on_interrupt: Callable[[], None] | None = None) -> int:
-    """Run a tool's body: its errors and anything unexpected become one `tool: error:` line, never a traceback."""
+    """Run a tool's body: its errors and anything unexpected become one `tool: error:` line, never a traceback.
+
+    Ctrl-C is one `tool: interrupted` line and exit 130; an output already written stays whole
+    (write_atomically renames only complete files).
+    """
     try:
         return run(args)
     except ToolError as e:
@@ -74,8 +170,8 @@ def run_tool(tool: str, run: Callable[[argparse.Namespace], int], args: argparse
     except KeyboardInterrupt:
         if on_interrupt is not None:
             on_interrupt()
-        tool_error(tool, "interrupted")
-        return EXIT_FAILURE
+        print(f"{tool}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - a tool prints one line, never a traceback
         if os.environ.get("GEIR_TRACEBACK"):
             raise

@@ -10,7 +10,8 @@ take effect, did the Runtime overlap data movement with compute, is each kernel 
 and the single layer to look at first with the evidence. `--json` prints exactly
 `{"culprit": "fusion" | "runtime" | "kernel" | "none", "findings": [...]}`.
 
-Exit codes: 0 a diagnosis (whatever the culprit), 1 bad input or a failed run, 2 bad usage.
+Exit codes: 0 a diagnosis (whatever the culprit), 1 bad input or a failed run, 2 bad usage,
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from geir.target_npu.target import DEFAULT_TARGET, load_target
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     DiagnosticPrinter,
     ToolError,
+    add_target_options,
+    add_version,
+    check_target,
     checked_pipeline,
     read_input,
     run_tool,
@@ -58,6 +61,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         description="Compile and run a program on the simulated NPU and say which layer to look at first: "
                     "GE fusion, the Runtime's overlap, or the kernels.",
     )
+    add_version(p, TOOL)
     p.add_argument("input", metavar="FILE", help="a .geir (ge.graph or rt.program, - for stdin) or an .onnx model")
     p.add_argument("--json", action="store_true", help='print {"culprit": ..., "findings": [...]} as JSON')
     p.add_argument("--entry", metavar="NAME", help="the graph to diagnose (default @main, else the only graph)")
@@ -66,7 +70,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     src.add_argument("--seed", type=int, default=0, metavar="N", help="random normal inputs from this seed")
     p.add_argument("--weights", metavar="W.npz",
                    help="arrays for dense_resource constants (default: the .npz beside FILE with its stem)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"simulated chip (default {DEFAULT_TARGET})")
+    add_target_options(p)
     pipe = p.add_mutually_exclusive_group()
     pipe.add_argument("--passes", metavar="PIPELINE", help="GE pipeline (lower is added at the end)")
     pipe.add_argument("--no-fuse", action="store_true", help="the default pipeline without fusion")
@@ -129,11 +133,7 @@ def run(args: argparse.Namespace) -> int:
         random_inputs,
     )
 
-    try:
-        load_target(args.target)
-    except KeyError as e:
-        raise ToolError(str(e),
-                        EXIT_USAGE) from None
+    check_target(args.target)
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
     pipeline = checked_pipeline(args, sources)

@@ -9,7 +9,7 @@ when the whole import succeeded. Value names are the model's, with characters GE
 replaced by `_` (so `gerun --inputs` keys are the graph's argument names as printed).
 
 Exit codes: 0 success, 1 a model that cannot be read or imported (an unsupported op names its node
-and op type), 2 bad usage.
+and op type), 2 bad usage (-o onto the model included), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from geir.files import npz_bytes
-from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, run_tool, write_atomically
+from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, add_version, refuse_overwrites, run_tool, write_atomically
 
 from geir.printer import print_module
 
@@ -31,6 +31,7 @@ _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_$.\-]*\Z")
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=TOOL, description="Import an ONNX model as a GEIR graph and its weights.")
+    add_version(p, TOOL)
     p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model (external data beside it is read too)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.geir",
                    help="the graph to write; the weights go to the .npz with the same stem")
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if out.suffix == ".npz":
         raise ToolError(f"-o {args.output}: the graph goes to a .geir file; the weights go beside it", EXIT_USAGE)
     weights_path = out.with_suffix(".npz")
+    refuse_overwrites([("MODEL.onnx", args.model)], [("-o", args.output), ("the weights beside -o", str(weights_path))])
     from geir.frontends.onnx import OnnxImportError, import_onnx
 
     if not os.path.isfile(args.model):

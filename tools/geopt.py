@@ -6,7 +6,9 @@ import argparse
 import re
 import sys
 import time
+import typing
 
+import attrs
 from geir.passes import (
     PASSES,
     PassContext,
@@ -16,15 +18,19 @@ from geir.passes import (
     parse_pipeline,
     pipeline_text,
 )
-from geir.target_npu.target import DEFAULT_TARGET, load_target
+from geir.passes.pass_manager import unknown_pass_message
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     DiagnosticPrinter,
     ToolError,
+    add_target_options,
+    add_version,
+    check_target,
     read_input,
-    tool_error,
+    refuse_overwrites,
+    run_tool,
     write_atomically,
 )
 from geir.tools.verify_diagnostics import check_diagnostics, parse_expectations, unmet
@@ -41,20 +47,52 @@ from geir.parser import decode_source, parse
 from geir.printer import print_module
 from geir.verifier import verify_module
 
+TOOL = "geopt"
 SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
+
+
+def _type_text(hint: typing.Any) -> str:
+    """An option's type as written in --help: int, bool, str, or `int,...` for a list."""
+    if typing.get_origin(hint) in (list, tuple):
+        return f"{_type_text(typing.get_args(hint)[0])},..."
+    return getattr(hint, "__name__", str(hint))
+
+
+def _default_text(field: attrs.Attribute) -> str:
+    default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(x) for x in default) or "empty"
+    return str(default) if default != "" else "empty"
+
+
+def passes_help() -> str:
+    """Every registered pass with the first line of its docstring, then its options with types and defaults."""
+    lines = ["passes (--passes=PIPELINE, e.g. 'canonicalize,fuse{rules=softmax},plan{alignment=64}'):"]
+    for name, cls in sorted(PASSES.items()):
+        doc = (cls.__doc__ or "").strip().split("\n")[0]
+        lines.append(f"  {name:<16}{doc}")
+        hints = typing.get_type_hints(cls)
+        for field in attrs.fields(cls):
+            option = f"{field.name.replace('_', '-')}=<{_type_text(hints[field.name])}>"
+            lines.append(f"      {option:<22}default {_default_text(field)}")
+    return "\n".join(lines)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="geopt",
+        prog=TOOL,
         description="Parse a GEIR file, run passes over it and print the result.",
-        epilog=f"passes: {', '.join(sorted(PASSES))}",
+        epilog=passes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the pass table keeps its lines
     )
+    add_version(p, TOOL)
     p.add_argument("input", nargs="?", default="-", help="a .geir file, or - for standard input (default)")
     p.add_argument("--passes", default="", metavar="PIPELINE",
                    help="passes to run, e.g. 'cse,canonicalize{...},dce' (default: none, a round trip)")
     p.add_argument("-o", dest="output", metavar="OUT", help="write the result here (atomically) instead of stdout")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"simulated chip (default {DEFAULT_TARGET})")
+    add_target_options(p)
     p.add_argument("--print-pipeline", action="store_true", help="print the pipeline actually run to stderr")
     p.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass to stderr")
     p.add_argument("--print-ir-before", action="append", default=[], metavar="P",
@@ -77,7 +115,7 @@ def _pass_names(values: list[str], flag: str) -> set[str]:
     names = {n for v in values for n in v.split(",") if n}
     unknown = sorted(names - set(PASSES))
     if unknown:
-        raise ToolError(f"{flag}: unknown pass '{unknown[0]}' (known passes: {', '.join(sorted(PASSES))})", EXIT_USAGE)
+        raise ToolError(f"{flag}: {unknown_pass_message(unknown[0])}", EXIT_USAGE)
     return names
 
 
@@ -116,21 +154,12 @@ class Timer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ToolError as e:
-        tool_error("geopt", str(e))
-        return e.code
-    except BrokenPipeError:
-        return EXIT_FAILURE
+    return run_tool(TOOL, run, build_arg_parser().parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        load_target(args.target)
-    except KeyError as e:
-        raise ToolError(str(e), EXIT_USAGE)
+    check_target(args.target)
+    refuse_overwrites([("FILE", args.input)], [("-o", args.output), ("--dot", args.dot)])
     sources = SourceManager()
     try:
         pipeline = complete_pipeline(parse_pipeline(args.passes))

@@ -16,7 +16,8 @@ Files written (all atomically, and only when the whole run succeeded):
   simulated) tracks, one track per core and pipe; several runs follow one another on the time axis.
 - `--timeline`: the same as a PNG picture (geir.runtime.timeline), all runs one after another.
 
-Exit codes: 0 success, 1 bad input, a failed run or a failed --check, 2 bad usage.
+Exit codes: 0 success, 1 bad input, a failed run or a failed --check, 2 bad usage (an output onto an
+input or onto another output included), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ from typing import Any
 
 import numpy as np
 from geir.passes import PipelineError
-from geir.target_npu.target import DEFAULT_TARGET, load_target
+from geir.target_npu.target import load_target
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     DiagnosticPrinter,
     ToolError,
+    add_target_options,
+    add_version,
+    check_target,
     checked_pipeline,
     read_input,
+    refuse_overwrites,
     run_tool,
     select_graph,
     write_atomically,
@@ -65,6 +70,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog=TOOL,
         description="Compile a GEIR graph (or take a lowered rt.program) and run it on the simulated NPU.",
     )
+    add_version(p, TOOL)
     p.add_argument("input", metavar="FILE", help="a .geir file holding ge.graphs or an rt.program (- for stdin)")
     p.add_argument("--entry", metavar="NAME", help="the graph to run (default @main, else the only graph)")
     src = p.add_mutually_exclusive_group()
@@ -74,7 +80,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", metavar="OUT.npz", help="write the results here (atomically)")
     p.add_argument("--weights", metavar="W.npz",
                    help="arrays for dense_resource constants (default: the .npz beside FILE with its stem)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"simulated chip (default {DEFAULT_TARGET})")
+    add_target_options(p)
     pipe = p.add_mutually_exclusive_group()
     pipe.add_argument("--passes", metavar="PIPELINE", help="GE pipeline (lower is added at the end)")
     pipe.add_argument("--no-fuse", action="store_true", help="the default pipeline without fusion")
@@ -150,12 +156,7 @@ def _resource_consts(graph: Graph) -> list:
 def load_weights(graph: Graph, args: argparse.Namespace, printer: DiagnosticPrinter) -> dict[str, np.ndarray]:
     """The arrays the graph's dense_resource constants name, checked against their types."""
     consts = _resource_consts(graph)
-    if args.weights:
-        path = args.weights
-    elif args.input != "-":
-        path = str(Path(args.input).with_suffix(".npz"))
-    else:
-        path = None
+    path = weights_path(args)
     if not consts:
         if args.weights:
             _load_npz(path, "weights")  # an explicit archive must at least be readable
@@ -439,11 +440,24 @@ def trace_json(results: list, span_groups: list[list[tuple]]) -> str:
 
 # --- the tool --------------------------------------------------------------------------------------------
 
+def weights_path(args: argparse.Namespace) -> str | None:
+    """--weights, else the .npz beside FILE with its stem (None for stdin)."""
+    if args.weights:
+        return args.weights
+    return str(Path(args.input).with_suffix(".npz")) if args.input != "-" else None
+
+
+def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
+    """No output onto the graph, its weights or an --inputs archive, nor two outputs onto one file."""
+    weights = ("--weights" if args.weights else "the weights archive beside FILE", weights_path(args))
+    inputs = [("FILE", args.input), weights] + [("--inputs", path) for path in args.inputs]
+    refuse_overwrites(inputs, [("--output", args.output), ("--profile-json", args.profile_json),
+                               ("--trace", args.trace), ("--timeline", args.timeline)])
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        load_target(args.target)
-    except KeyError as e:
-        raise ToolError(str(e), EXIT_USAGE)
+    check_target(args.target)
+    refuse_overwriting_inputs(args)
     if args.timeline:
         from geir.runtime.timeline import matplotlib_available
 
