@@ -82,6 +82,10 @@ class Kernel:
     OPS: ClassVar[tuple[str, ...]] = ()
     TILING: ClassVar[type[KernelTiling]] = KernelTiling
 
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        """Why this kernel cannot compute the op on these operands at all (a dtype its units lack), or None."""
+        return None
+
     def needs_tiling(self, sig: OpSignature) -> bool:
         """Whether this op becomes a launch that needs a tiling (a reshape of ND data is a view: no)."""
         return True

@@ -24,7 +24,7 @@ from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
 from geir.kernels.flash_attention_tiling import FlashTiling, flash_budget
-from geir.kernels.tiling import Budget, Miss, OpSignature
+from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
 from geir.target_npu.sim import CapacityError, cube_cycles, local_copy_cycles, spread, vector_cycles
 from geir.target_npu.target import Target
@@ -62,6 +62,9 @@ class FlashAttentionKernel(Kernel):
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> FlashTiling | Miss:
         return tiling_rules.choose(sig, target, buffers)
+
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        return cube_refuses(sig.operands[:3], target)
 
     def budget(self, tiling: FlashTiling, sig: OpSignature, target: Target) -> Budget:
         return tiling_rules.budget(tiling, sig, target)

@@ -41,7 +41,7 @@ from geir.kernels.data_movement import (
     share_pieces,
 )
 from geir.kernels.matmul_tiling import MatmulTiling, matmul_budget
-from geir.kernels.tiling import Budget, Miss, OpSignature
+from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
 from geir.kernels.vector import elementwise_passes
 from geir.ops.numerics import round_to
 from geir.target_npu.sim import cube_cycles, local_copy_cycles, spread, vector_cycles
@@ -61,6 +61,9 @@ class MatmulKernel(Kernel):
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> MatmulTiling | Miss:
         return tiling_rules.choose(sig, target, buffers)
+
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        return cube_refuses(sig.operands[:2], target)
 
     def budget(self, tiling: MatmulTiling, sig: OpSignature, target: Target) -> Budget:
         return tiling_rules.budget(tiling, sig, target)

@@ -236,3 +236,11 @@ def halve(tiling: KernelTiling, key: str, least: int) -> tuple[KernelTiling, str
     if tiling.buffers == 2:
         return attrs.evolve(tiling, buffers=1), "buffers 2 -> 1"
     return None
+
+
+def cube_refuses(types: tuple[TensorType | None, ...], chip: Target) -> str | None:
+    """Why the cube cannot multiply operands of these types (a dtype it has no mode for), or None."""
+    for t in types:
+        if t is not None and t.dtype.value not in chip.data["cube"]:
+            return f"the cube of {chip.name} has no {t.dtype} mode"
+    return None

@@ -167,7 +167,7 @@ class Runtime:
 
     def _tilings(self, program: Graph) -> dict[int, KernelTiling | None]:
         """Every launch's tiling, decoded once from its attribute by its kernel; RuntimeFailure at a bad one."""
-        tilings, problems = load_tilings(program)
+        tilings, problems = load_tilings(program, self.target)
         if problems:
             raise RuntimeFailure(f"{problems[0].loc}: {problems[0].message}")
         return tilings
@@ -242,9 +242,10 @@ class Runtime:
         return stats
 
 
-def load_tilings(program: Graph) -> tuple[dict[int, KernelTiling | None], list[Diagnostic]]:
+def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling | None], list[Diagnostic]]:
     """Each launch's typed tiling (by id of the launch), decoded by its kernel from the `tiling` attribute,
-    and an error at every launch whose kernel is unknown or whose tiling attribute is malformed."""
+    and an error at every launch whose kernel is unknown, refuses its operands on `target` (a dtype the
+    cube has no mode for) or whose tiling attribute is malformed."""
     tilings: dict[int, KernelTiling | None] = {}
     problems: list[Diagnostic] = []
     for op in program.ops:
@@ -253,6 +254,10 @@ def load_tilings(program: Graph) -> tuple[dict[int, KernelTiling | None], list[D
         kernel = KERNELS.get(op.kernel)
         if kernel is None:
             problems.append(Diagnostic("error", f"no kernel implements {op.kernel}", op.attr_loc("kernel")))
+            continue
+        refusal = kernel.refuses(_launch_signature(op), target)
+        if refusal is not None:
+            problems.append(Diagnostic("error", f"{op.kernel} cannot run: {refusal}", op.loc))
             continue
         try:
             tilings[id(op)] = kernel.decode(op.tiling, f"the tiling of {op.kernel}") if op.tiling else None

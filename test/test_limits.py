@@ -148,3 +148,46 @@ def test_weights_named_like_savez_parameters_survive_geimport(tmp_path, capsys):
     with np.load(tmp_path / "m.npz") as z:
         assert sorted(z.files) == ["allow_pickle", "file"]
         assert all(np.array_equal(z[n], a) for n, a in inits.items())
+
+
+def _lowered_matmul(tmp_path, old: str, new: str) -> str:
+    src = tmp_path / "m.geir"
+    src.write_text("""ge.graph @main(%a: tensor<16x16xf16>, %b: tensor<16x16xf16>) -> tensor<16x16xf16> {
+  %c = ge.matmul %a, %b
+  ge.return %c
+}
+""")
+    out = tmp_path / "p.geir"
+    assert geopt_main([str(src), "--passes=lower", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert old in text
+    bad = tmp_path / "bad.geir"
+    bad.write_text(text.replace(old, new))
+    return str(bad)
+
+
+def test_a_launch_whose_kernel_rejects_its_operands_is_an_error_at_the_launch(tmp_path, capsys):
+    path = _lowered_matmul(tmp_path, "rt.h2d %a {offset = 0, stream = 0} : tensor<16x16xf16>",
+                           "rt.h2d %a {offset = 0, stream = 0} : tensor<16x8xf16>")
+    capsys.readouterr()
+    assert gerun_main([path]) == 1
+    err = capsys.readouterr().err
+    assert "error: ge.matmul does not type-check on tensor<16x8xf16>, tensor<16x16xf16>" in err and "^" in err
+
+
+def test_a_launch_the_cube_cannot_compute_is_an_error_before_the_run(tmp_path, capsys):
+    path = _lowered_matmul(tmp_path, "tensor<16x16xf16>", "tensor<16x16xi1>")
+    capsys.readouterr()
+    assert gerun_main([path]) == 1
+    err = capsys.readouterr().err
+    assert "error: ge.matmul cannot run: the cube of ascend910b has no i1 mode" in err
+    assert "internal error" not in err and "KeyError" not in err
+
+
+@pytest.mark.parametrize("tool", [gerun_main, gedoctor_main])
+def test_a_negative_seed_is_a_usage_error(tool, tmp_path, capsys):
+    src = tmp_path / "g.geir"
+    src.write_text(HUGE.replace("1000000x1000000", "4x4"))
+    with pytest.raises(SystemExit) as e:
+        tool([str(src), "--seed", "-1"])
+    assert e.value.code == 2 and "argument --seed: must be 0 or more, not -1" in capsys.readouterr().err

@@ -177,3 +177,14 @@ def run_tool(tool: str, run: Callable[[argparse.Namespace], int], args: argparse
             raise
         tool_error(tool, f"internal error: {type(e).__name__}: {e} (set GEIR_TRACEBACK=1 to see where)")
         return EXIT_FAILURE
+
+
+def seed(text: str) -> int:
+    """argparse type of --seed: a non-negative integer (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from geir.tools.common import (
+    seed,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -67,7 +68,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--entry", metavar="NAME", help="the graph to diagnose (default @main, else the only graph)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--inputs", metavar="IN.npz", help="inputs by argument name (default: random, --seed 0)")
-    src.add_argument("--seed", type=int, default=0, metavar="N", help="random normal inputs from this seed")
+    src.add_argument("--seed", type=seed, default=0, metavar="N", help="random normal inputs from this seed")
     p.add_argument("--weights", metavar="W.npz",
                    help="arrays for dense_resource constants (default: the .npz beside FILE with its stem)")
     add_target_options(p)

@@ -35,6 +35,7 @@ import numpy as np
 from geir.passes import PipelineError
 from geir.target_npu.target import load_target
 from geir.tools.common import (
+    seed,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -76,7 +77,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--inputs", action="append", default=[], metavar="IN.npz",
                      help="inputs by argument name (repeat for several runs in one session)")
-    src.add_argument("--seed", type=int, metavar="N", help="random normal inputs from this seed (default 0)")
+    src.add_argument("--seed", type=seed, metavar="N", help="random normal inputs from this seed (default 0)")
     p.add_argument("--output", "-o", metavar="OUT.npz", help="write the results here (atomically)")
     p.add_argument("--weights", metavar="W.npz",
                    help="arrays for dense_resource constants (default: the .npz beside FILE with its stem)")
@@ -513,7 +514,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         from geir.runtime.interpreter import load_tilings
 
         program = graph
-        problems = load_tilings(program)[1]
+        problems = load_tilings(program, load_target(args.target))[1]
         for d in problems:
             printer(d)
         if problems:

@@ -7,8 +7,8 @@ across streams by events (`rt.record` / `rt.wait`), as CANN's aclrt streams and 
 
 from __future__ import annotations
 
-from geir.ir import Operation
-from geir.opdef import Attr, OPS, op
+from geir.ir import Operation, Value
+from geir.opdef import OPS, Attr, ShapeError, op
 from geir.ops.core import Const
 from geir.traits import Terminator
 from geir.types import TensorType
@@ -62,6 +62,27 @@ class Launch(_Declared):
             return f"rt.launch of unknown kernel '{self.kernel}'"
         if len(self.offsets) != len(self.results):
             return f"rt.launch has {len(self.results)} results but {len(self.offsets)} offsets"
+        return self._kernel_problem()
+
+    def _kernel_problem(self) -> str | None:
+        """Why the kernel's op does not accept these operands or give these results (its own checks and shape rule)."""
+        from geir.builder import create_op, infer_result_types  # the builder sits beside the ops it builds
+
+        types = [v.type for v in self.operands]
+        if any(t is None for t in types):
+            return None
+        operands = [Value(t, v.name) for t, v in zip(types, self.operands)]
+        try:
+            kernel_op = create_op(self.kernel, operands, [r.type for r in self.results], dict(self.attrs), self.loc)
+            why = kernel_op.verify()
+            if why is not None:
+                return f"{self.kernel}: {why}"
+            inferred = infer_result_types(kernel_op, types)
+        except ShapeError as e:  # its message names the kernel's op already
+            return str(e)
+        for i, (r, t) in enumerate(zip(self.results, inferred)):
+            if r.type is not None and t is not None and (r.type.shape != t.shape or r.type.dtype != t.dtype):
+                return f"{self.kernel} gives result {i} as {t}, but the launch declares {r.type}"
         return None
 
 
