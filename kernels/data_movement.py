@@ -34,7 +34,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.kernels import vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_kernel
-from geir.kernels.tiling import Budget, Miss, OpSignature, TilingError, Untiled
+from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import VectorTiling
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory, spread, vector_cycles
 from geir.target_npu.target import Target
@@ -318,23 +318,15 @@ def copy_kernel(pairs: list[CopyPair], elems: int, buffers: int, ctx: LaunchCont
             slots.step(lanes.used(on), load, vec, store, names=(f"load {name}", name, f"store {name}"))
 
 
-class _CopyKernel(Kernel):
-    """Shared run: build the (source view, destination view) pairs, then move them.
+class FlatTiledKernel(Kernel):
+    """A kernel tiled as flat chunks of elements on the vector units (elementwise ops and copies), its
+    template naming the kind: the vector tiling's TilingInterface."""
 
-    Tiled as a flat chunk of elements (the vector tiling), under the copy's own template name.
-    """
-
-    VECTOR_PASSES = 0
     TILING = VectorTiling
-    TEMPLATE = "DataCopy"
+    TEMPLATE = tiling_rules.ELEMENTWISE
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> VectorTiling | Miss:
-        try:
-            return tiling_rules.choose_elementwise_tiling(sig, target, buffers, self.TEMPLATE)
-        except Untiled as e:
-            return Miss(str(e))
-        except TilingError as e:
-            return Miss(str(e), overflow=True)
+        return choice(lambda: tiling_rules.choose_elementwise_tiling(sig, target, buffers, self.TEMPLATE))
 
     def budget(self, tiling: VectorTiling, sig: OpSignature, target: Target) -> Budget:
         return tiling_rules.elementwise_budget(tiling, sig, target)
@@ -344,6 +336,13 @@ class _CopyKernel(Kernel):
 
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[VectorTiling]:
         return tiling_rules.elementwise_candidates(sig, target, buffers, self.TEMPLATE)
+
+
+class _CopyKernel(FlatTiledKernel):
+    """Shared run: build the (source view, destination view) pairs, then move them."""
+
+    VECTOR_PASSES = 0
+    TEMPLATE = "DataCopy"
 
     def pairs(self, op: Operation, inputs: list[np.ndarray],
               outs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, int, int]]:

@@ -22,6 +22,7 @@ from geir.kernels.tiling import (
     align,
     as_target,
     check_buffers,
+    choice,
     fractal,
     halve,
     halvings,
@@ -232,13 +233,8 @@ def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, TensorType, bool
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Miss:
     """The rule's tiling for one flash_attention, or why there is none."""
     q, k, v, causal, has_mask, layout, mask_itemsize = _problem(sig)
-    try:
-        return choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
-                                   mask_itemsize=mask_itemsize)
-    except Untiled as e:
-        return Miss(str(e))
-    except TilingError as e:
-        return Miss(str(e), overflow=True)
+    return choice(lambda: choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
+                                              mask_itemsize=mask_itemsize))
 
 
 def budget(tiling: FlashTiling, sig: OpSignature, chip: Target) -> Budget:

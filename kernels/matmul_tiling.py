@@ -16,6 +16,7 @@ from geir.kernels.tiling import (
     align,
     as_target,
     check_buffers,
+    choice,
     fractal,
     halve,
     halvings,
@@ -136,12 +137,8 @@ def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, bool, bool, bool
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> MatmulTiling | Miss:
     """The rule's base block for one matmul or fused_matmul, or why there is none."""
     a, b, ta, tb, epilogue, bias = _problem(sig)
-    try:
-        return choose_matmul_tiling(a, b, chip, buffers, transpose_a=ta, transpose_b=tb, epilogue=epilogue, bias=bias)
-    except Untiled as e:
-        return Miss(str(e))
-    except TilingError as e:
-        return Miss(str(e), overflow=True)
+    return choice(lambda: choose_matmul_tiling(a, b, chip, buffers, transpose_a=ta, transpose_b=tb,
+                                               epilogue=epilogue, bias=bias))
 
 
 def budget(tiling: MatmulTiling, sig: OpSignature, chip: Target) -> Budget:

@@ -14,7 +14,7 @@ precisely what is wrong with a malformed attribute). Kernels receive the typed v
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import attrs
 
@@ -45,6 +45,16 @@ class Miss:
 
     reason: str
     overflow: bool = False
+
+
+def choice(rule: Callable[[], "KernelTiling"]) -> "KernelTiling | Miss":
+    """A tiling rule's result, or its Miss: untiled (a remark), or when nothing fits an overflow (an error)."""
+    try:
+        return rule()
+    except Untiled as e:
+        return Miss(str(e))
+    except TilingError as e:
+        return Miss(str(e), overflow=True)
 
 
 @attrs.frozen

@@ -21,10 +21,12 @@ import math
 
 import numpy as np
 
+from geir.builder import create_op
 from geir.ir import Operation
 from geir.kernels import vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, issue, register_kernel
 from geir.kernels.data_movement import (
+    FlatTiledKernel,
     GmTensor,
     UbSlots,
     VectorLanes,
@@ -37,7 +39,7 @@ from geir.kernels.data_movement import (
     result_dtype,
     share_pieces,
 )
-from geir.kernels.tiling import Budget, Miss, OpSignature, TilingError, Untiled
+from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import RowTiling, VectorTiling, reduced_axes
 from geir.opdef import ops_with_trait
 from geir.ops.fused import chainable_ops
@@ -130,24 +132,10 @@ class _Streams:
 # --- elementwise ------------------------------------------------------------------------------------
 
 @register_kernel
-class ElementwiseKernel(Kernel):
+class ElementwiseKernel(FlatTiledKernel):
     """Every elementwise op, and fused chains of them, over the flattened output."""
 
     OPS = chainable_ops() + ("ge.fused_elementwise",)
-    TILING = VectorTiling
-    TEMPLATE = tiling_rules.ELEMENTWISE
-
-    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> VectorTiling | Miss:
-        return _chosen(lambda: tiling_rules.choose_elementwise_tiling(sig, target, buffers, self.TEMPLATE))
-
-    def budget(self, tiling: VectorTiling, sig: OpSignature, target: Target) -> Budget:
-        return tiling_rules.elementwise_budget(tiling, sig, target)
-
-    def shrink(self, tiling: VectorTiling) -> tuple[VectorTiling, str] | None:
-        return tiling_rules.shrink_elementwise(tiling)
-
-    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[VectorTiling]:
-        return tiling_rules.elementwise_candidates(sig, target, buffers, self.TEMPLATE)
 
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
@@ -214,22 +202,12 @@ class ElementwiseKernel(Kernel):
 
 # --- row ops -------------------------------------------------------------------------------------------
 
-def _chosen(rule) -> object:
-    """A tiling rule's result, or its Miss: untiled (a remark) or, when nothing fits, an overflow (an error)."""
-    try:
-        return rule()
-    except Untiled as e:
-        return Miss(str(e))
-    except TilingError as e:
-        return Miss(str(e), overflow=True)
-
-
 def _row_op(op: Operation) -> Operation:
     """A detached op of the same kind that works on the last axis of a [tiles, rows, C] array."""
     attrs = {"ge.softmax": {"axis": -1},
              "ge.layer_norm": {"axis": -1, "epsilon": op.attr("epsilon")},
              "ge.rms_norm": {"epsilon": op.attr("epsilon")}}.get(op.name, {"axes": [-1], "keepdims": False})
-    return type(op)(op.name, [], [], attrs)
+    return create_op(op.name, [], [], attrs)
 
 
 @register_kernel
@@ -240,7 +218,7 @@ class RowKernel(Kernel):
     TILING = RowTiling
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> RowTiling | Miss:
-        return _chosen(lambda: tiling_rules.choose_row_tiling(sig, target, buffers))
+        return choice(lambda: tiling_rules.choose_row_tiling(sig, target, buffers))
 
     def budget(self, tiling: RowTiling, sig: OpSignature, target: Target) -> Budget:
         return tiling_rules.row_budget(tiling, sig, target)

@@ -253,9 +253,7 @@ def test_readme_example_runs_and_prints_what_the_readme_shows():
 
 SOURCE_DIRS = ("geir", "passes", "runtime", "session", "frontends", "kernels")
 # (file, function) that still assemble an op by hand, and why
-KNOWN_EXCEPTIONS = {
-    ("kernels/vector.py", "_row_op"): "kernels/ is being rewritten separately; it moves to create_op there",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 # use lists are edited (not assembled) by Value.replace_all_uses_with and Operation.set_operand
 USE_LIST_EDITS = "geir/ir.py"
 
