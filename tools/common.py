@@ -184,7 +184,7 @@ def seed(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None  # argparse's own words
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
