@@ -437,12 +437,12 @@ def readme_runs(tmp_path_factory) -> dict[int, subprocess.CompletedProcess | str
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # as in an activated venv
     results: dict[int, subprocess.CompletedProcess | str] = {}
     for i, command in enumerate(COMMANDS):
-        run, why = runnable(command)
+        # scratch files the README puts under /tmp go to this test's own folder: runs in parallel must not
+        # share (replaced in the README's words only: this environment itself may live under /tmp)
+        run, why = runnable(command.replace("/tmp/", f"{scratch}/"))
         if run is None:
             results[i] = why
             continue
-        # scratch files the README puts under /tmp go to this test's own folder: runs in parallel must not share
-        run = run.replace("/tmp/", f"{scratch}/")
         results[i] = subprocess.run(["bash", "-c", run], cwd=clone, env=env, capture_output=True, text=True,
                                     timeout=600)
     return results
