@@ -8,7 +8,7 @@ across streams by events (`rt.record` / `rt.wait`), as CANN's aclrt streams and 
 from __future__ import annotations
 
 from geir.ir import Operation
-from geir.opdef import Attr, OPS, op
+from geir.opdef import Attr, OPS, op, operand_count_error
 from geir.ops.core import Const
 from geir.traits import Terminator
 from geir.types import TensorType
@@ -62,7 +62,32 @@ class Launch(_Declared):
             return f"rt.launch of unknown kernel '{self.kernel}'"
         if len(self.offsets) != len(self.results):
             return f"rt.launch has {len(self.results)} results but {len(self.offsets)} offsets"
-        return None
+        # the kernel op's own checks, as its graph op passed them before `lower`: the Runtime runs it as one
+        kernel = self.kernel_op()
+        count = operand_count_error(type(kernel), len(self.operands))
+        if count is not None:
+            return f"rt.launch of {self.kernel}: {self.kernel} {count}"
+        want = kernel.NUM_RESULTS
+        if want is not None and want != len(self.results):
+            return f"rt.launch of {self.kernel} has {len(self.results)} results; {self.kernel} produces {want}"
+        for key, spec in kernel.ATTRS.items():
+            why = spec.check(kernel.attributes[key]) if key in kernel.attributes else (
+                f"needs attribute '{key}'" if spec.required else None)
+            if why is not None:
+                return f"rt.launch of {self.kernel}: {why}"
+        unknown = [key for key in kernel.attributes if key not in kernel.ATTRS]
+        if unknown:
+            return f"rt.launch of {self.kernel}: unknown attribute '{unknown[0]}' in attrs"
+        why = kernel.verify()
+        return f"rt.launch of {self.kernel}: {why}" if why is not None else None
+
+    def infer(self, *types: TensorType):
+        """The results the kernel's own shape rule gives: a launch must declare those (the Runtime stores them)."""
+        return self.kernel_op().infer(*types)
+
+    def kernel_op(self) -> Operation:
+        """The kernel's op on the launch's operands and results, with its attributes (for its checks; unplaced)."""
+        return OPS[self.kernel](self.kernel, list(self.operands), list(self.results), dict(self.attrs), self.loc, None)
 
 
 @op("rt.record")
