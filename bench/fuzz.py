@@ -39,6 +39,8 @@ def main() -> None:
           f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun/gedoctor runs dropped as slow")
     for tool in ("geopt", "gerun", "geimport", "gedoctor"):
         runs = [o for o in outcomes if o.case.tool == tool]
+        if not runs:
+            continue
         codes = collections.Counter(o.code for o in runs if not o.problem and not o.slow)
         print(f"  {tool:<9} {len(runs):>6} runs, {sum(1 for o in runs if o.problem):>4} failures, exit codes "
               + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items())))
