@@ -1,10 +1,10 @@
-"""Long fuzz campaigns of geopt, gerun and geimport: runs, failures and the distinct reproducers.
+"""Long fuzz campaigns of geopt, gerun, geimport and gedoctor: runs, failures and the distinct reproducers.
 
-    python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--out DIR]
+    python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--gedoctor 0] [--out DIR]
 
 Mutates the example and lit programs (and small ONNX models) with geir.tools.fuzz and runs each
-tool in-process on every case. A failure is an exit code other than 0/1/2, a traceback, an
-internal error, or a diagnostic outside the input. Failures are grouped by kind; with --out, one
+tool in-process on every case (gedoctor on programs and models alike). A failure is an exit code
+other than 0/1/2, a traceback, an internal error, or a diagnostic outside the input. Failures are grouped by kind; with --out, one
 reproducer file per kind is written there.
 """
 
@@ -24,19 +24,23 @@ def main() -> None:
     ap.add_argument("--geopt", type=int, default=10000)
     ap.add_argument("--gerun", type=int, default=500)
     ap.add_argument("--geimport", type=int, default=500)
+    ap.add_argument("--gedoctor", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write one reproducer per distinct failure here")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    outcomes = campaign(args.seed, {"geopt": args.geopt, "gerun": args.gerun, "geimport": args.geimport})
+    outcomes = campaign(args.seed, {"geopt": args.geopt, "gerun": args.gerun, "geimport": args.geimport,
+                                    "gedoctor": args.gedoctor})
     seconds = time.perf_counter() - t0
     failures = [o for o in outcomes if o.problem]
     kinds: dict[str, list] = collections.defaultdict(list)
     for o in failures:
         kinds[signature(o)].append(o)
     print(f"{len(outcomes)} runs in {seconds:.0f} s (seed {args.seed}): {len(failures)} failures, "
-          f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun runs dropped as slow")
-    for tool in ("geopt", "gerun", "geimport"):
+          f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun/gedoctor runs dropped as slow")
+    for tool in ("geopt", "gerun", "geimport", "gedoctor"):
         runs = [o for o in outcomes if o.case.tool == tool]
+        if not runs:
+            continue
         codes = collections.Counter(o.code for o in runs if not o.problem and not o.slow)
         print(f"  {tool:<9} {len(runs):>6} runs, {sum(1 for o in runs if o.problem):>4} failures, exit codes "
               + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items())))

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import onnx
+from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 
 import geir.frontends.onnx_attention  # noqa: F401  (registers the Attention converter)
@@ -23,11 +24,19 @@ from geir.frontends.onnx_node import CONVERTERS, Node, UseFunctionBody
 from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor, dtype_of
 from geir.ir import Graph, Module
 from geir.types import TensorType
-from geir.verifier import verify_module
+from geir.verifier import size_problem, verify_module
+
+# function bodies inside function bodies: a deeper chain is refused (each level is a few Python frames)
+MAX_FUNCTION_NESTING = 64
 
 
 def _domain(d: str) -> str:
     return "" if d == "ai.onnx" else d
+
+
+def supported_opsets() -> range:
+    """The versions of the default ONNX domain the importer reads: those the installed onnx defines."""
+    return range(1, onnx.defs.onnx_opset_version() + 1)
 
 
 class OnnxGraphImporter:
@@ -43,9 +52,15 @@ class OnnxGraphImporter:
         self.b = GraphBuilder(self.graph)
         self.env: dict[str, Tensor] = {}
         self.count = 0
+        # the function-defined ops being expanded, outermost first (a local function may not call itself)
+        self.expanding: list[tuple[str, str]] = []
 
     def run(self) -> tuple[Module, dict[str, np.ndarray]]:
         g = self.model.graph
+        check_text_fields(self.model)
+        problem = _opset_problem(self.opsets, "the model", any(_domain(n.domain) == "" for n in g.node))
+        if problem is not None:
+            raise problem
         if g.sparse_initializer:
             raise OnnxImportError("sparse initializers are not supported", unsupported=True)
         for init in g.initializer:
@@ -95,7 +110,15 @@ class OnnxGraphImporter:
         if not tt.HasField("shape"):
             raise OnnxImportError(f"graph input '{vi.name}' has no shape (its rank is unknown)", unsupported=True)
         dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
-        return TensorType(dims, dtype)
+        for axis, d in enumerate(dims):
+            if d is not None and d < 0:
+                raise OnnxImportError(f"graph input '{vi.name}' has dimension {d} at axis {axis}; a dimension is "
+                                      f"0 or more (or a dim_param for one known only at run time)")
+        t = TensorType(dims, dtype)
+        problem = size_problem(t)
+        if problem is not None:
+            raise OnnxImportError(f"graph input '{vi.name}': {problem}", unsupported=True)
+        return t
 
     def _check_declared(self, out: onnx.ValueInfoProto, t: TensorType) -> None:
         """A declared output type must agree with what the graph computes."""
@@ -128,6 +151,9 @@ class OnnxGraphImporter:
         except OnnxImportError as e:  # from a node of its function body
             raise OnnxImportError(f"in its ONNX function body, {e}", label, node.op_type,
                                   unsupported=e.unsupported) from None
+        except MemoryError:  # a constant it computes (a pad, a broadcast) is too large for this host
+            raise OnnxImportError("importing it needs more memory than this host has", label, node.op_type,
+                                  unsupported=True) from None
         except Exception as e:  # noqa: BLE001 - a converter's bug still names the node it failed on
             raise OnnxImportError(f"internal error: {type(e).__name__}: {e}", label, node.op_type) from e
         for i, name in enumerate(node.output):
@@ -203,8 +229,22 @@ class OnnxGraphImporter:
                                     f"body; it is imported only where all its inputs are known at import time")
             raise ImportProblem(f"unsupported op{domain}: neither GEIR nor ONNX knows {node.op_type}")
         nodes, body_opsets = body
-        for inner in nodes:
-            self._convert(inner, body_opsets)
+        key = (node.domain, node.op_type)
+        if key in self.local_functions and key in self.expanding:
+            cycle = [name for _, name in self.expanding[self.expanding.index(key):]] + [node.op_type]
+            raise ImportProblem(f"model-local function '{node.op_type}' is recursive ({' -> '.join(cycle)}): "
+                                f"its body cannot be imported", unsupported=False)
+        if len(self.expanding) == MAX_FUNCTION_NESTING:
+            raise ImportProblem(f"function bodies nest more than {MAX_FUNCTION_NESTING} deep", unsupported=False)
+        problem = _opset_problem(body_opsets, "its function body", any(_domain(n.domain) == "" for n in nodes))
+        if problem is not None:
+            raise ImportProblem(problem.reason, problem.unsupported)
+        self.expanding.append(key)
+        try:
+            for inner in nodes:
+                self._convert(inner, body_opsets)
+        finally:
+            self.expanding.pop()
         return [self.env.get(name) if name else None for name in node.output]
 
     @staticmethod
@@ -227,3 +267,37 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.HasField("graph"):
         raise OnnxImportError("not an ONNX model (it has no graph)")
     return model
+
+
+def check_text_fields(model: onnx.ModelProto) -> None:
+    """OnnxImportError naming the first string field that is not UTF-8 (protobuf hands those over as bytes)."""
+    stack: list[tuple[object, str]] = [(model, "model")]
+    while stack:  # iterative: a model of 20,000 nodes is a wide tree, a nested function graph a deep one
+        message, path = stack.pop()
+        for field, value in message.ListFields():
+            # a singular field's value is the message or string itself, a repeated one's a container of them
+            if field.type == field.TYPE_MESSAGE:
+                if isinstance(value, Message):
+                    stack.append((value, f"{path}.{field.name}"))
+                else:
+                    stack.extend((v, f"{path}.{field.name}[{i}]") for i, v in enumerate(value))
+            elif field.type == field.TYPE_STRING:
+                values = [value] if isinstance(value, (str, bytes)) else list(value)
+                if any(isinstance(v, bytes) for v in values):
+                    raise OnnxImportError(f"not an ONNX model: {path}.{field.name} is not valid UTF-8 text")
+
+
+def _opset_problem(opsets: dict[str, int], what: str, needed: bool) -> OnnxImportError | None:
+    """The default domain's version must be one the importer reads, and given where its ops are used."""
+    version = opsets.get("")
+    supported = supported_opsets()
+    span = f"{supported.start} to {supported.stop - 1}"
+    if version is None:
+        if not needed:
+            return None
+        return OnnxImportError(f"{what} uses ONNX ops but imports no version of the default domain (opset_import); "
+                               f"GEIR reads opsets {span}")
+    if version in supported:
+        return None
+    return OnnxImportError(f"{what} imports opset {version} of the default domain; GEIR reads opsets {span} "
+                           f"(those of onnx {onnx.__version__})", unsupported=version > supported.stop - 1)

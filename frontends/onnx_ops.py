@@ -15,6 +15,7 @@ from geir.frontends.onnx_shapes import broadcast_shape, broadcast_to, normalize_
 from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor, dtype_of
 from geir.ops.numerics import multiply_dims
 from geir.types import DType
+from geir.verifier import size_problem
 
 Inputs = list[Tensor | None]
 
@@ -415,6 +416,9 @@ def _split(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
         if dim is None:
             raise ImportProblem("Split into equal parts along a dimension known only at run time")
         count = node.attr("num_outputs", count)
+        if count != len(node.outputs):  # before the sizes are listed: a count is not bounded by the model's size
+            raise ImportProblem(f"Split into {count} parts but the node has {len(node.outputs)} outputs",
+                                unsupported=False)
         chunk = -(-dim // count)  # ceil: the last part is the smaller one (opset 18)
         sizes = [min(chunk, dim - i * chunk) for i in range(count)]
     if len(sizes) != len(node.outputs):
@@ -514,6 +518,11 @@ def _pad(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
             continue
         if None in x.shape:
             raise ImportProblem("Pad of a tensor whose shape is known only at run time")
+        padded = list(x.shape)
+        padded[axis] += before + after
+        why = size_problem(x.type.with_shape(tuple(padded)))
+        if why is not None:  # before the slabs are allocated
+            raise ImportProblem(f"the padded result: {why}")
         parts = []
         for amount in (before, after):
             shape = list(x.shape)

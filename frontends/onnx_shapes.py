@@ -10,6 +10,11 @@ from geir.opdef import ShapeError
 from geir.types import Dim
 
 
+# a broadcast is written as copies concatenated, one operand each (the spelling GE's grouped-query attention
+# rule reads): past this many along one axis the op would fit no tiling, and billions not even in memory
+MAX_COPIES = 1 << 16
+
+
 def normalize_axis(axis: int, rank: int, what: str = "axis") -> int:
     """An ONNX axis in [-rank, rank) made non-negative."""
     if not -rank <= axis < rank:
@@ -66,6 +71,10 @@ def broadcast_to(b: GraphBuilder, x: Tensor, shape: Sequence[Dim]) -> Tensor:
                                 unsupported=None in (have, want))
         if want == 0:
             x = b.emit1("ge.slice", [x], {"axes": [axis], "starts": [0], "ends": [0]})
+        elif want > MAX_COPIES:
+            shown = "x".join(str(d) for d in shape)
+            raise ImportProblem(f"cannot broadcast {x.type} to {shown}: that is {want} copies along axis {axis}, and "
+                                f"GEIR writes a broadcast as copies concatenated, at most {MAX_COPIES}")
         else:
             x = b.emit1("ge.concat", [x] * want, {"axis": axis})
     return x

@@ -13,13 +13,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from geir.attributes import DenseAttr
+from geir.attributes import MAX_LITERAL_RANK, DenseAttr
 from geir.builder import Builder, create_op, infer_result_types
 from geir.ir import Graph, Value
 from geir.opdef import ShapeError
 from geir.reference import run_op
 from geir.traits import Terminator
 from geir.types import DType, TensorType
+from geir.verifier import size_problem
 
 # Initializers (and constants computed from them: weights stay weights) larger than this go to the
 # weights archive (dense_resource); smaller ones are literals.
@@ -59,10 +60,10 @@ def _is_splat(arr: np.ndarray) -> bool:
     """Every element is the same (floats compared bit for bit: -0.0 and 0.0 differ, equal NaNs agree)."""
     if arr.size == 0:
         return False
-    a = storable(arr)
+    a = storable(arr).reshape(-1)  # flat: numpy cannot compare an array of over 32 dimensions with its element
     if a.dtype.kind == "f":
         a = a.view(f"u{a.dtype.itemsize}")
-    return bool(np.all(a == a.flat[0]))
+    return bool(np.all(a == a[0]))
 
 
 @attrs.define(eq=False)
@@ -121,7 +122,7 @@ class GraphBuilder(Builder):
             name = t.name or None
             if _is_splat(arr):
                 t.value = self.constant(DenseAttr(storable(np.asarray(arr.flat[0]))), t.type, name=name)  # one value
-            elif arr.size > limit:
+            elif arr.size > limit or arr.ndim > MAX_LITERAL_RANK:  # the archive holds any rank, a literal 32
                 key = self._resource_key(t.name or "const")
                 self.resources[key] = storable(np.ascontiguousarray(arr))
                 t.value = self.resource(key, t.type, name=name)
@@ -149,6 +150,10 @@ class GraphBuilder(Builder):
             inferred = infer_result_types(probe, [t.type for t in operands])
         except ShapeError as e:
             raise ImportProblem(str(e), unsupported=False) from None
+        for t in inferred:
+            why = size_problem(t) if t is not None else None
+            if why is not None:
+                raise ImportProblem(f"{name}: {why}", unsupported=True)
         if all(t.is_const for t in operands):
             arrays = run_op(probe, [t.array for t in operands], result_types=inferred)
             weight = any(t.initializer for t in operands)

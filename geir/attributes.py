@@ -12,6 +12,11 @@ import numpy as np
 
 from geir.types import DType, TensorType
 
+# numpy takes arrays of up to 64 dimensions, but its multi-operand iterator only 32 (comparing an array of
+# more with one of its own elements raises), so an array held in a literal has at most 32; a splat, one
+# value, initialises a tensor of any rank
+MAX_LITERAL_RANK = 32
+
 
 class NestedList(list):
     """A list literal from the parser that remembers how deeply it nests (to refuse absurd depth)."""
@@ -37,11 +42,11 @@ class DenseAttr:
 
     def splat_value(self) -> float | int | bool | None:
         """The single value of a splat (or of an array whose elements are all equal), else None."""
-        v = self.values
+        v = self.values.reshape(-1)
         if v.size == 0:
             return None
-        first = v.flat[0]
-        if v.ndim and not np.all(v == first):
+        first = v[0]
+        if not np.all(v == first):
             return None
         return first.item()
 
@@ -58,6 +63,9 @@ class DenseAttr:
 
     def check_against(self, type: TensorType) -> str | None:
         """Why this literal cannot be a value of `type`, or None when it can."""
+        if self.values.ndim > MAX_LITERAL_RANK:
+            return (f"a dense literal of rank {self.values.ndim}: at most {MAX_LITERAL_RANK} dimensions "
+                    f"(a splat takes any)")
         kind = self.values.dtype.kind
         if type.dtype == DType.i1 and kind not in "bi":
             return f"a {_KIND_WORDS[kind]} literal cannot initialise {type}"
@@ -111,41 +119,32 @@ class DenseResourceAttr:
 def literal_to_array(literal: object) -> np.ndarray:
     """Turn a parsed dense literal (scalars and rectangular nested lists) into a numpy array.
 
-    Raises ValueError with a readable reason when the nesting is ragged or the values mix kinds.
+    Raises ValueError with a readable reason when the nesting is ragged or deeper than
+    MAX_LITERAL_RANK, or the values are not numbers or mix kinds. Integers are the parser's,
+    already checked to fit in 64 bits at their tokens.
     """
-    shape = _literal_shape(literal)
-    flat: list = []
-    _flatten(literal, flat)
-    if any(isinstance(x, bool) for x in flat):
-        if not all(isinstance(x, bool) for x in flat):
+    shape: list[int] = []
+    level = [literal]
+    # one nesting level at a time, not recursively: any depth is refused cleanly
+    while any(isinstance(x, list) for x in level):
+        if not all(isinstance(x, list) for x in level) or len({len(x) for x in level}) > 1:
+            raise ValueError("dense literal is ragged: its rows have different shapes")
+        if len(shape) == MAX_LITERAL_RANK:
+            raise ValueError(f"dense literal nests more than {MAX_LITERAL_RANK} deep; a literal has at most "
+                             f"{MAX_LITERAL_RANK} dimensions")
+        shape.append(len(level[0]))
+        level = [y for x in level for y in x]
+    if not all(isinstance(x, (int, float)) for x in level):  # bool is an int
+        raise ValueError("a dense literal holds numbers, true/false, or nested lists of them")
+    if any(isinstance(x, bool) for x in level):
+        if not all(isinstance(x, bool) for x in level):
             raise ValueError("dense literal mixes booleans and numbers")
         dtype = np.bool_
-    elif any(isinstance(x, float) for x in flat):
+    elif any(isinstance(x, float) for x in level):
         dtype = np.float64
     else:
         dtype = np.int64
-        if any(not -(2**63) <= x < 2**63 for x in flat):
-            raise ValueError("integer in dense literal does not fit in 64 bits")
-    return np.array(flat, dtype=dtype).reshape(shape)
-
-
-def _literal_shape(literal: object) -> tuple[int, ...]:
-    if not isinstance(literal, list):
-        return ()
-    if not literal:
-        return (0,)
-    inner = [_literal_shape(x) for x in literal]
-    if any(s != inner[0] for s in inner):
-        raise ValueError("dense literal is ragged: its rows have different shapes")
-    return (len(literal),) + inner[0]
-
-
-def _flatten(literal: object, out: list) -> None:
-    if isinstance(literal, list):
-        for x in literal:
-            _flatten(x, out)
-    else:
-        out.append(literal)
+    return np.array(level, dtype=dtype).reshape(shape)
 
 
 def format_float(v: float) -> str:

@@ -24,7 +24,7 @@ from geir.diagnostics import Diagnostic, DiagnosticError, Location, error
 from geir.ir import Graph, Module, Value
 from geir.opdef import lookup
 from geir.traits import Terminator
-from geir.types import DTYPES, TensorType, TypeSyntaxError, parse_type
+from geir.types import DTYPES, TensorType, TypeSyntaxError, int64, parse_type
 
 MAX_NESTING = 64
 
@@ -206,7 +206,11 @@ class _Builder(lark.Transformer):
         return key, value
 
     def int_value(self, children: list) -> int:
-        return int(children[0])
+        tok = children[0]
+        try:
+            return int64(str(tok), "integer literal")
+        except ValueError as e:
+            raise error(str(e), self.loc(tok)) from None
 
     def float_value(self, children: list) -> float:
         return float(children[0])
@@ -241,18 +245,10 @@ class _Builder(lark.Transformer):
         opener, body = children
         if opener.type == "RESOURCE_OPEN":
             return DenseResourceAttr(_string(body, self)), opener
-        if _holds_only_scalars(body):
-            try:
-                return DenseAttr(literal_to_array(body)), opener
-            except ValueError as e:
-                raise error(str(e), self.loc(opener)) from None
-        raise error("a dense literal holds numbers, true/false, or nested lists of them", self.loc(opener))
-
-
-def _holds_only_scalars(x: Any) -> bool:
-    if isinstance(x, list):
-        return all(_holds_only_scalars(y) for y in x)
-    return isinstance(x, (int, float, bool))
+        try:
+            return DenseAttr(literal_to_array(body)), opener
+        except ValueError as e:
+            raise error(str(e), self.loc(opener)) from None
 
 
 def _string(tok: Token, builder: _Builder) -> str:

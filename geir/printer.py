@@ -121,17 +121,19 @@ def format_dense(values: np.ndarray) -> str:
     fmt = _element_formatter(values.dtype)
     if values.ndim == 0:
         return fmt(values[()])
-    if values.size and _all_equal(values):
-        return fmt(values.flat[0])
+    # flat: numpy cannot index or compare an array of more than 32 dimensions element by element
+    flat = values.reshape(-1)
+    if flat.size and _all_equal(flat):
+        return fmt(flat[0])
     return _nested(values, fmt)
 
 
-def _all_equal(values: np.ndarray) -> bool:
-    if values.dtype.kind in "biu":
-        return bool(np.all(values == values.flat[0]))
+def _all_equal(flat: np.ndarray) -> bool:
+    if flat.dtype.kind in "biu":
+        return bool(np.all(flat == flat[0]))
     # floats by bit pattern: 0.0 and -0.0 are different constants, and equal NaNs are one splat
-    bits = values.view(f"u{values.dtype.itemsize}")
-    return bool(np.all(bits == bits.flat[0]))
+    bits = flat.view(f"u{flat.dtype.itemsize}")
+    return bool(np.all(bits == bits[0]))
 
 
 def _nested(values: np.ndarray, fmt) -> str:

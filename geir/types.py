@@ -73,6 +73,22 @@ FORMATS = ("ND", "NZ")
 # A dimension is an int, or None for `?` (known only at run time).
 Dim = int | None
 
+# Integers in the IR (dimensions, integer attributes, elements of dense literals) are 64-bit.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT64_DIGITS = len(str(INT64_MAX))
+
+
+def int64(text: str, what: str, minimum: int = INT64_MIN) -> int:
+    """The value of a decimal integer token, from `minimum` to INT64_MAX; ValueError naming `what` if not."""
+    digits = text.lstrip("+-").lstrip("0")
+    if len(digits) > INT64_DIGITS:
+        # not int(text): Python refuses to convert more than 4300 digits, and none of these fit anyway
+        raise ValueError(f"{what} has {len(digits)} digits; at most {INT64_DIGITS} fit in 64 bits")
+    value = int(text)
+    if not minimum <= value <= INT64_MAX:
+        raise ValueError(f"{what} {text} does not fit in 64 bits (from {minimum} to {INT64_MAX})")
+    return value
+
 
 @attrs.frozen(cache_hash=True)
 class TensorType:
@@ -157,7 +173,10 @@ def parse_type(text: str) -> TensorType:
         if part == "?":
             shape.append(None)
         elif part.isdigit() and part.isascii():
-            shape.append(int(part))
+            try:
+                shape.append(int64(part, "dimension", minimum=0))
+            except ValueError as e:
+                raise TypeSyntaxError(str(e), offset) from None
         else:
             raise TypeSyntaxError(f"bad dimension '{part}' (expected a non-negative integer or '?')", offset)
         offset += len(part) + 1

@@ -93,16 +93,20 @@ MAX_RANK = 64
 
 
 def _check_size(t: TensorType | None, loc: Location, report) -> None:
-    """Report a type GEIR cannot hold: more dimensions than numpy has, or more bytes than any device."""
-    if t is None:
-        return
+    """Report a type GEIR cannot hold (see size_problem)."""
+    problem = size_problem(t) if t is not None else None
+    if problem is not None:
+        report(problem, loc)
+
+
+def size_problem(t: TensorType) -> str | None:
+    """Why GEIR cannot hold a tensor of type `t` (more dimensions than numpy has, more bytes than any device)."""
     if t.rank > MAX_RANK:
-        report(f"a tensor of rank {t.rank}: at most {MAX_RANK} dimensions are supported", loc)
-        return
+        return f"a tensor of rank {t.rank}: at most {MAX_RANK} dimensions are supported"
     nbytes = t.nbytes
     if nbytes is not None and nbytes > MAX_TENSOR_BYTES:
-        report(f"{format_type(t)} holds {nbytes} bytes, more than the {MAX_TENSOR_BYTES} (256 TiB) a tensor may hold",
-               loc)
+        return f"{format_type(t)} holds {nbytes} bytes, more than the {MAX_TENSOR_BYTES} (256 TiB) a tensor may hold"
+    return None
 
 
 def _format_ok(op: Operation, declared: TensorType, inferred: TensorType) -> bool:

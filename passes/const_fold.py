@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from geir.attributes import DenseAttr
+from geir.attributes import MAX_LITERAL_RANK, DenseAttr
 from geir.ir import Graph, Module, Operation
 from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
@@ -21,7 +21,7 @@ def foldable(op: Operation, max_elements: int) -> bool:
         return False
     for r in op.results:
         n = r.type.num_elements if r.type is not None else None
-        if n is None or n > max_elements:
+        if n is None or n > max_elements or r.type.rank > MAX_LITERAL_RANK:  # no literal could hold it
             return False
     return True
 

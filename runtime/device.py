@@ -58,6 +58,17 @@ def host_bytes_available() -> int | None:
         return None
 
 
+def memory_layout(program: Graph) -> dict[str, int] | None:
+    """The byte sizes an rt.program's `memory = {inputs, constants, arena}` gives, or None where it gives none."""
+    memory = program.attributes.get("memory")
+    if not isinstance(memory, dict):
+        return None
+    sizes = {part: memory.get(part) for part in ("inputs", "constants", "arena")}
+    if any(type(n) is not int or n < 0 for n in sizes.values()):
+        return None
+    return sizes
+
+
 def host_memory_problem(graph: Graph, available: int | None = None) -> Diagnostic | None:
     """An error at the largest input when simulating a run of `graph` cannot fit in host memory, before
     anything is allocated: the inputs live on the host and again in the simulated device's memory (with,
@@ -67,8 +78,8 @@ def host_memory_problem(graph: Graph, available: int | None = None) -> Diagnosti
     if available is None or not sizes:
         return None
     inputs = sum(n for n, _ in sizes)
-    memory = graph.attributes.get("memory") if graph.kind == "rt.program" else None
-    device = sum(int(memory.get(k, 0)) for k in ("inputs", "constants", "arena")) if memory else inputs
+    layout = memory_layout(graph) if graph.kind == "rt.program" else None
+    device = sum(layout.values()) if layout else inputs  # without a layout the Runtime refuses the program
     needed = inputs + device
     if needed <= available:
         return None

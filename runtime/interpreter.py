@@ -19,7 +19,7 @@ from geir.ir import Graph, Operation, Value
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
 from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
-from geir.runtime.device import DeviceFault, DeviceMemory
+from geir.runtime.device import DeviceFault, DeviceMemory, memory_layout
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.target_npu.target import Target
 from geir.types import TensorType
@@ -77,8 +77,11 @@ class Runtime:
         """Load the program's constants, copy the inputs in, run every task, copy the results out."""
         if program.kind != "rt.program":
             raise RuntimeFailure(f"@{program.name} is a {program.kind}, not a lowered rt.program")
-        mem = program.attributes["memory"]
-        device = DeviceMemory(mem["inputs"] + mem["constants"] + mem["arena"])
+        layout = memory_layout(program)
+        if layout is None:
+            raise RuntimeFailure(f"{program.loc}: rt.program @{program.name} has no memory layout: attribute "
+                                 f"memory = {{inputs = N, constants = N, arena = N}} gives its sizes in bytes")
+        device = DeviceMemory(sum(layout.values()))
         cores = Cores(self.target.cube_cores, record=self.record_pipes)
         gm = GlobalMemory(self.target)
         host: dict[int, np.ndarray] = {}

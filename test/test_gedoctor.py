@@ -5,6 +5,7 @@ valid JSON, the Runtime's wait bookkeeping changes nothing it times, and bad inp
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -343,7 +344,10 @@ def test_onnx_model_through_the_frontend(tmp_path, capsys):
     path = tmp_path / "attention.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     assert hasattr(frontend, "import_onnx")
-    check_schema(json.loads(gedoctor([path, "--json"], capsys)[1]))
+    doc = check_schema(json.loads(gedoctor([path, "--json"], capsys)[1]))
+    # the model's ops are located in its text as imported (geimport writes the same lines)
+    located = [f["location"] for f in doc["findings"] if f["location"]]
+    assert located and all(loc.startswith(f"{path} (as imported):") for loc in located)
 
 
 def test_installed_command_runs_without_traceback():
@@ -351,3 +355,58 @@ def test_installed_command_runs_without_traceback():
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     check_schema(json.loads(proc.stdout))
+
+
+def _onnx_model(path: Path, nodes, x_shape, y_shape, initializers=()) -> Path:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, y_shape)],
+                              list(initializers))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_an_onnx_op_no_tiling_takes_is_an_error_at_its_line_as_imported(tmp_path, capsys):
+    pytest.importorskip("onnx")
+    from onnx import helper, numpy_helper
+
+    # Expand is imported as one concat of 10000 copies: more operands than a concat tiling fits in UB
+    shape = numpy_helper.from_array(np.array([10000, 1], np.int64), "shape")
+    path = _onnx_model(tmp_path / "expand.onnx", [helper.make_node("Expand", ["x", "shape"], ["y"])], [1, 1],
+                       [10000, 1], [shape])
+    rc, out, err = gedoctor([path], capsys)
+    assert rc == 1 and not out and "internal error" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith(f"{path} (as imported):2:3: error: no concat tiling fits ascend910b")
+    assert lines[1].startswith("  %y = ge.concat %x, %x, ") and lines[2] == "  ^"
+
+
+def test_gedoctor_on_a_20000_node_import(tmp_path, capsys):
+    """A long exported chain: the import, every walk over the graph, the fusion probe and the report are iterative."""
+    pytest.importorskip("onnx")
+    from onnx import helper, numpy_helper
+
+    from geir.tools.geimport import main as geimport_main
+
+    nodes, prev = [], "x"
+    for i in range(20_000):
+        nodes.append(helper.make_node("Add", [prev, "one"], [f"v{i}"]) if i % 2 == 0
+                     else helper.make_node("Relu", [prev], [f"v{i}"]))
+        prev = f"v{i}"
+    path = _onnx_model(tmp_path / "chain.onnx", nodes, [4, 4], [4, 4],
+                       [numpy_helper.from_array(np.ones((4, 4), np.float32), "one")])
+    # a walk that recursed along the chain would need thousands of frames: a few hundred more than now must do
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack(0)) + 300)
+    try:
+        assert geimport_main([str(path), "-o", str(tmp_path / "chain.geir")]) == 0
+        rc, out, err = gedoctor([tmp_path / "chain.geir", "--json"], capsys)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert rc == 0 and "Error" not in err, err
+    doc = check_schema(json.loads(out))
+    assert doc["culprit"] == "none"
+    located = [f["location"] for f in doc["findings"] if f["location"]]
+    assert all(loc.startswith(f"{tmp_path / 'chain.geir'}:") for loc in located)

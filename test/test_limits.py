@@ -3,14 +3,20 @@ overflow (issue: no traceback, no internal error)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
+from geir.attributes import MAX_LITERAL_RANK, DenseAttr, literal_to_array
 from geir.diagnostics import DiagnosticError
 from geir.parser import parse
+from geir.printer import format_attr
 from geir.runtime.device import host_memory_problem
 from geir.tools.gedoctor import main as gedoctor_main
 from geir.tools.geopt import main as geopt_main
 from geir.tools.gerun import main as gerun_main
+from geir.types import DType, TensorType
 from geir.verifier import MAX_RANK, MAX_TENSOR_BYTES, verify_module
 
 HUGE = """ge.graph @main(%x: tensor<1000000x1000000xf32>) -> tensor<1000000x1000000xf32> {
@@ -172,7 +178,7 @@ def test_a_launch_whose_kernel_rejects_its_operands_is_an_error_at_the_launch(tm
     capsys.readouterr()
     assert gerun_main([path]) == 1
     err = capsys.readouterr().err
-    assert "error: ge.matmul does not type-check on tensor<16x8xf16>, tensor<16x16xf16>" in err and "^" in err
+    assert "bad.geir:8:3: error: matmul contraction dims differ: 8" in err and "^" in err
 
 
 def test_a_launch_the_cube_cannot_compute_is_an_error_before_the_run(tmp_path, capsys):
@@ -191,3 +197,114 @@ def test_a_negative_seed_is_a_usage_error(tool, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         tool([str(src), "--seed", "-1"])
     assert e.value.code == 2 and "argument --seed: must be 0 or more, not -1" in capsys.readouterr().err
+
+
+# --- literals nested deeper than numpy takes, integers longer than 64 bits -------------------------------
+
+def _const(depth: int, element: str = "1.0", shape: str | None = None) -> str:
+    """A graph returning a dense literal nested `depth` deep (of `shape`, default all ones) and of its type."""
+    t = "tensor<" + (shape if shape is not None else "1x" * depth) + "f32>"
+    return (f"ge.graph @main() -> {t} {{\n  %c = ge.const dense<{'[' * depth}{element}{']' * depth}> : {t}\n"
+            f"  ge.return %c\n}}\n")
+
+
+def _geopt(tmp_path, capsys, text: str, *args: str) -> tuple[int, str, str, Path]:
+    src = tmp_path / "t.geir"
+    src.write_text(text)
+    rc = geopt_main([str(src), *args])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "internal error" not in err
+    return rc, out, err, src
+
+
+@pytest.mark.parametrize("depth", [33, 40, 64])
+def test_a_dense_literal_nested_deeper_than_32_is_an_error_at_the_literal(depth, tmp_path, capsys):
+    rc, out, err, src = _geopt(tmp_path, capsys, _const(depth))
+    assert rc == 1 and not out
+    assert err.startswith(f"{src}:2:17: error: dense literal nests more than {MAX_LITERAL_RANK} deep; a literal "
+                          f"has at most {MAX_LITERAL_RANK} dimensions\n")
+    assert err.splitlines()[2] == " " * 16 + "^"
+
+
+def test_a_dense_literal_of_32_dimensions_round_trips(tmp_path, capsys):
+    text = _const(MAX_LITERAL_RANK, "1.0, 2.0", shape="1x" * (MAX_LITERAL_RANK - 1) + "2x")
+    rc, out, _, _ = _geopt(tmp_path, capsys, text)
+    assert rc == 0 and out == text
+    rc, out, _, _ = _geopt(tmp_path, capsys, _const(MAX_LITERAL_RANK))  # all equal: prints as a splat
+    assert rc == 0 and "dense<1.0> : tensor<" + "1x" * MAX_LITERAL_RANK + "f32>" in out
+
+
+def test_100000_levels_of_literal_are_refused_without_recursion():
+    nested: object = 1.0
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(ValueError, match=f"nests more than {MAX_LITERAL_RANK} deep"):
+        literal_to_array(nested)
+
+
+def test_constants_of_more_than_32_dimensions_print_and_are_refused_by_the_verifier():
+    values = np.arange(2, dtype=np.float32).reshape((1,) * 39 + (2,))
+    assert format_attr(DenseAttr(values)) == "dense<" + "[" * 39 + "[0.0, 1.0]" + "]" * 39 + ">"
+    assert format_attr(DenseAttr(np.ones((1,) * 40, np.int64))) == "dense<1>"
+    assert DenseAttr(values).splat_value() is None and DenseAttr(np.ones((1,) * 40)).splat_value() == 1.0
+    assert DenseAttr(values).check_against(TensorType(values.shape, DType.f32)) == \
+        f"a dense literal of rank 40: at most {MAX_LITERAL_RANK} dimensions (a splat takes any)"
+    # a splat initialises a tensor of any rank GEIR holds
+    assert DenseAttr(np.array(1.0)).check_against(TensorType((1,) * MAX_RANK, DType.f32)) is None
+
+
+def test_const_fold_leaves_results_no_literal_could_hold(tmp_path, capsys):
+    t = "tensor<2x" + "1x" * 40 + "f32>"
+    text = (f"ge.graph @main() -> {t} {{\n  %c = ge.const dense<[1.0, 2.0]> : tensor<2xf32>\n"
+            f"  %r = ge.reshape %c {{shape = [2{', 1' * 40}]}} : {t}\n  ge.return %r\n}}\n")
+    rc, out, _, _ = _geopt(tmp_path, capsys, text, "--passes=const-fold")
+    assert rc == 0 and "ge.reshape" in out
+    rc, again, _, _ = _geopt(tmp_path, capsys, out)
+    assert rc == 0 and again == out
+
+
+BIG = "9" * 5000
+
+
+@pytest.mark.parametrize("line, at, message", [
+    (f"  %y = ge.softmax %x {{axis = {BIG}}}", "9", "integer literal has 5000 digits; at most 19 fit in 64 bits"),
+    ("  %y = ge.softmax %x {axis = -9223372036854775809}", "-",
+     "integer literal -9223372036854775809 does not fit in 64 bits (from -9223372036854775808 to "
+     "9223372036854775807)"),
+    (f"  %y = ge.reshape %x {{shape = [4, 0{BIG}]}}", "0",
+     "integer literal has 5000 digits; at most 19 fit in 64 bits"),
+    (f"  %y = ge.const dense<[1.0, {BIG}, 2.0]> : tensor<3xf32>", "9",
+     "integer literal has 5000 digits; at most 19 fit in 64 bits"),
+    (f"  %y = ge.neg %x : tensor<4x{BIG}xf32>", "9", "dimension has 5000 digits; at most 19 fit in 64 bits"),
+    ("  %y = ge.neg %x : tensor<9223372036854775808xf32>", "9",
+     "dimension 9223372036854775808 does not fit in 64 bits (from 0 to 9223372036854775807)"),
+])
+def test_integers_longer_than_64_bits_are_errors_at_the_token(line, at, message, tmp_path, capsys):
+    text = f"ge.graph @main(%x: tensor<4xf32>) -> tensor<4xf32> {{\n{line}\n  ge.return %x\n}}\n"
+    rc, out, err, src = _geopt(tmp_path, capsys, text)
+    col = line.index(at) + 1
+    assert rc == 1 and not out
+    assert err.startswith(f"{src}:2:{col}: error: {message}\n")
+    assert err.splitlines()[2] == " " * (col - 1) + "^"
+
+
+def test_64_bit_integers_at_the_edges_are_taken(tmp_path, capsys):
+    text = ("ge.graph @main(%x: tensor<4xf32>) -> tensor<4xf32> attributes {hi = 9223372036854775807, "
+            "lo = -9223372036854775808, zeros = 00000000000000000000000000000001} {\n  ge.return %x\n}\n")
+    rc, out, _, _ = _geopt(tmp_path, capsys, text)
+    assert rc == 0 and "hi = 9223372036854775807, lo = -9223372036854775808, zeros = 1}" in out
+
+
+@pytest.mark.parametrize("memory", ["{inpofuts = 9437184, constants = 0, arena = 3145728}",
+                                    "{inputs = 9437184, constants = -1, arena = 3145728}", "5", "[1, 2]"])
+@pytest.mark.parametrize("tool", [gerun_main, gedoctor_main])
+def test_a_program_without_a_memory_layout_is_refused_before_it_runs(memory, tool, tmp_path, capsys):
+    text = (Path(__file__).resolve().parent.parent / "examples" / "doctor" / "single_buffer.geir").read_text()
+    layout = "{inputs = 9437184, constants = 0, arena = 3145728}"
+    assert layout in text
+    src = tmp_path / "p.geir"
+    src.write_text(text.replace(f"memory = {layout}", f"memory = {memory}"))
+    assert tool([str(src)]) == 1
+    err = capsys.readouterr().err
+    assert f"{src}:9:12: rt.program @main has no memory layout: attribute memory = " in err
+    assert "internal error" not in err and "Traceback" not in err

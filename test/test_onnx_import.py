@@ -312,6 +312,155 @@ def test_geimport_malformed_file_exit_1_no_traceback_no_files(tmp_path):
     assert usage.returncode == 2 and "-o" in usage.stderr
 
 
+# --- malformed and hostile models: an error naming what is wrong, exit 1, never an internal error -----------
+
+def geimport_error(m, tmp_path, capsys, data: bytes | None = None) -> str:
+    """geimport's one-line message for a model it must refuse (in-process), after checking the contract."""
+    from geir.tools.geimport import main
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(m.SerializeToString() if data is None else data)
+    assert main([str(path), "-o", str(tmp_path / "m.geir")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err
+    assert err.startswith(f"geimport: error: {path}: ") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    return err[len(f"geimport: error: {path}: "):-1]
+
+
+def test_a_negative_input_dimension_names_the_input(tmp_path, capsys):
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2, -3])], [vi("y", [2, 3])])
+    assert geimport_error(m, tmp_path, capsys) == (
+        "graph input 'x' has dimension -3 at axis 1; a dimension is 0 or more (or a dim_param for one known only "
+        "at run time)")
+
+
+@pytest.mark.parametrize("opset", [0, -1, onnx.defs.onnx_opset_version() + 1, 10**6])
+def test_an_opset_outside_the_supported_range_names_it_and_the_range(opset, tmp_path, capsys):
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2, 3])], [vi("y", [2, 3])], opset=opset)
+    assert geimport_error(m, tmp_path, capsys) == (
+        f"the model imports opset {opset} of the default domain; GEIR reads opsets 1 to "
+        f"{onnx.defs.onnx_opset_version()} (those of onnx {onnx.__version__})")
+
+
+def test_a_model_without_an_opset_for_its_onnx_ops(tmp_path, capsys):
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2, 3])], [vi("y", [2, 3])])
+    del m.opset_import[:]
+    assert geimport_error(m, tmp_path, capsys).startswith(
+        "the model uses ONNX ops but imports no version of the default domain (opset_import)")
+
+
+def _with_functions(calls: str, *functions: tuple[str, str]):
+    """A model whose node calls local function `calls`; each (name, callee) function calls callee."""
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("local", 1)]
+    protos = [helper.make_function("local", name, ["a"], ["b"],
+                                   [helper.make_node(callee, ["a"], ["b"], domain="local")], opsets)
+              for name, callee in functions]
+    graph = helper.make_graph([helper.make_node(calls, ["x"], ["y"], domain="local", name="call")], "g",
+                              [vi("x", [2, 3])], [vi("y", [2, 3])])
+    return helper.make_model(graph, opset_imports=opsets, functions=protos)
+
+
+def test_a_self_recursive_local_function_names_it(tmp_path, capsys):
+    message = geimport_error(_with_functions("Again", ("Again", "Again")), tmp_path, capsys)
+    assert message.startswith("node 'call' (Again): in its ONNX function body, ")
+    assert message.endswith("model-local function 'Again' is recursive (Again -> Again): its body cannot be imported")
+
+
+def test_mutually_recursive_local_functions_name_the_cycle(tmp_path, capsys):
+    message = geimport_error(_with_functions("Ping", ("Ping", "Pong"), ("Pong", "Ping")), tmp_path, capsys)
+    assert message.endswith("model-local function 'Ping' is recursive (Ping -> Pong -> Ping): its body cannot be "
+                            "imported")
+
+
+def _function_chain(n: int):
+    """A node calling local function F0, which calls F1, ... F{n}, whose body is one Relu."""
+    chain = [(f"F{i}", f"F{i + 1}") for i in range(n)] + [(f"F{n}", "Relu")]
+    m = _with_functions("F0", *chain)
+    m.functions[-1].node[0].domain = ""
+    return m
+
+
+def test_a_long_chain_of_local_functions_is_refused_not_a_recursion_error(tmp_path, capsys):
+    assert ops(import_onnx(_function_chain(10))[0]) == ["ge.relu", "ge.return"]
+    assert geimport_error(_function_chain(500), tmp_path, capsys).endswith("function bodies nest more than 64 deep")
+
+
+@pytest.mark.parametrize("node, message", [
+    (helper.make_node("Softmax", ["x"], ["y"], axis=[1, 2], name="sm"),
+     "node 'sm' (Softmax): attribute 'axis' is a list of ints, but Softmax takes an int there"),
+    (helper.make_node("Softmax", ["x"], ["y"], axis="one", name="sm"),
+     "node 'sm' (Softmax): attribute 'axis' is a string, but Softmax takes an int there"),
+    (helper.make_node("Transpose", ["x"], ["y"], perm="ab", name="t"),
+     "node 't' (Transpose): attribute 'perm' is a string, but Transpose takes a list of ints there"),
+    (helper.make_node("LayerNormalization", ["x", "x"], ["y"], epsilon="ab", name="ln"),
+     "node 'ln' (LayerNormalization): attribute 'epsilon' is a string, but LayerNormalization takes a float there"),
+    (helper.make_node("Cast", ["x"], ["y"], name="c"),
+     "node 'c' (Cast): attribute 'to' is missing, and Cast requires it"),
+])
+def test_an_attribute_of_the_wrong_type_names_the_node_and_attribute(node, message, tmp_path, capsys):
+    m = model([node], [vi("x", [3, 3])], [vi("y", [3, 3])])
+    assert geimport_error(m, tmp_path, capsys) == message
+
+
+def test_a_wrong_attribute_type_before_the_op_existed_is_still_named(tmp_path, capsys):
+    node = helper.make_node("LayerNormalization", ["x", "x"], ["y"], epsilon="ab", name="ln")
+    m = model([node], [vi("x", [3, 3])], [vi("y", [3, 3])], opset=11)  # LayerNormalization came in opset 17
+    assert "attribute 'epsilon' is a string, but LayerNormalization takes a float there" in geimport_error(
+        m, tmp_path, capsys)
+
+
+def test_a_missing_required_attribute_of_an_old_opset(tmp_path, capsys):
+    m = model([helper.make_node("Slice", ["x"], ["y"], ends=[2], name="s")], [vi("x", [4])], [vi("y", [2])], opset=9)
+    assert geimport_error(m, tmp_path, capsys) == (
+        "node 's' (Slice): attribute 'starts' is missing, and Slice requires it")
+
+
+def test_a_string_that_is_not_utf8_names_the_field(tmp_path, capsys):
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2, 3])], [vi("y", [2, 3])])
+    data = m.SerializeToString().replace(b"Relu", b"R\x9clu")
+    assert geimport_error(m, tmp_path, capsys, data) == (
+        "not an ONNX model: model.graph.node[0].op_type is not valid UTF-8 text")
+
+
+def test_split_into_more_parts_than_outputs_is_refused_before_listing_them(tmp_path, capsys):
+    node = helper.make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2**40, name="s")
+    m = model([node], [vi("x", [4, 2])], [vi("a", [2, 2]), vi("b", [2, 2])], opset=18)
+    assert geimport_error(m, tmp_path, capsys) == (
+        "node 's' (Split): Split into 1099511627776 parts but the node has 2 outputs")
+
+
+def test_an_expand_of_more_copies_than_a_graph_holds(tmp_path, capsys):
+    shape = numpy_helper.from_array(np.array([3, 2, 2**46], np.int64), "shape")
+    m = model([helper.make_node("Expand", ["x", "shape"], ["y"], name="e")], [vi("x", [3, 2, 1])],
+              [vi("y", [3, 2, 2**46])], [shape])
+    assert geimport_error(m, tmp_path, capsys) == (
+        f"node 'e' (Expand): cannot broadcast tensor<3x2x1xf32> to 3x2x{2**46}: that is {2**46} copies along axis 2, "
+        f"and GEIR writes a broadcast as copies concatenated, at most 65536")
+
+
+def test_a_pad_larger_than_a_tensor_may_be(tmp_path, capsys):
+    pads = numpy_helper.from_array(np.array([0, 2**60, 0, 0], np.int64), "pads")
+    m = model([helper.make_node("Pad", ["x", "pads"], ["y"], name="p")], [vi("x", [2, 2])], [vi("y", [2, 2])], [pads])
+    assert geimport_error(m, tmp_path, capsys).startswith(
+        f"node 'p' (Pad): the padded result: tensor<2x{2**60 + 2}xf32> holds")
+
+
+def test_an_input_larger_than_a_tensor_may_be(tmp_path, capsys):
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2**40, 2**20])], [vi("y", [2**40, 2**20])])
+    assert geimport_error(m, tmp_path, capsys).startswith(f"graph input 'x': tensor<{2**40}x{2**20}xf32> holds")
+
+
+def test_a_constant_of_more_than_32_dimensions_goes_to_the_weights(tmp_path):
+    shape = (1,) * 39 + (2,)
+    w = numpy_helper.from_array(np.array([1.0, 2.0], np.float32).reshape(shape), "w")
+    m = model([helper.make_node("Add", ["x", "w"], ["y"])], [vi("x", list(shape))], [vi("y", list(shape))], [w])
+    module, weights = import_onnx(m)
+    (const,) = [op for op in module.graph().ops if op.name == "ge.const"]
+    assert isinstance(const.value, DenseResourceAttr) and weights["w"].shape == shape
+    assert parse(print_module(module))  # and the text parses back
+
+
 def test_torch_exported_transformer_block(tmp_path):
     # a real exporter's output: LayerNorm, a fused qkv Linear, heads split by Reshape/Transpose,
     # causal scaled_dot_product_attention (its mask built by Trilu/Where on shapes), GELU via Erf

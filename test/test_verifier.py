@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from geir import DiagnosticError, parse, print_module, verify_module
@@ -541,3 +543,44 @@ def test_inferred_types_agree_with_parse_type():
 def test_infer_shapes_unary(name, t):
     # the shape (with its `?`) and dtype pass through; the storage format is the layout pass's choice
     assert infer(f"%a: {t}", f"ge.{name} %a") == [t.replace(", NZ", "")]
+
+
+# --- a launch is checked as the kernel op it runs --------------------------------------------------------
+
+SINGLE_BUFFER = (Path(__file__).resolve().parent.parent / "examples" / "doctor" / "single_buffer.geir").read_text()
+LAUNCH = SINGLE_BUFFER.splitlines()[18]
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("} : tensor<1x6x2048x128xf16>", "} : tensor<1x6x0x128xf16>",
+     "result type tensor<1x6x0x128xf16> contradicts the inferred type tensor<1x6x2048x128xf16>"),
+    ("causal = false", "causal = 3",
+     "rt.launch of ge.flash_attention: attribute 'causal' must be true or false, not the integer 3"),
+    ("layout = \"BNSD\"", "layout = \"BNSD\", window = 4",
+     "rt.launch of ge.flash_attention: unknown attribute 'window' in attrs"),
+    ("%q.dev, %k.dev, %v.dev", "%q.dev, %k.dev",
+     "rt.launch of ge.flash_attention: ge.flash_attention expects 3 or 4 operands (q, k, v, mask), got 2"),
+    ("kernel = \"ge.flash_attention\"", "kernel = \"ge.neg\"", "rt.launch of ge.neg: ge.neg expects 1 operand"),
+])
+def test_a_launch_that_contradicts_its_kernel_op_is_an_error_at_it(old, new, message):
+    assert old in LAUNCH
+    with pytest.raises(DiagnosticError) as e:
+        verify_module(parse(SINGLE_BUFFER.replace(LAUNCH, LAUNCH.replace(old, new)), "p.geir"))
+    d = e.value.diagnostics[0]
+    assert d.message.startswith(message) and (d.loc.line, d.loc.col) == (19, 3)
+
+
+@pytest.mark.parametrize("old, new, line", [
+    # a copy's two sides are one tensor: the Runtime writes the host array into a view of the declared type
+    ("%k: tensor<1x6x2048x128xf16>", "%k: tensor<1x3x2048x128xf16>", 12),
+    ("%0 = rt.d2h %o {stream = 0} : tensor<1x6x2048x128xf16>", "%0 = rt.d2h %o {stream = 0} : tensor<1x6x2048x128xf32>", 22),
+])
+def test_a_copy_that_changes_its_tensor_is_an_error_at_it(old, new, line):
+    assert old in SINGLE_BUFFER
+    text = SINGLE_BUFFER.replace(old, new)
+    if "f32" in new:
+        text = text.replace("-> tensor<1x6x2048x128xf16> attributes", "-> tensor<1x6x2048x128xf32> attributes")
+    with pytest.raises(DiagnosticError) as e:
+        verify_module(parse(text, "p.geir"))
+    d = e.value.diagnostics[0]
+    assert "contradicts the inferred type" in d.message and d.loc.line == line, d

@@ -1,9 +1,9 @@
 """A fuzz harness for the command-line tools: mutated programs and models in, the tools' manners checked.
 
 Each case mutates a program from the corpus (examples/ and test/lit/ .geir files, small ONNX models
-made here), runs geopt, gerun or geimport in-process on it and checks what any input must give: an
-exit code of 0, 1 or 2, no Python traceback, no "internal error", and every `FILE:LINE:COL:`
-diagnostic about the input pointing inside it. `test/test_fuzz.py` runs a bounded campaign in
+made here), runs geopt, gerun, geimport or gedoctor in-process on it and checks what any input must
+give: an exit code of 0, 1 or 2, no Python traceback, no "internal error", and every
+`FILE:LINE:COL:` diagnostic about the input pointing inside it. `test/test_fuzz.py` runs a bounded campaign in
 the suite; `bench/fuzz.py` runs long ones and prints the distinct reproducers.
 """
 
@@ -16,9 +16,12 @@ import re
 import signal
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import attrs
+
+if TYPE_CHECKING:
+    import onnx
 
 REPO = Path(__file__).resolve().parent.parent
 # fragments a mutation splices in: the IR's own tokens, and values at the edges of what it takes
@@ -28,7 +31,8 @@ TOKENS = [
     b"0", b"-1", b"1e999", b"-inf", b"nan", b"9" * 30, b"9" * 5000, b"65536", b"2147483648", b"[" * 40, b"]" * 40,
     b"1x" * 70, b"true", b"ge.return", b"ge.graph @main() -> () {", b"\x00", b"\xff", "é".encode(), b"\n", b" ",
 ]
-GERUN_SECONDS = 20  # a mutated run that simulates for longer is dropped (counted as slow), not failed
+RUN_SECONDS = 20  # a mutated gerun or gedoctor run that simulates for longer is dropped (counted as slow), not failed
+SIMULATING = ("gerun", "gedoctor")
 
 
 @attrs.frozen
@@ -58,10 +62,11 @@ def corpus() -> list[tuple[str, bytes]]:
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
-    """A few random edits: bytes flipped, inserted or deleted, tokens spliced in, lines dropped or doubled."""
+    """A few random edits: bytes flipped, inserted or deleted, tokens spliced in, lines dropped or doubled,
+    numbers changed, literals and types nested deeper."""
     out = bytearray(data)
     for _ in range(rng.randint(1, 4)):
-        kind = rng.randrange(9)
+        kind = rng.randrange(10)
         at = rng.randrange(len(out) + 1)
         if kind == 0 and out:
             out[min(at, len(out) - 1)] = rng.randrange(256)
@@ -96,6 +101,12 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
             at = bytes(out).find(b"tensor<")
             if at >= 0:
                 out[at + 7:at + 7] = b"1x" * rng.choice([2, 33, 65])
+        elif kind == 8:  # a constant nested deeper with its type to match, so that it gets past the type check
+            m = re.search(rb"dense<([^<>\n]*)>\s*:\s*tensor<", bytes(out))
+            if m:
+                depth = rng.choice([1, 31, 32, 33, 40, 65])
+                out[m.end():m.end()] = b"1x" * depth
+                out[m.start(1):m.end(1)] = b"[" * depth + m[1] + b"]" * depth
         else:  # a token of the program is repeated
             words = list(re.finditer(rb"[A-Za-z_.%@0-9]+", bytes(out)))
             if words:
@@ -105,42 +116,212 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 
 
 def onnx_models() -> list[tuple[str, bytes]]:
-    """Small ONNX models made with onnx's helper (empty when onnx is not installed)."""
+    """Small ONNX models made with onnx's helper, one per kind of converter input (empty without onnx)."""
     try:
         import numpy as np
         from onnx import TensorProto, helper, numpy_helper
     except ImportError:
         return []
     f = TensorProto.FLOAT
+
+    def vi(name: str, shape: list) -> object:
+        return helper.make_tensor_value_info(name, f, shape)
+
+    def ints(name: str, values: list[int]) -> object:
+        return numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+
     w = numpy_helper.from_array(np.arange(32, dtype=np.float32).reshape(4, 8) / 32, "w")
+    node = helper.make_node
     graphs = {
-        "matmul_add": helper.make_graph(
-            [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])], "g",
-            [helper.make_tensor_value_info("x", f, [2, 4])], [helper.make_tensor_value_info("z", f, [2, 8])], [w]),
-        "softmax": helper.make_graph(
-            [helper.make_node("Softmax", ["x"], ["y"], axis=-1), helper.make_node("Transpose", ["y"], ["z"], perm=[1, 0])],
-            "g", [helper.make_tensor_value_info("x", f, [3, 5])], [helper.make_tensor_value_info("z", f, [5, 3])]),
+        "matmul_add": ([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["z"])], [vi("x", [2, 4])],
+                       [vi("z", [2, 8])], [w]),
+        "softmax": ([node("Softmax", ["x"], ["y"], axis=-1), node("Transpose", ["y"], ["z"], perm=[1, 0])],
+                    [vi("x", [3, 5])], [vi("z", [5, 3])], []),
+        "shapes": ([node("Reshape", ["x", "shape"], ["r"]), node("Expand", ["r", "big"], ["e"]),
+                    node("Unsqueeze", ["e", "axes"], ["u"]), node("ReduceSum", ["u", "axes"], ["z"], keepdims=0)],
+                   [vi("x", [2, 3])], [vi("z", [3, 2, 2])], [ints("shape", [3, 2, 1]), ints("big", [3, 2, 2]),
+                                                            ints("axes", [0])]),
+        "slices": ([node("Slice", ["x", "starts", "ends", "axes"], ["s"]), node("Gather", ["s", "idx"], ["g"], axis=1),
+                    node("Concat", ["g", "g"], ["c"], axis=0), node("Split", ["c"], ["a", "b"], axis=0),
+                    node("Pad", ["a", "pads"], ["z"])],
+                   [vi("x", [4, 6])], [vi("z", [4, 4])], [ints("starts", [1]), ints("ends", [3]), ints("axes", [0]),
+                                                          ints("idx", [0, 2]), ints("pads", [1, 1, 1, 1])]),
+        "norm": ([node("LayerNormalization", ["x", "gamma"], ["n"], axis=-1, epsilon=1e-5),
+                  node("Gemm", ["n", "w"], ["m"], transB=0, alpha=0.5),
+                  node("Cast", ["m"], ["c"], to=TensorProto.FLOAT16),
+                  node("Clip", ["c"], ["z"])],
+                 [vi("x", [2, 4])], [helper.make_tensor_value_info("z", TensorProto.FLOAT16, [2, 8])],
+                 [w, numpy_helper.from_array(np.ones(4, dtype=np.float32), "gamma")]),
+        "function": ([node("Twice", ["x"], ["z"], domain="local")], [vi("x", [2, 3])], [vi("z", [2, 3])], []),
     }
+    twice = helper.make_function("local", "Twice", ["a"], ["b"], [node("Add", ["a", "a"], ["b"])],
+                                 [helper.make_opsetid("", 18)])
     out = []
-    for name, g in graphs.items():
-        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    for name, (nodes, inputs, outputs, inits) in graphs.items():
+        g = helper.make_graph(nodes, "g", inputs, outputs, inits)
+        local = name == "function"
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]
+                                  + ([helper.make_opsetid("local", 1)] if local else []),
+                                  functions=[twice] if local else [])
         out.append((f"{name}.onnx", model.SerializeToString()))
     return out
 
 
+# values an ONNX attribute is set to, of every type an attribute can have
+ATTRIBUTE_VALUES = [0, 1, -1, 7, 2**40, -(2**62), 1.5, float("nan"), "", "ab", "none", [0, 1], [5, -7], [0.5, 2.0],
+                    ["a", "b"], [1] * 70]
+# op types a node is switched to: the converters', ones evaluated at import, function-bodied and unknown ones
+ONNX_OPS = ["Add", "Relu", "Softmax", "LogSoftmax", "Transpose", "Reshape", "Expand", "Concat", "Split", "Slice",
+            "Gather", "Pad", "MatMul", "Gemm", "Cast", "CastLike", "Unsqueeze", "Squeeze", "Flatten", "ReduceSum",
+            "ReduceMax", "ReduceMin", "LayerNormalization", "RMSNormalization", "Where", "Clip", "Shape", "Size",
+            "Identity", "Dropout", "Attention", "Gelu", "Softplus", "Mean", "Pow", "Not", "Range", "ConstantOfShape",
+            "TopK", "Constant", "Trilu", "Mod", "NoSuchOp"]
+
+
+def mutate_onnx(data: bytes, rng: random.Random) -> bytes:
+    """A few edits of a model's structure (attributes, dims, opsets, op types, wiring, initializers, local
+    functions), or of its bytes."""
+    from onnx import ModelProto
+
+    if rng.randrange(3) == 0:
+        return mutate(data, rng)
+    model = ModelProto()
+    model.ParseFromString(data)
+    for _ in range(rng.randint(1, 3)):
+        rng.choice(_ONNX_EDITS)(model, rng)
+    return model.SerializeToString()
+
+
+def _set_attribute(model: onnx.ModelProto, rng: random.Random) -> None:
+    """An attribute of some node (one its schema names, one it has, or `axis`) set to a value of any type."""
+    import onnx
+    from onnx import helper
+
+    nodes = list(model.graph.node)
+    if not nodes:
+        return
+    n = rng.choice(nodes)
+    try:
+        names = list(onnx.defs.get_schema(n.op_type, 18, n.domain).attributes)
+    except onnx.defs.SchemaError:
+        names = []
+    names += [a.name for a in n.attribute] + ["axis"]
+    name = rng.choice(names)
+    value = rng.choice(ATTRIBUTE_VALUES + [_tensor(rng)])
+    kept = [a for a in n.attribute if a.name != name]
+    del n.attribute[:]
+    n.attribute.extend(kept + [helper.make_attribute(name, value)])
+
+
+def _tensor(rng: random.Random) -> onnx.TensorProto:
+    """A small tensor attribute value of some dtype, float64 included."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array(rng.choice([[1, 2, 3], 0.5, [[1.0, 2.0]], []]), dtype=rng.choice(
+        [np.float32, np.int64, np.float64, np.bool_])))
+
+
+def _set_dim(model: onnx.ModelProto, rng: random.Random) -> None:
+    """A dimension of a graph input or output becomes negative, zero, huge or symbolic."""
+    values = list(model.graph.input) + list(model.graph.output)
+    dims = [d for v in values if v.type.HasField("tensor_type") for d in v.type.tensor_type.shape.dim]
+    if not dims:
+        return
+    d = rng.choice(dims)
+    value = rng.choice([-3, -1, 0, 1, 7, 2**40, 2**62, None])
+    if value is None:
+        d.dim_param = "n"
+    else:
+        d.dim_value = value
+
+
+def _set_opset(model: onnx.ModelProto, rng: random.Random) -> None:
+    """The default domain's opset becomes another version, one out of range, or is dropped."""
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = rng.choice([0, -1, 1, 6, 7, 10, 11, 12, 13, 17, 18, 23, 24, 28, 29, 10**6])
+            if rng.randrange(8) == 0:
+                model.opset_import.remove(o)
+            return
+
+
+def _set_op_type(model: onnx.ModelProto, rng: random.Random) -> None:
+    """A node becomes an op of another type, attributes and inputs unchanged."""
+    if model.graph.node:
+        rng.choice(model.graph.node).op_type = rng.choice(ONNX_OPS)
+
+
+def _rewire(model: onnx.ModelProto, rng: random.Random) -> None:
+    """A node's input becomes another value, an absent one or an undefined one, or it gains an input."""
+    nodes = list(model.graph.node)
+    if not nodes:
+        return
+    n = rng.choice(nodes)
+    names = [v.name for v in model.graph.input] + [i.name for i in model.graph.initializer]
+    names += [o for m in nodes for o in m.output] + ["", "undefined"]
+    if n.input and rng.randrange(3):
+        n.input[rng.randrange(len(n.input))] = rng.choice(names)
+    else:
+        n.input.append(rng.choice(names))
+
+
+def _set_initializer(model: onnx.ModelProto, rng: random.Random) -> None:
+    """An initializer's dims, data type or data made inconsistent."""
+    inits = list(model.graph.initializer)
+    if not inits:
+        return
+    t = rng.choice(inits)
+    edit = rng.randrange(3)
+    if edit == 0 and t.dims:
+        t.dims[rng.randrange(len(t.dims))] = rng.choice([-1, 0, 3, 2**40])
+    elif edit == 1:
+        t.data_type = rng.randrange(27)
+    else:
+        t.raw_data = t.raw_data[:rng.randrange(len(t.raw_data) + 1)]
+
+
+def _recursive_function(model: onnx.ModelProto, rng: random.Random) -> None:
+    """A node becomes a call of a model-local function that calls itself, directly or through another."""
+    from onnx import helper
+
+    if not model.graph.node:
+        return
+    n = rng.choice(model.graph.node)
+    names = ["Loop1"] if rng.randrange(2) else ["LoopA", "LoopB"]
+    for i, name in enumerate(names):
+        callee = names[(i + 1) % len(names)]
+        body = [helper.make_node(callee, ["a"], ["b"], domain="rec")]
+        model.functions.append(helper.make_function("rec", name, ["a"], ["b"], body,
+                                                    [helper.make_opsetid("", 18), helper.make_opsetid("rec", 1)]))
+    model.opset_import.append(helper.make_opsetid("rec", 1))
+    n.op_type, n.domain = names[0], "rec"
+    del n.input[1:]
+    del n.attribute[:]
+
+
+_ONNX_EDITS = [_set_attribute, _set_attribute, _set_dim, _set_opset, _set_op_type, _rewire, _set_initializer,
+               _recursive_function]
+
+
 def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, bytes]]) -> Iterator[Case]:
     """`count` mutated cases for one tool."""
-    args = {"geopt": [(), ("--passes=canonicalize,fuse,layout,tile,plan",), ("--passes=lower",), ("--explain",)],
-            "gerun": [("--check",), ("--no-fuse",), ("--profile",)], "geimport": [()]}[tool]
+    args = {"geopt": [(), ("--passes=canonicalize,fuse,layout,tile,plan",), ("--passes=lower",), ("--explain",),
+                      ("--passes=const-fold,canonicalize,cse,dce",), ("--split-input-file", "--verify-diagnostics"),
+                      ("--dot", "-")],
+            "gerun": [("--check",), ("--no-fuse",), ("--profile",), ("--explain",), ("--inject-fault", "dma@0")],
+            "geimport": [()],
+            "gedoctor": [(), ("--json",), ("--no-fuse",)]}[tool]
     for _ in range(count):
         name, data = rng.choice(sources)
-        yield Case(tool, Path(name).name, mutate(data, rng), rng.choice(args))
+        edit = mutate_onnx if name.endswith(".onnx") else mutate
+        yield Case(tool, Path(name).name, edit(data, rng), rng.choice(args))
 
 
 def _tool_main(tool: str) -> Callable[[list[str]], int]:
-    from geir.tools import geimport, geopt, gerun
+    from geir.tools import gedoctor, geimport, geopt, gerun
 
-    return {"geopt": geopt.main, "gerun": gerun.main, "geimport": geimport.main}[tool]
+    return {"geopt": geopt.main, "gerun": gerun.main, "geimport": geimport.main, "gedoctor": gedoctor.main}[tool]
 
 
 class _Slow(BaseException):
@@ -156,9 +337,9 @@ def run_case(case: Case, workdir: Path) -> Outcome:
         argv += ["-o", str(workdir / "out.geir")]
     err, out = io.StringIO(), io.StringIO()
     slow = False
-    previous = signal.signal(signal.SIGALRM, _raise_slow) if case.tool == "gerun" else None
+    previous = signal.signal(signal.SIGALRM, _raise_slow) if case.tool in SIMULATING else None
     if previous is not None:
-        signal.alarm(GERUN_SECONDS)
+        signal.alarm(RUN_SECONDS)
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             code = _tool_main(case.tool)(argv)
@@ -205,7 +386,8 @@ def judge(case: Case, code: int | None, err: str) -> str | None:
 def campaign(seed: int, counts: dict[str, int]) -> list[Outcome]:
     """Run `counts[tool]` mutated cases per tool; every outcome, in order."""
     rng = random.Random(seed)
-    sources = {"geopt": corpus(), "gerun": [c for c in corpus() if len(c[1]) < 4000], "geimport": onnx_models()}
+    small = [c for c in corpus() if len(c[1]) < 4000]
+    sources = {"geopt": corpus(), "gerun": small, "geimport": onnx_models(), "gedoctor": small + onnx_models()}
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="geir-fuzz-") as tmp:
         for tool, count in counts.items():
@@ -217,5 +399,6 @@ def campaign(seed: int, counts: dict[str, int]) -> list[Outcome]:
 
 
 def signature(outcome: Outcome) -> str:
-    """What tells two failures apart: the tool and the kind of problem (numbers and names stripped)."""
-    return f"{outcome.case.tool}: " + re.sub(r"'[^']*'|\d+", "#", outcome.problem or "")[:160]
+    """What tells two failures apart: the tool and the kind of problem (paths, numbers and names stripped)."""
+    problem = re.sub(r"\S*" + re.escape(outcome.case.name), "FILE", outcome.problem or "")
+    return f"{outcome.case.tool}: " + re.sub(r"'[^']*'|\d+", "#", problem)[:160]

@@ -42,6 +42,7 @@ from geir.tools.common import (
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.ir import Module
 from geir.parser import decode_source, parse
+from geir.printer import print_module
 from geir.verifier import verify_module
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def read_module(args: argparse.Namespace, sources: SourceManager,
     if args.input.lower().endswith(".onnx"):
         if args.weights:
             raise ToolError("--weights applies to a .geir file; an ONNX model carries its own weights", EXIT_USAGE)
-        return import_model(args.input)
+        return import_model(args.input, sources)
     name, data = read_input(args.input)
     try:
         text = decode_source(data, name)
@@ -107,8 +108,9 @@ def read_module(args: argparse.Namespace, sources: SourceManager,
     return module, None
 
 
-def import_model(path: str) -> tuple[Module, dict[str, np.ndarray]]:
-    """An ONNX model through the ONNX frontend; a clean error when it or onnx is missing."""
+def import_model(path: str, sources: SourceManager) -> tuple[Module, dict[str, np.ndarray]]:
+    """An ONNX model through the ONNX frontend, located in its text as geimport writes it; a clean error when it
+    or onnx is missing."""
     if not Path(path).is_file():
         raise ToolError(f"cannot read '{path}': no such file")
     try:
@@ -121,7 +123,11 @@ def import_model(path: str) -> tuple[Module, dict[str, np.ndarray]]:
         raise ToolError(f"{path}: {e}") from None
     except ImportError as e:
         raise ToolError(f"cannot read ONNX models here: {e} (install the extra: pip install -e '.[onnx]')") from None
-    return module, dict(weights)
+    # parsed back from its text, each op has a line a diagnostic or finding can point at and show
+    name = f"{path} (as imported)"
+    text = print_module(module)
+    sources.add(name, text)
+    return parse(text, name), dict(weights)
 
 
 def run(args: argparse.Namespace) -> int:

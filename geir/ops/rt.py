@@ -7,8 +7,8 @@ across streams by events (`rt.record` / `rt.wait`), as CANN's aclrt streams and 
 
 from __future__ import annotations
 
-from geir.ir import Operation, Value
-from geir.opdef import OPS, Attr, ShapeError, op
+from geir.ir import Operation
+from geir.opdef import Attr, OPS, op, operand_count_error
 from geir.ops.core import Const
 from geir.traits import Terminator
 from geir.types import TensorType
@@ -21,8 +21,15 @@ class _Declared(Operation):
         return tuple(r.type for r in self.results)
 
 
+class _Copy(_Declared):
+    """A copy between host and device: its result is its operand's type (the Runtime copies it as is)."""
+
+    def infer(self, *types: TensorType):
+        return types
+
+
 @op("rt.h2d")
-class HostToDevice(_Declared):
+class HostToDevice(_Copy):
     """Copy a graph input from the host to device memory at `offset`."""
 
     OPERAND_NAMES = ("x",)
@@ -62,28 +69,32 @@ class Launch(_Declared):
             return f"rt.launch of unknown kernel '{self.kernel}'"
         if len(self.offsets) != len(self.results):
             return f"rt.launch has {len(self.results)} results but {len(self.offsets)} offsets"
-        return self._kernel_problem()
-
-    def _kernel_problem(self) -> str | None:
-        """Why the kernel's op does not accept these operands or give these results (its own checks and shape rule)."""
-        from geir.builder import create_op, infer_result_types  # the builder sits beside the ops it builds
-
-        types = [v.type for v in self.operands]
-        if any(t is None for t in types):
-            return None
-        operands = [Value(t, v.name) for t, v in zip(types, self.operands)]
-        try:
-            kernel_op = create_op(self.kernel, operands, [r.type for r in self.results], dict(self.attrs), self.loc)
-            why = kernel_op.verify()
+        # the kernel op's own checks, as its graph op passed them before `lower`: the Runtime runs it as one
+        kernel = self.kernel_op()
+        count = operand_count_error(type(kernel), len(self.operands))
+        if count is not None:
+            return f"rt.launch of {self.kernel}: {self.kernel} {count}"
+        want = kernel.NUM_RESULTS
+        if want is not None and want != len(self.results):
+            return f"rt.launch of {self.kernel} has {len(self.results)} results; {self.kernel} produces {want}"
+        for key, spec in kernel.ATTRS.items():
+            why = spec.check(kernel.attributes[key]) if key in kernel.attributes else (
+                f"needs attribute '{key}'" if spec.required else None)
             if why is not None:
-                return f"{self.kernel}: {why}"
-            inferred = infer_result_types(kernel_op, types)
-        except ShapeError as e:  # its message names the kernel's op already
-            return str(e)
-        for i, (r, t) in enumerate(zip(self.results, inferred)):
-            if r.type is not None and t is not None and (r.type.shape != t.shape or r.type.dtype != t.dtype):
-                return f"{self.kernel} gives result {i} as {t}, but the launch declares {r.type}"
-        return None
+                return f"rt.launch of {self.kernel}: {why}"
+        unknown = [key for key in kernel.attributes if key not in kernel.ATTRS]
+        if unknown:
+            return f"rt.launch of {self.kernel}: unknown attribute '{unknown[0]}' in attrs"
+        why = kernel.verify()
+        return f"rt.launch of {self.kernel}: {why}" if why is not None else None
+
+    def infer(self, *types: TensorType):
+        """The results the kernel's own shape rule gives: a launch must declare those (the Runtime stores them)."""
+        return self.kernel_op().infer(*types)
+
+    def kernel_op(self) -> Operation:
+        """The kernel's op on the launch's operands and results, with its attributes (for its checks; unplaced)."""
+        return OPS[self.kernel](self.kernel, list(self.operands), list(self.results), dict(self.attrs), self.loc, None)
 
 
 @op("rt.record")
@@ -105,7 +116,7 @@ class Wait(_Declared):
 
 
 @op("rt.d2h")
-class DeviceToHost(_Declared):
+class DeviceToHost(_Copy):
     """Copy a result from device memory back to the host."""
 
     OPERAND_NAMES = ("x",)

@@ -95,7 +95,7 @@ class _Graph:
         kinds = ["int", "float", "bool", "str", "dtype"] + (["list", "dict"] if depth < 3 else [])
         kind = self.draw(st.sampled_from(kinds))
         if kind == "int":
-            return self.int_text(self.draw(st.integers(-(2**70), 2**70)))
+            return self.int_text(self.draw(st.integers(-(2**63), 2**63 - 1)))  # integer attributes are 64-bit
         if kind == "float":
             return self.float_text(self.draw(st.floats()))
         if kind == "bool":
