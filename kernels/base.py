@@ -2,7 +2,8 @@
 
 A kernel computes real numbers with numpy, tile by tile, on arrays standing for the chip's
 buffers, and describes its work as instructions on the cores' pipes (geir.target_npu.sim);
-the timing follows the same schedule as the numbers. It never decides *when* anything runs
+the timing follows the same schedule as the numbers. The timing never depends on the values,
+so a timing-only launch (`LaunchContext.compute` false) skips the arithmetic and times the same. It never decides *when* anything runs
 relative to other tasks: the Runtime orders launches.
 """
 
@@ -44,6 +45,9 @@ class LaunchContext:
     fault: str | None = None
     # where the pipes' idle time is booked (gedoctor asks for it); None: not counted, no cost
     waits: PipeWaits | None = None
+    # False: timing only. The kernel issues every instruction as in a full run but skips the arithmetic;
+    # its results are uninitialised arrays of the right shape and dtype, which nothing may read
+    compute: bool = True
 
 
 @attrs.define

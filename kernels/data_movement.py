@@ -304,8 +304,8 @@ def copy_kernel(pairs: list[CopyPair], elems: int, buffers: int, ctx: LaunchCont
             lo = wave * elems
             hi = np.minimum(lo + elems, total)
             w0, w1 = int(lo[0]), int(hi[-1])
-            # the numbers: the wave's tiles as one gather and one scatter
-            write_flat(pair.dst, w0, w1, read_flat(pair.src, w0, w1))
+            if ctx.compute:  # the numbers: the wave's tiles as one gather and one scatter
+                write_flat(pair.dst, w0, w1, read_flat(pair.src, w0, w1))
             # the timing
             count = hi - lo
             src = flat_pieces(pair.src_gm, lo, hi) if contiguous_src else \

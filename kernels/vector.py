@@ -158,7 +158,7 @@ class ElementwiseKernel(FlatTiledKernel):
         # The flat operands: full ones are views; broadcast ones are materialised once (the data a
         # tile of the output reads), size-1 ones stay scalars.
         flats = []
-        for a in inputs:
+        for a in inputs if ctx.compute else ():
             if a.size == 1:
                 flats.append(a.reshape(1))
             elif a.shape == shape:
@@ -181,10 +181,10 @@ class ElementwiseKernel(FlatTiledKernel):
             lo = wave * elems
             hi = np.minimum(lo + elems, total)
             a0, a1 = int(lo[0]), int(hi[-1])
-            # the numbers: the wave's tiles in one array, the op's own semantics, rounded to the result dtype
-            res = op.compute(*[_tiles(f, a0, a1, U, elems) for f in flats])
-            res = np.broadcast_to(_cast(res, out_dt), (U, elems))
-            out[a0:a1] = res.reshape(-1)[:a1 - a0]
+            if ctx.compute:  # the numbers: the wave's tiles in one array, the op's semantics, rounded to the result dtype
+                res = op.compute(*[_tiles(f, a0, a1, U, elems) for f in flats])
+                res = np.broadcast_to(_cast(res, out_dt), (U, elems))
+                out[a0:a1] = res.reshape(-1)[:a1 - a0]
             # the timing
             count = hi - lo
             load = np.zeros(U)
@@ -242,7 +242,7 @@ class RowKernel(Kernel):
         seg = -(-C // segments) if segments > 1 else C
         reduce = op.name.startswith("ge.reduce_")
         moved = x if trailing else np.moveaxis(x, axes, range(rank - len(axes), rank))
-        x2 = np.ascontiguousarray(moved).reshape(R, C)
+        x2 = np.ascontiguousarray(moved).reshape(R, C) if ctx.compute else None  # timing only: no data to lay out
         out_dt = result_dtype(op, 0, x.dtype)
         out2 = np.empty((R,) if reduce else (R, C), dtype=out_dt)
         ub = ctx.target.buffer_bytes("ub")
@@ -253,7 +253,7 @@ class RowKernel(Kernel):
         # gamma / beta: one row when they do not vary over the kept axes, else rows gathered like x
         lead = rank - len(axes)
         rowwise = []
-        for p in params:
+        for p in params if ctx.compute else ():
             padded = (1,) * (rank - p.ndim) + p.shape
             if all(d == 1 for d in padded[:lead]):
                 rowwise.append((True, np.broadcast_to(p.reshape(padded[lead:]), x.shape[lead:]).reshape(C)))
@@ -267,10 +267,12 @@ class RowKernel(Kernel):
         if R and C:
             self.tiles(op, ctx, x, x2, out2, out_shape, params, rowwise, resident, R, C, tr, seg, nbuf, trailing,
                        halves)
-        elif reduce:
+        elif reduce and ctx.compute:
             out2[...] = _cast(op.compute(x), out_dt).reshape(-1)  # an empty row: the op's own identity
         if reduce:
             return [out2.reshape(out_shape)]
+        if not ctx.compute:
+            return [np.empty(x.shape, dtype=out_dt)]
         out = out2.reshape(moved.shape)
         if not trailing:
             out = np.ascontiguousarray(np.moveaxis(out, range(rank - len(axes), rank), axes))
@@ -324,12 +326,14 @@ class RowKernel(Kernel):
             r1 = np.minimum(r0 + tr, R)
             rows = r1 - r0
             lo, hi = int(r0[0]), int(r1[-1])
-            xt = _row_tiles(x2, lo, U, tr)
+            compute = ctx.compute
+            xt = _row_tiles(x2, lo, U, tr) if compute else None
             pt = [p if row else _row_tiles(p, lo, U, tr) for row, p in rowwise]
             name = op.name[3:]
             if segments == 1:
-                res = _cast(row_op.compute(xt, *pt), out2.dtype)
-                out2[lo:hi] = res.reshape((U * tr,) + out2.shape[1:])[:hi - lo]
+                if compute:
+                    res = _cast(row_op.compute(xt, *pt), out2.dtype)
+                    out2[lo:hi] = res.reshape((U * tr,) + out2.shape[1:])[:hi - lo]
                 vec = lanes.per_lane(on, lanes.vector(rows * C * 4, passes + casts))
                 slots.step(used, load(wave, on, r0, r1, 0, C, 0), vec, store(wave, on, r0, r1, 0, C, 0),
                            after=[ready[used]], names=("load rows", name, "store rows"))
@@ -337,21 +341,24 @@ class RowKernel(Kernel):
             # segmented rows: a statistics pass over the segments, then (but for reduce_*) an apply pass
             stat_passes = passes if reduce else ROW_STAT_PASSES[op.name]
             cuts = [(s, s * seg, min((s + 1) * seg, C)) for s in range(segments)]
-            stats = _SegmentStats(op, row_op, xt.shape[:2])
+            stats = _SegmentStats(op, row_op, (U, tr))
             for s, c0, c1 in cuts:
-                stats.add(xt[..., c0:c1], c1 - c0)
+                if compute:
+                    stats.add(xt[..., c0:c1], c1 - c0)
                 vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, stat_passes + casts // 2))
                 done = slots.step(used, load(wave, on, r0, r1, c0, c1, s), vec, None, after=[ready[used]],
                                   names=("load segment", f"{name} statistics", ""))
             if reduce:
-                res = _cast(stats.result(C), out2.dtype)
-                out2[lo:hi] = res.reshape(-1)[:hi - lo]
+                if compute:
+                    res = _cast(stats.result(C), out2.dtype)
+                    out2[lo:hi] = res.reshape(-1)[:hi - lo]
                 issue(cores, ctx.waits, "MTE3", used, store(wave, on, r0, r1, 0, C, 0), [done],
                       name="store row results")
                 continue
             for s, c0, c1 in cuts:
-                res = _cast(stats.apply(xt[..., c0:c1], [p[..., c0:c1] for p in pt], C), out2.dtype)
-                out2[lo:hi, c0:c1] = res.reshape(U * tr, c1 - c0)[:hi - lo]
+                if compute:
+                    res = _cast(stats.apply(xt[..., c0:c1], [p[..., c0:c1] for p in pt], C), out2.dtype)
+                    out2[lo:hi, c0:c1] = res.reshape(U * tr, c1 - c0)[:hi - lo]
                 vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, passes - stat_passes + casts))
                 slots.step(used, load(wave, on, r0, r1, c0, c1, s), vec, store(wave, on, r0, r1, c0, c1, s),
                            names=("load segment", f"{name} apply", "store segment"))

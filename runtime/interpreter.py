@@ -44,7 +44,7 @@ class Task:
 class RunResult:
     """What a run produced: the outputs, every task, every kernel's statistics, the chip's counters."""
 
-    outputs: list[np.ndarray]
+    outputs: list[np.ndarray]  # none in a timing-only run
     tasks: list[Task]
     kernels: list[KernelStats]
     cores: Cores
@@ -59,8 +59,11 @@ class Runtime:
     """Runs rt.programs on one simulated chip."""
 
     def __init__(self, target: Target, record_pipes: bool = False, faults: Iterable[tuple[str, int]] = (),
-                 count_waits: bool = False):
+                 count_waits: bool = False, timing_only: bool = False):
         self.target = target
+        # timing only: every task is timed as in a full run, but no value is computed or copied, so inputs
+        # and weights may be absent and the run has no outputs (the simulated figures are the full run's)
+        self.timing_only = timing_only
         self.record_pipes = record_pipes
         # book every pipe's idle time to the flag or buffer slot it waited for (KernelStats.waits; gedoctor)
         self.count_waits = count_waits
@@ -97,7 +100,7 @@ class Runtime:
         faults: list[dict[str, Any]] = []
 
         tilings = self._tilings(program)
-        for arg in program.args:
+        for arg in program.args if not self.timing_only else ():
             if arg.name not in inputs:
                 raise RuntimeFailure(f"no input given for argument '%{arg.name}'")
             host[id(arg)] = _checked_input(arg, inputs[arg.name])
@@ -106,13 +109,14 @@ class Runtime:
             for op in program.ops:
                 name = op.name
                 if name == "rt.const":
-                    array = op.compute(dict(resources or {}))
-                    device.write(op.offset, op.result.type, array)
+                    if not self.timing_only:
+                        device.write(op.offset, op.result.type, op.compute(dict(resources or {})))
                     where[id(op.result)] = op.offset
                     load_us += self._copy_us(op.result.type.nbytes)  # once, when the program loads
                 elif name == "rt.h2d":
                     t = op.result.type
-                    device.write(op.offset, t, host[id(op.operands[0])])
+                    if not self.timing_only:
+                        device.write(op.offset, t, host[id(op.operands[0])])
                     where[id(op.result)] = op.offset
                     gm.forget(_gm_name(op.offset))
                     start = max(streams.get(op.stream, 0.0), copy_free)
@@ -122,7 +126,8 @@ class Runtime:
                     tasks.append(Task("h2d", what, op.stream, start, copy_free))
                 elif name == "rt.d2h":
                     t = op.result.type
-                    host[id(op.result)] = device.read(where[id(op.operands[0])], t)
+                    if not self.timing_only:
+                        host[id(op.result)] = device.read(where[id(op.operands[0])], t)
                     start = max(streams.get(op.stream, 0.0), copy_free)
                     copy_free = streams[op.stream] = start + self._transfer_us(t.nbytes, op, "copy out", transfers,
                                                                                faults)
@@ -140,8 +145,10 @@ class Runtime:
                     kernels.append(stats)
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
                                       stats.end / self.cycles_per_us))
-                elif name == "rt.return":
+                elif name == "rt.return" and not self.timing_only:
                     outputs = [host[id(v)] for v in op.operands]
+                elif name == "rt.return":
+                    pass  # timing only: no values, no outputs
                 else:
                     raise RuntimeFailure(f"{op.loc}: the Runtime cannot run {name}")
         except DeviceFault as e:
@@ -232,7 +239,8 @@ class Runtime:
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
         cores.sync_to(start_cycles)
         ctx = LaunchContext(self.target, cores, gm, [_gm_name(where[id(v)]) for v in op.operands],
-                            [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None)
+                            [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None,
+                            compute=not self.timing_only)
         outs, stats = measure(ctx, op.kernel, tiling, flops_of(kernel_op),
                               lambda: kernel.run(kernel_op, args, tiling, ctx))
         streams[op.stream] = stats.end / self.cycles_per_us
@@ -240,7 +248,8 @@ class Runtime:
             return stats
         # results are stored only now: with an in-place plan they may overwrite an operand the kernel read
         for r, offset, array in zip(op.results, op.offsets, outs):
-            device.write(offset, r.type, array)
+            if not self.timing_only:
+                device.write(offset, r.type, array)
             where[id(r)] = offset
         return stats
 
