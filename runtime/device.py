@@ -18,10 +18,13 @@ class DeviceFault(RuntimeError):
 class DeviceMemory:
     """The device's global memory for one program: [inputs | constants | arena], as `lower` laid it out."""
 
-    def __init__(self, size: int):
-        # np.zeros maps pages lazily, so a large arena costs only what is touched
+    def __init__(self, size: int, backed: bool = True):
+        # np.zeros maps pages lazily, so a large arena costs only what is touched; unbacked (a timing-only
+        # run, which reads and writes no value) there are no bytes at all and every view is a fresh,
+        # never-touched array with the tensor's shape and strides
         self.size = size
-        self.bytes = np.zeros(size, dtype=np.uint8)
+        self.bytes = np.zeros(size if backed else 0, dtype=np.uint8)
+        self.backed = backed
 
     def view(self, offset: int, t: TensorType) -> np.ndarray:
         """The tensor of type `t` at `offset`, as an array over the device bytes (no copy)."""
@@ -32,6 +35,8 @@ class DeviceMemory:
             raise DeviceFault(f"access to {nbytes} bytes at offset {offset} is outside device memory of {self.size} bytes")
         if offset % t.dtype.itemsize:
             raise DeviceFault(f"offset {offset} is not aligned for {t.dtype}")
+        if not self.backed:
+            return np.empty(t.shape, dtype=t.dtype.np)
         return self.bytes[offset:offset + nbytes].view(t.dtype.np).reshape(t.shape)
 
     def write(self, offset: int, t: TensorType, array: np.ndarray) -> None:

@@ -38,6 +38,8 @@ class Task:
     stream: int
     start_us: float
     end_us: float
+    # when the Runtime's host thread had submitted it (the device cannot start it before)
+    submitted_us: float = 0.0
 
 
 @attrs.define
@@ -73,18 +75,27 @@ class Runtime:
         host = target.data.get("host", {})
         self.link_bytes_per_us = host.get("pcie_gb_per_s", 32) * 1e3
         self.copy_latency_us = host.get("copy_latency_us", 0.0)
+        # the host's cost of submitting one task (a copy or a launch) to a stream, one after another
+        self.submit_us = host.get("launch_latency_us", 0.0)
         self.cycles_per_us = target.clock_hz / 1e6
 
     def run(self, program: Graph, inputs: Mapping[str, np.ndarray],
-            resources: Mapping[str, np.ndarray] | None = None) -> RunResult:
-        """Load the program's constants, copy the inputs in, run every task, copy the results out."""
+            resources: Mapping[str, np.ndarray] | None = None, resident: Iterable[str] = ()) -> RunResult:
+        """Load the program's constants, copy the inputs in, run every task, copy the results out.
+
+        Time 0 is when the Runtime starts submitting: its host thread submits the tasks in program
+        order, `launch_latency_us` each, and no task starts on the device before it was submitted.
+        Inputs named in `resident` are already on the device (a cache kept there between calls):
+        they are neither submitted nor copied again.
+        """
+        resident = set(resident)
         if program.kind != "rt.program":
             raise RuntimeFailure(f"@{program.name} is a {program.kind}, not a lowered rt.program")
         layout = memory_layout(program)
         if layout is None:
             raise RuntimeFailure(f"{program.loc}: rt.program @{program.name} has no memory layout: attribute "
                                  f"memory = {{inputs = N, constants = N, arena = N}} gives its sizes in bytes")
-        device = DeviceMemory(sum(layout.values()))
+        device = DeviceMemory(sum(layout.values()), backed=not self.timing_only)
         cores = Cores(self.target.cube_cores, record=self.record_pipes)
         gm = GlobalMemory(self.target)
         host: dict[int, np.ndarray] = {}
@@ -92,6 +103,7 @@ class Runtime:
         streams: dict[int, float] = {}
         events: dict[int, float] = {}
         copy_free = 0.0
+        submitted = 0.0  # the Runtime's host thread: when it has submitted the tasks so far
         tasks: list[Task] = []
         kernels: list[KernelStats] = []
         outputs: list[np.ndarray] = []
@@ -118,21 +130,25 @@ class Runtime:
                     if not self.timing_only:
                         device.write(op.offset, t, host[id(op.operands[0])])
                     where[id(op.result)] = op.offset
+                    if op.operands[0].name in resident:
+                        continue  # on the device since an earlier call: its bytes (and L2 state) stay
                     gm.forget(_gm_name(op.offset))
-                    start = max(streams.get(op.stream, 0.0), copy_free)
+                    submitted += self.submit_us
+                    start = max(streams.get(op.stream, 0.0), copy_free, submitted)
                     what = f"copy %{op.operands[0].name} in"
                     copy_free = streams[op.stream] = start + self._transfer_us(t.nbytes, op, what, transfers, faults)
                     transfers += 1
-                    tasks.append(Task("h2d", what, op.stream, start, copy_free))
+                    tasks.append(Task("h2d", what, op.stream, start, copy_free, submitted))
                 elif name == "rt.d2h":
                     t = op.result.type
                     if not self.timing_only:
                         host[id(op.result)] = device.read(where[id(op.operands[0])], t)
-                    start = max(streams.get(op.stream, 0.0), copy_free)
+                    submitted += self.submit_us
+                    start = max(streams.get(op.stream, 0.0), copy_free, submitted)
                     copy_free = streams[op.stream] = start + self._transfer_us(t.nbytes, op, "copy out", transfers,
                                                                                faults)
                     transfers += 1
-                    tasks.append(Task("d2h", "copy out", op.stream, start, copy_free))
+                    tasks.append(Task("d2h", "copy out", op.stream, start, copy_free, submitted))
                 elif name == "rt.record":
                     events[op.event] = streams.get(op.stream, 0.0)
                 elif name == "rt.wait":
@@ -140,11 +156,13 @@ class Runtime:
                         raise RuntimeFailure(f"{op.loc}: wait for event {op.event}, which nothing recorded before")
                     streams[op.stream] = max(streams.get(op.stream, 0.0), events[op.event])
                 elif name == "rt.launch":
+                    submitted += self.submit_us
+                    streams[op.stream] = max(streams.get(op.stream, 0.0), submitted)
                     stats, cores = self._launch_recovering(op, tilings[id(op)], device, where, cores, gm, streams,
                                                            len(kernels), faults)
                     kernels.append(stats)
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
-                                      stats.end / self.cycles_per_us))
+                                      stats.end / self.cycles_per_us, submitted))
                 elif name == "rt.return" and not self.timing_only:
                     outputs = [host[id(v)] for v in op.operands]
                 elif name == "rt.return":

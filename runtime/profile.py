@@ -1,5 +1,13 @@
 """Profile figures of a run, named as msprof names them, and the Chrome trace of its tasks and pipes.
 
+Where the time went, on one modelled timeline (time 0: the request; GE's host work first, then the
+Runtime submits the program's tasks and the device runs them):
+- `simulated_time_us`: the device's span, from the Runtime's first submission to the end of the last task;
+- `kernel_time_us`: the kernels' time on the cores; `transfer_time_us`: the host-device copies' time;
+- `host_ge_us`: GE's host work for this run (compile, or re-plan for a new shape; 0 on a plan-cache hit),
+  measured in host time where GEIR really does it;
+- `end_to_end_us`: host_ge_us plus the device's span: when the run's last task ended.
+
 Definitions (per kernel, then over the run weighted by kernel time):
 - `<pipe>_ratio`: the pipe's busy cycles / (the kernel's cycles x the cores it used), msprof's aic_*_ratio.
 - `overlap_ratio`: how much of the shorter of data movement (MTE2) and compute (max of cube and
@@ -20,11 +28,13 @@ from geir.target_npu.sim import PIPE_INDEX
 from geir.target_npu.target import Target
 
 PROFILE_KEYS = (
-    "simulated_time_us", "mte2_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio", "overlap_ratio",
+    "simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us", "mte2_ratio",
+    "mte1_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio", "overlap_ratio",
     "memory_bound", "gm_read_bytes", "gm_write_bytes", "hbm_read_bytes", "hbm_write_bytes", "tflops",
     "cube_peak_fraction", "kernels", "plan_cache", "faults",
 )
-_RATIO_PIPES = {"mte2_ratio": "MTE2", "cube_ratio": "CUBE", "vec_ratio": "VECTOR", "mte3_ratio": "MTE3",
+_RATIO_PIPES = {"mte2_ratio": "MTE2", "mte1_ratio": "MTE1", "cube_ratio": "CUBE", "vec_ratio": "VECTOR",
+                "mte3_ratio": "MTE3",
                 "fixp_ratio": "FIXP"}
 
 
@@ -58,9 +68,19 @@ def kernel_profile(k: KernelStats, target: Target) -> dict[str, Any]:
     return entry
 
 
+def time_split(result: RunResult, host_ge_us: float = 0.0) -> dict[str, float]:
+    """Where a run's time went: the device's span, the kernels', the copies', GE's and end to end (us)."""
+    end = max((t.end_us for t in result.tasks), default=0.0)
+    return {"simulated_time_us": end,
+            "kernel_time_us": sum(t.end_us - t.start_us for t in result.tasks if t.kind == "kernel"),
+            "transfer_time_us": sum(t.end_us - t.start_us for t in result.tasks if t.kind != "kernel"),
+            "host_ge_us": host_ge_us, "end_to_end_us": host_ge_us + end}
+
+
 def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
-            faults: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The spec's profile of one run (the keys of --profile-json, in order)."""
+            faults: list[dict[str, Any]] | None = None, host_ge_us: float = 0.0) -> dict[str, Any]:
+    """The spec's profile of one run (the keys of --profile-json, in order); `host_ge_us` is GE's host
+    work that this run waited for (its compile or re-plan)."""
     target = result.target
     kernels = result.kernels
     busy = {p: sum(k.busy[p] for k in kernels) for p in PIPE_INDEX}
@@ -68,11 +88,10 @@ def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
     kernel_cycles = sum(k.cycles for k in kernels)
     mean_cores = core_cycles / kernel_cycles if kernel_cycles else 0.0
     flops = sum(k.flops for k in kernels)
-    end = max((t.end_us for t in result.tasks), default=0.0)
     figures = _figures(busy, core_cycles, kernel_cycles, mean_cores, flops, kernel_cycles / target.clock_hz, target)
     gm = result.gm
-    out: dict[str, Any] = {"simulated_time_us": end}
-    out.update({key: figures[key] for key in ("mte2_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio",
+    out: dict[str, Any] = time_split(result, host_ge_us)
+    out.update({key: figures[key] for key in (*_RATIO_PIPES,
                                               "overlap_ratio", "memory_bound")})
     out.update(gm_read_bytes=gm.gm_read_bytes, gm_write_bytes=gm.gm_write_bytes, hbm_read_bytes=gm.hbm_read_bytes,
                hbm_write_bytes=gm.hbm_write_bytes, tflops=figures["tflops"],
@@ -85,12 +104,17 @@ def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
 
 # what each figure of the --profile table is (a definition, never a verdict the number could contradict)
 _LEGEND = {
-    "simulated_time_us": "simulated us from the run's start to the end of its last task (copy or kernel)",
+    "simulated_time_us": "the device's span: simulated us from the Runtime's start to the end of the last task",
+    "kernel_time_us": "the kernels' simulated time on the cores (the fusion payoff is judged on this)",
+    "transfer_time_us": "the host-device copies' simulated time (rt.h2d, rt.d2h)",
+    "host_ge_us": "GE's host work this run waited for: compile or re-plan (0 on a plan-cache hit)",
+    "end_to_end_us": "host_ge_us + the device's span, on one timeline: when the run's last task ended",
     "tflops": "TFLOP/s achieved: the kernels' FLOPs over the kernels' time",
     "cube_peak_fraction": "tflops / the target's f16 cube peak",
     "overlap_ratio": "overlapped share of the shorter of MTE2 (data in) and compute time",
     "memory_bound": "MTE2 time / max(cube, vector) time (above 1: loading takes longer than computing)",
     "mte2_ratio": "MTE2 (global memory in) busy: busy cycles / (kernel cycles x cores used)",
+    "mte1_ratio": "MTE1 (L1 to L0A/L0B) busy, likewise",
     "cube_ratio": "cube unit (matmuls) busy, likewise",
     "vec_ratio": "vector unit busy, likewise",
     "mte3_ratio": "MTE3 (global memory out) busy, likewise",
@@ -112,7 +136,8 @@ def format_profile(p: dict[str, Any]) -> str:
         return row(key, f"{p[key]}") + f" ({p[key] / 2**20:.2f} MiB)"
 
     lines = [
-        row("simulated_time_us", f"{p['simulated_time_us']:.2f}"),
+        *(row(key, f"{p[key]:.2f}") for key in ("simulated_time_us", "kernel_time_us", "transfer_time_us",
+                                                 "host_ge_us", "end_to_end_us")),
         row("tflops", f"{p['tflops']:.2f}"),
         row("cube_peak_fraction", f"{p['cube_peak_fraction']:.3f}"),
         row("overlap_ratio", f"{p['overlap_ratio']:.2f}"),
@@ -122,11 +147,12 @@ def format_profile(p: dict[str, Any]) -> str:
         "",
         "per kernel: time_us its simulated time, cores the cores it ran on, then the figures above",
         "(overlap = overlap_ratio, mem_bnd = memory_bound, TFLOP/s = tflops, peak% = 100 x cube_peak_fraction)",
-        f"{'kernel':<24}{'time_us':>10}{'cores':>6}{'mte2':>7}{'cube':>7}{'vec':>7}{'mte3':>7}{'fixp':>7}"
+        f"{'kernel':<24}{'time_us':>10}{'cores':>6}{'mte2':>7}{'mte1':>7}{'cube':>7}{'vec':>7}{'mte3':>7}{'fixp':>7}"
         f"{'overlap':>8}{'mem_bnd':>8}{'TFLOP/s':>9}{'peak%':>7}",
     ]
     for k in p["kernels"]:
-        lines.append(f"{k['name']:<24}{k['time_us']:>10.2f}{k['cores']:>6}{k['mte2_ratio']:>7.2f}{k['cube_ratio']:>7.2f}"
+        lines.append(f"{k['name']:<24}{k['time_us']:>10.2f}{k['cores']:>6}{k['mte2_ratio']:>7.2f}{k['mte1_ratio']:>7.2f}"
+                     f"{k['cube_ratio']:>7.2f}"
                      f"{k['vec_ratio']:>7.2f}{k['mte3_ratio']:>7.2f}{k['fixp_ratio']:>7.2f}{k['overlap_ratio']:>8.2f}"
                      f"{k['memory_bound']:>8.2f}{k['tflops']:>9.2f}{100 * k['cube_peak_fraction']:>7.1f}")
     return "\n".join(lines)

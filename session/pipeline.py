@@ -7,7 +7,7 @@ all use, so that "the pipeline tail" (what a pipeline needs before `lower`) has 
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -65,6 +65,8 @@ def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str
 
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
-                target: str = DEFAULT_TARGET, record_pipes: bool = False) -> RunResult:
-    """Run a lowered rt.program on a fresh simulated chip."""
-    return Runtime(load_target(target), record_pipes=record_pipes).run(program, inputs, resources)
+                target: str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
+                resident: Iterable[str] = ()) -> RunResult:
+    """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device)."""
+    return Runtime(load_target(target), record_pipes=record_pipes, timing_only=timing_only).run(
+        program, inputs, resources, resident)

@@ -80,3 +80,27 @@ def test_timing_only_needs_neither_inputs_nor_weights():
     with pytest.raises(RuntimeFailure, match="no input given"):
         Runtime(target).run(program, {}, {})
     assert Runtime(target, timing_only=True).run(program, {}, {}).kernels
+
+
+HOST_MEASURED = {"host_ge_us", "end_to_end_us", "plan_cache"}  # GE's real host time: differs run to run
+
+
+def test_gerun_timing_only_profile_equals_the_full_runs(tmp_path, capsys):
+    from geir.tools import gerun
+
+    model = str(EXAMPLES / "gpt2_block.geir")
+    full, timed = tmp_path / "full.json", tmp_path / "timed.json"
+    assert gerun.main([model, "--profile-json", str(full)]) == 0
+    assert gerun.main([model, "--timing-only", "--profile-json", str(timed), "--weights", str(tmp_path / "none.npz")]) == 0
+    assert "no values computed" in capsys.readouterr().out
+    a, b = json.loads(full.read_text()), json.loads(timed.read_text())
+    assert a.keys() == b.keys()
+    assert {k: v for k, v in a.items() if k not in HOST_MEASURED} == {k: v for k, v in b.items() if k not in HOST_MEASURED}
+
+
+@pytest.mark.parametrize("flag", [["--output", "out.npz"], ["--check"]])
+def test_gerun_timing_only_refuses_what_needs_values(flag, tmp_path, capsys):
+    from geir.tools import gerun
+
+    assert gerun.main([str(EXAMPLES / "attention.geir"), "--timing-only", *flag]) == 2
+    assert "--timing-only computes no values" in capsys.readouterr().err

@@ -169,7 +169,10 @@ def test_gerun_profile_prints_the_legend():
     r = tool("gerun", ATTENTION, "--profile")
     assert r.returncode == 0, r.stderr
     assert re.search(r"^overlap_ratio +0\.\d\d   overlapped share of the shorter", r.stdout, re.MULTILINE)
-    assert re.search(r"^simulated_time_us +\d+\.\d\d   simulated us", r.stdout, re.MULTILINE)
+    assert re.search(r"^simulated_time_us +\d+\.\d\d   the device's span", r.stdout, re.MULTILINE)
+    # where the time went comes first, in the spec's order
+    keys = re.findall(r"^(\w+_us) ", r.stdout, re.MULTILINE)
+    assert keys == ["simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us"]
 
 
 # --- 3. files: outputs never onto inputs -----------------------------------------------------------------

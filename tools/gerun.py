@@ -96,6 +96,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-compile", type=int, metavar="PARTS",
                    help="cut the graph into up to PARTS subgraphs; GE compiles the next on a background thread "
                         "while the Runtime runs the current one (reports time to first kernel)")
+    p.add_argument("--timing-only", action="store_true",
+                   help="time every task with the kernels' cost models and skip the arithmetic: the simulated "
+                        "figures are the full run's, at a fraction of the host time; weights may be absent and "
+                        "there are no results (--output and --check are refused)")
     p.add_argument("--explain", action="store_true",
                    help="print GE's fusion and tiling remarks, and what each re-plan for a new shape changed")
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@N",
@@ -251,6 +255,17 @@ def random_inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def shape_inputs(graph: Graph) -> dict[str, np.ndarray]:
+    """Stand-ins with every argument's shape and dtype and no memory (zero strides), for a timing-only run."""
+    out: dict[str, np.ndarray] = {}
+    for a in graph.args:
+        t: TensorType = a.type
+        if not t.is_static:
+            raise ToolError(f"argument %{a.name} is {t}: a timing-only run takes its shapes from --inputs")
+        out[a.name] = np.broadcast_to(np.zeros((), dtype=t.dtype.np), t.shape)
+    return out
+
+
 def npz_inputs(graph: Graph, path: str) -> dict[str, np.ndarray]:
     """Inputs read from an npz by argument name, cast to the argument dtype; shapes checked."""
     archive = _load_npz(path, "inputs")
@@ -306,7 +321,8 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], progress: _Progress):
+def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], progress: _Progress,
+                  timing_only: bool = False):
     from geir.runtime.interpreter import Runtime
 
     class _Runtime(Runtime):
@@ -317,7 +333,7 @@ def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], prog
             progress.step(op.kernel)
             return stats
 
-    return _Runtime(load_target(target), record_pipes=record, faults=faults)
+    return _Runtime(load_target(target), record_pipes=record, faults=faults, timing_only=timing_only)
 
 
 def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray], args: argparse.Namespace,
@@ -327,7 +343,7 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
 
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
     progress = _Progress(launches, label)
-    runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress)
+    runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress, args.timing_only)
     try:
         return runtime.run(program, inputs, weights)
     except RuntimeFailure as e:
@@ -458,6 +474,9 @@ def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_target(args.target)
+    if args.timing_only and (args.output or args.check):
+        raise ToolError(f"--timing-only computes no values: {'--output' if args.output else '--check'} needs a full "
+                        f"run", EXIT_USAGE)
     refuse_overwriting_inputs(args)
     if args.timeline:
         from geir.runtime.timeline import matplotlib_available
@@ -499,12 +518,12 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     faults.extend(requested_faults)
     from geir.runtime.device import host_memory_problem
 
-    too_big = host_memory_problem(graph)
+    too_big = None if args.timing_only else host_memory_problem(graph)  # timing only: nothing is allocated
     if too_big is not None:
         printer(too_big)
         return EXIT_FAILURE
 
-    weights = load_weights(graph, args, printer)
+    weights = {} if args.timing_only else load_weights(graph, args, printer)
 
     if args.overlap_compile is not None:
         return _run_overlapped(args, module, graph, text, name, weights, is_program, pipeline)
@@ -534,6 +553,9 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     if args.inputs:
         runs = [npz_inputs(program, path) for path in args.inputs]
         labels = [f"--inputs {path}" for path in args.inputs]
+    elif args.timing_only:  # only the shapes matter: zero-stride stand-ins, no memory
+        runs = [shape_inputs(program)]
+        labels = ["--timing-only"]
     else:
         runs = [random_inputs(program, 0 if args.seed is None else args.seed)]
         labels = [f"--seed {args.seed or 0}"]
@@ -545,6 +567,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     results = []
     plan_caches = []
     programs = []
+    host_ge_us: list[float] = []  # GE's host work each run waited for: the compile (run 0), a re-plan
     # GE's spans by the step they belong to: [0] the compile, [r + 1] what run r's re-plan did
     span_groups: list[list[tuple]] = [list(session.spans) if session is not None else []]
     for r, inputs in enumerate(runs):
@@ -558,6 +581,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
             except ShapeMismatch as e:
                 raise ToolError(f"{labels[r]}: {e}") from None
             plan_caches.append(dict(session.plan_cache))
+            host_ge_us.append((session.compile_us if r == 0 else 0.0) + session.last_ge_us)
             span_groups.append(session.spans[before[0]:])
             if args.explain and session.misses > before[1]:
                 print(f"{labels[r]}: {session.replans[-1].summary()}")
@@ -574,6 +598,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         prefix = f"run{r}." if several else ""
         for i, a in enumerate(result.outputs):
             print(summary_line(f"{prefix}result{i}", a, result_types[i]))
+        if args.timing_only:
+            print(f"{prefix}timing only: {len(result.kernels)} kernels timed, no values computed")
         if args.check:
             failed_checks += not check_run(reference, inputs, weights, result.outputs, result_types, prefix)
     if args.check:
@@ -584,7 +610,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     if args.profile or args.profile_json:
         for r, result in enumerate(results):
             cache = plan_caches[r] if plan_caches else {"hits": r, "misses": 1, "replan_ms": 0.0}
-            profiles.append(profile(result, plan_cache=cache))
+            profiles.append(profile(result, plan_cache=cache, host_ge_us=host_ge_us[r] if host_ge_us else 0.0))
     if args.profile:
         for r, p in enumerate(profiles):
             if several:
