@@ -159,10 +159,14 @@ def format_profile(p: dict[str, Any]) -> str:
 
 
 def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | None = None) -> str:
-    """Chrome trace-event JSON: host GE and Runtime tracks, then one track per core and pipe.
+    """Chrome trace-event JSON of one run on its one modelled timeline (microseconds).
 
-    One time axis, two clocks: the GE track is the host's compile time (wall clock, from 0); the
-    run follows it in simulated time, so the Runtime and core tracks start where compilation ended.
+    - process "host": track "GE" (GE's host work before the run, from 0) and track "Runtime" (the
+      submission of each task, one after another);
+    - process "device": one track per Runtime stream (stream 0: the copies), each task on its stream;
+    - one process per core, one track per pipe.
+    GE's spans come first; the Runtime starts submitting when GE is done, and every device event sits
+    on that axis after it. Events are in time order on every track.
     """
     events: list[dict[str, Any]] = []
     us = 1e6 / result.target.clock_hz
@@ -174,22 +178,38 @@ def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | 
             events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": process}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
 
-    meta(0, 0, "GE", "host")
-    meta(0, 1, "Runtime", "host")
-    offset = max((end for _, _, end in ge_events or []), default=0.0)
+    meta(HOST_PID, GE_TID, "GE", "host")
+    meta(HOST_PID, RUNTIME_TID, "Runtime", "host")
+    spans: list[dict[str, Any]] = []
+    first = min((start for _, start, _ in ge_events or []), default=0.0)
+    offset = max((end for _, _, end in ge_events or []), default=0.0) - first
     for name, start, end in ge_events or []:
-        events.append({"ph": "X", "name": name, "pid": 0, "tid": 0, "ts": start, "dur": max(end - start, 0.0)})
+        spans.append({"ph": "X", "name": name, "pid": HOST_PID, "tid": GE_TID, "ts": start - first,
+                      "dur": max(end - start, 0.0)})
+    submit_us = result.target.data.get("host", {}).get("launch_latency_us", 0.0)
+    for stream in sorted({t.stream for t in result.tasks}):
+        meta(DEVICE_PID, stream, f"stream {stream}" + (" (copies)" if stream == 0 else ""), "device")
     for t in result.tasks:
-        events.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": 0, "tid": 1, "ts": offset + t.start_us,
-                       "dur": max(t.end_us - t.start_us, 0.0), "args": {"stream": t.stream}})
+        spans.append({"ph": "X", "name": f"submit {t.name}", "cat": "submit", "pid": HOST_PID, "tid": RUNTIME_TID,
+                      "ts": offset + t.submitted_us - submit_us, "dur": submit_us, "args": {"stream": t.stream}})
+        spans.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": DEVICE_PID, "tid": t.stream,
+                      "ts": offset + t.start_us, "dur": max(t.end_us - t.start_us, 0.0),
+                      "args": {"stream": t.stream, "submitted_us": offset + t.submitted_us}})
     pipes = list(PIPE_INDEX)
     seen: set[tuple[int, int]] = set()
     for iv in result.cores.intervals:
         for core, start, end in zip(iv.cores.tolist(), iv.start.tolist(), iv.end.tolist()):
-            pid, tid = 1 + core, iv.pipe
+            pid, tid = CORE_PID0 + core, iv.pipe
             if (pid, tid) not in seen:
                 seen.add((pid, tid))
                 meta(pid, tid, pipes[iv.pipe], f"core {core}")
-            events.append({"ph": "X", "name": iv.name, "pid": pid, "tid": tid, "ts": offset + start * us,
-                           "dur": (end - start) * us})
-    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})
+            spans.append({"ph": "X", "name": iv.name, "pid": pid, "tid": tid, "ts": offset + start * us,
+                          "dur": (end - start) * us})
+    spans.sort(key=lambda e: (e["pid"], e["tid"], e["ts"]))
+    return json.dumps({"traceEvents": events + spans, "displayTimeUnit": "ns"})
+
+
+# the trace's processes and tracks
+HOST_PID, GE_TID, RUNTIME_TID = 0, 0, 1
+DEVICE_PID = 1
+CORE_PID0 = 2

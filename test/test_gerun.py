@@ -268,7 +268,7 @@ def test_trace_is_chrome_trace_json(tmp_path, capsys):
                if e["ph"] == "M" and e["name"] == "thread_name"}
     processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert threads[(0, 0)] == "GE" and threads[(0, 1)] == "Runtime" and processes[0] == "host"
-    core_tracks = {(processes[pid], name) for (pid, tid), name in threads.items() if pid > 0}
+    core_tracks = {(processes[pid], name) for (pid, tid), name in threads.items() if pid > 1}
     assert {name for _, name in core_tracks} >= {"MTE2", "CUBE", "VECTOR", "MTE3"}
     assert {name for _, name in core_tracks} <= set(PIPES)
     assert len({proc for proc, _ in core_tracks}) > 1 and all(p.startswith("core ") for p, _ in core_tracks)
@@ -276,9 +276,23 @@ def test_trace_is_chrome_trace_json(tmp_path, capsys):
     assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in spans)
     ge = {e["name"] for e in spans if (e["pid"], e["tid"]) == (0, 0)}
     assert {"canonicalize", "tile", "plan", "lower"} <= ge and "fuse" not in ge
-    runtime = [e for e in spans if (e["pid"], e["tid"]) == (0, 1)]
-    assert [e["cat"] for e in runtime].count("kernel") >= 4 and {"h2d", "d2h"} <= {e["cat"] for e in runtime}
-    assert sum(1 for e in spans if e["pid"] > 0) > 10
+    submits = [e for e in spans if (e["pid"], e["tid"]) == (0, 1)]
+    device = [e for e in spans if e["pid"] == 1]
+    assert processes[1] == "device" and threads[(1, 0)] == "stream 0 (copies)"
+    assert [e["cat"] for e in device].count("kernel") >= 4 and {"h2d", "d2h"} <= {e["cat"] for e in device}
+    assert len(submits) == len(device) and all(e["cat"] == "submit" for e in submits)
+    # copies on stream 0's track, kernels on the compute streams' tracks
+    assert all((e["tid"] == 0) == (e["cat"] != "kernel") for e in device)
+    # one axis: GE's work, then the Runtime's submissions, each task after it was submitted
+    assert min(e["ts"] for e in submits) >= max(e["ts"] + e["dur"] for e in spans if (e["pid"], e["tid"]) == (0, 0)) - 1e-6
+    for e in device:
+        assert e["ts"] >= e["args"]["submitted_us"] - 1e-6
+    # timestamps in order on every track
+    by_track: dict = {}
+    for e in spans:
+        by_track.setdefault((e["pid"], e["tid"]), []).append(e["ts"])
+    assert all(ts == sorted(ts) for ts in by_track.values())
+    assert sum(1 for e in spans if e["pid"] > 1) > 10
 
 
 def test_trace_of_several_runs_follows_on(tmp_path, capsys):
@@ -288,9 +302,8 @@ def test_trace_of_several_runs_follows_on(tmp_path, capsys):
     rc, _, err = gerun([ATTENTION, "--inputs", tmp_path / "in0.npz", "--inputs", tmp_path / "in1.npz",
                         "--trace", trace], capsys)
     assert rc == 0, err
-    runtime = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 1
-               and e["pid"] == 0]
-    kernels = [e for e in runtime if e["cat"] == "kernel"]
+    device = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    kernels = sorted((e for e in device if e["cat"] == "kernel"), key=lambda e: e["ts"])
     assert len(kernels) == 2 and kernels[1]["ts"] > kernels[0]["ts"] + kernels[0]["dur"]
     assert kernels[1]["args"]["run"] == 1
 

@@ -413,12 +413,15 @@ def summary_line(name: str, a: np.ndarray, t: TensorType) -> str:
 def trace_json(results: list, span_groups: list[list[tuple]]) -> str:
     """One Chrome trace: the compile, then per run GE's re-plan (if it needed one) and the run.
 
-    Steps follow one another on one axis in the order they happened: GE's spans in host wall
-    time, each run in simulated time. A re-plan span's args say what it changed.
+    Steps follow one another on one modelled axis in the order they happened: GE's spans (their
+    measured host time), then the run they served (the Runtime's submissions on the host, each task
+    on its stream's track, the cores' pipes). A re-plan span's args say what it changed.
     """
     from geir.runtime.profile import chrome_trace
 
     events: list[dict[str, Any]] = []
+    meta: list[dict[str, Any]] = []
+    named: set[tuple] = set()
     offset = 0.0
 
     def add_spans(spans: list[tuple], run: int | None) -> float:
@@ -444,15 +447,18 @@ def trace_json(results: list, span_groups: list[list[tuple]]) -> str:
         trace = json.loads(chrome_trace(result))
         for e in trace["traceEvents"]:
             if e.get("ph") == "M":
-                if r == 0:
-                    events.append(e)
+                key = (e["name"], e["pid"], e.get("tid"))
+                if key not in named:  # a later run may use streams or cores the first did not
+                    named.add(key)
+                    meta.append(e)
                 continue
             e["ts"] = e["ts"] + offset
             if len(results) > 1:
                 e.setdefault("args", {})["run"] = r
             events.append(e)
         offset += max((t.end_us for t in result.tasks), default=0.0)
-    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})
+    events.sort(key=lambda e: (e["pid"], e["tid"], e["ts"]))  # time order on every track
+    return json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ns"})
 
 
 # --- the tool --------------------------------------------------------------------------------------------
