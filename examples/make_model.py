@@ -136,7 +136,15 @@ def _linear(p: str, name: str, key: tuple[str, str], x: str, k: int, n: int, dt:
     ]
 
 
-def layer_text(i: int, x: str, *, hidden: int, heads: int, seq: int | None, mlp: int, dtype: str) -> tuple[list[str], str]:
+def _sdpa_lines(p: str) -> list[str]:
+    """Attention as torch.export emits F.scaled_dot_product_attention(q, k, v, is_causal=True) (a Hugging Face
+    model with attn_implementation="sdpa"), which GEIR's torch frontend imports as one ge.flash_attention."""
+    return ["  // attention as torch.export emits scaled_dot_product_attention(is_causal=True): one op",
+            f"  %{p}_ctx = ge.flash_attention %{p}_q, %{p}_k, %{p}_v {{causal = true}}"]
+
+
+def layer_text(i: int, x: str, *, hidden: int, heads: int, seq: int | None, mlp: int, dtype: str,
+               sdpa: bool = False) -> tuple[list[str], str]:
     """The ops of layer `i` reading `x` (a value name with `%`); returns (lines, name of its output)."""
     p = f"l{i}"
     d = hidden // heads
@@ -151,16 +159,19 @@ def layer_text(i: int, x: str, *, hidden: int, heads: int, seq: int | None, mlp:
     for h in "qkv":
         L.append(f"  %{p}_{h}3 = ge.reshape %{p}_{h}2 {{shape = [1, {s_attr}, {heads}, {d}]}}")
         L.append(f"  %{p}_{h} = ge.transpose %{p}_{h}3 {{perm = [0, 2, 1, 3]}}")
-    L.append("  // scores = q @ k^T / sqrt(head dim), masked, softmax, @ v")
-    L.append(f"  %{p}_kt = ge.transpose %{p}_k {{perm = [0, 1, 3, 2]}}")
-    L.append(f"  %{p}_s = ge.matmul %{p}_q, %{p}_kt")
-    L.append(f"  %{p}_ss = ge.div %{p}_s, %sqrt_d")
-    if seq is None:
-        L.append(f"  %{p}_sm = ge.add %{p}_ss, %mask")
+    if sdpa:
+        L += _sdpa_lines(p)
     else:
-        L.append(f"  %{p}_sm = ge.select %causal, %{p}_ss, %mask_min")
-    L.append(f"  %{p}_p = ge.softmax %{p}_sm {{axis = -1}}")
-    L.append(f"  %{p}_ctx = ge.matmul %{p}_p, %{p}_v")
+        L.append("  // scores = q @ k^T / sqrt(head dim), masked, softmax, @ v")
+        L.append(f"  %{p}_kt = ge.transpose %{p}_k {{perm = [0, 1, 3, 2]}}")
+        L.append(f"  %{p}_s = ge.matmul %{p}_q, %{p}_kt")
+        L.append(f"  %{p}_ss = ge.div %{p}_s, %sqrt_d")
+        if seq is None:
+            L.append(f"  %{p}_sm = ge.add %{p}_ss, %mask")
+        else:
+            L.append(f"  %{p}_sm = ge.select %causal, %{p}_ss, %mask_min")
+        L.append(f"  %{p}_p = ge.softmax %{p}_sm {{axis = -1}}")
+        L.append(f"  %{p}_ctx = ge.matmul %{p}_p, %{p}_v")
     L.append("  // heads back to [B, S, hidden], output projection, residual")
     L.append(f"  %{p}_ctxt = ge.transpose %{p}_ctx {{perm = [0, 2, 1, 3]}}")
     L.append(f"  %{p}_ctx2 = ge.reshape %{p}_ctxt {{shape = [1, {s_attr}, {hidden}]}}")
@@ -186,13 +197,13 @@ def layer_text(i: int, x: str, *, hidden: int, heads: int, seq: int | None, mlp:
 
 
 def model_text(layers: int, hidden: int, heads: int, seq: int | None, mlp: int, dtype: str,
-               command: str = "", path: str = "") -> str:
+               command: str = "", path: str = "", sdpa: bool = False) -> str:
     """The whole model as GEIR text (graph @main); `command` and `path` only go into the header comment."""
     s = "?" if seq is None else str(seq)
     t = f"tensor<1x{s}x{hidden}x{dtype}>"
     d = hidden // heads
     args = f"%x: {t}"
-    if seq is None:
+    if seq is None and not sdpa:
         args += f", %mask: tensor<1x1x?x?x{dtype}>"
     what = "One GPT-2 style transformer block" if layers == 1 else f"A {layers}-layer GPT-2 style decoder"
     head = [
@@ -218,7 +229,7 @@ def model_text(layers: int, hidden: int, heads: int, seq: int | None, mlp: int, 
         f"  %one = ge.const dense<1.0> : tensor<{dtype}>",
         f"  %half = ge.const dense<0.5> : tensor<{dtype}>",
     ]
-    if seq is not None:
+    if seq is not None and not sdpa:
         row = ["true"] * seq
         rows = []
         for i in range(seq):
@@ -228,7 +239,7 @@ def model_text(layers: int, hidden: int, heads: int, seq: int | None, mlp: int, 
         L.append(f"  %mask_min = ge.const dense<{MASK_MIN[dtype]}> : tensor<{dtype}>")
     x = "%x"
     for i in range(layers):
-        lines, x = layer_text(i, x, hidden=hidden, heads=heads, seq=seq, mlp=mlp, dtype=dtype)
+        lines, x = layer_text(i, x, hidden=hidden, heads=heads, seq=seq, mlp=mlp, dtype=dtype, sdpa=sdpa)
         L += lines
     L.append(f"  ge.return {x}")
     L.append("}")
@@ -261,7 +272,45 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weights", action="store_true",
                    help="write only the text (for timing passes on big models); the graph then cannot run")
     p.add_argument("--timing", action="store_true", help="print how long the text and the weights took")
+    p.add_argument("--attention", choices=("written", "sdpa"), default="written",
+                   help="written: op by op with GPT-2's constant causal mask (default; the mask literal has seq^2 "
+                        "elements, slow to parse beyond a few thousand); sdpa: as torch.export emits "
+                        "scaled_dot_product_attention(is_causal=True), one ge.flash_attention")
+    p.add_argument("--config", metavar="CONFIG.json",
+                   help="take the shape from a Hugging Face config.json (hidden_size / n_embd, num_attention_heads / "
+                        "n_head, intermediate_size / n_inner, num_hidden_layers / n_layer, torch_dtype); options "
+                        "given on the command line win")
     return p
+
+
+# a Hugging Face config's keys for each option (LLaMA-style names first, GPT-2's after)
+CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd"), "heads": ("num_attention_heads", "n_head"),
+               "mlp": ("intermediate_size", "n_inner"), "layers": ("num_hidden_layers", "n_layer")}
+CONFIG_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def apply_config(args: argparse.Namespace, argv: list[str], path: str) -> list[str]:
+    """Fill the options not given on the command line from a Hugging Face config; returns what is approximated."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    for option, keys in CONFIG_KEYS.items():
+        value = next((config[k] for k in keys if config.get(k) is not None), None)
+        if value is not None and f"--{option}" not in given:
+            setattr(args, option, str(value) if option == "mlp" else int(value))
+    dtype = CONFIG_DTYPES.get(str(config.get("torch_dtype")))
+    if dtype and "--dtype" not in given:
+        args.dtype = dtype
+    notes = []
+    kv = config.get("num_key_value_heads")
+    if kv and kv != config.get("num_attention_heads"):
+        notes.append(f"{kv} key/value heads (GQA) are written as {args.heads}: the K and V projections are wider")
+    if config.get("hidden_act") in ("silu", "swiglu") or "llama" in str(config.get("model_type", "")):
+        notes.append("the block is GPT-2's (layer norm, GELU MLP with one up projection), not SwiGLU with RMSNorm and "
+                     "RoPE: the same matmul shapes but for the gate projection")
+    return notes
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -270,6 +319,8 @@ def command_line(args: argparse.Namespace) -> str:
            f"--seq {args.seq} --mlp {args.mlp} --dtype {args.dtype} --seed {args.seed}")
     if args.dynamic_seq:
         cmd += " --dynamic-seq"
+    if args.attention != "written":
+        cmd += f" --attention {args.attention}"
     return cmd + f" -o {args.output}"
 
 
@@ -288,6 +339,12 @@ def _write_atomically(path: str, write) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = build_arg_parser()
     args = ap.parse_args(argv)
+    if args.config:
+        try:
+            for note in apply_config(args, list(sys.argv[1:] if argv is None else argv), args.config):
+                print(f"make_model.py: note: {note}", file=sys.stderr)
+        except (OSError, ValueError) as e:
+            ap.error(f"--config {args.config}: {e}")
     if args.layers < 1 or args.hidden < 1 or args.heads < 1 or args.seq < 1:
         ap.error("--layers, --hidden, --heads and --seq must be positive")
     if args.hidden % args.heads:
@@ -307,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     seq = None if args.dynamic_seq else args.seq
-    text = model_text(args.layers, args.hidden, args.heads, seq, mlp, args.dtype, command_line(args), args.output)
+    text = model_text(args.layers, args.hidden, args.heads, seq, mlp, args.dtype, command_line(args), args.output,
+                      sdpa=args.attention == "sdpa")
     t1 = time.perf_counter()
     n = 0
     if not args.no_weights:
