@@ -58,10 +58,13 @@ def run_passes(module: Module, passes: list, target: str, emit=None, spans: list
 
 
 def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
-                   emit=None) -> tuple[Module, list[tuple[str, float, float]]]:
-    """Run GE's pipeline (ending in lower) in place; returns the module and (pass, start_us, end_us) per pass."""
+                   emit=None, verify_each: bool = True) -> tuple[Module, list[tuple[str, float, float]]]:
+    """Run GE's pipeline (ending in lower) in place; returns the module and (pass, start_us, end_us) per pass.
+
+    `verify_each=False` is the serving path: the IR is not re-verified between passes (the input was
+    verified when it was read, and the passes are tested to keep it valid)."""
     spans: list[tuple[str, float, float]] = []
-    return run_passes(module, lowering_pipeline(pipeline), target, emit, spans), spans
+    return run_passes(module, lowering_pipeline(pipeline), target, emit, spans, verify_each=verify_each), spans
 
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
