@@ -11,13 +11,19 @@ The seed article's three questions, asked in its order, each answered with simul
    intensity (geir.runtime.roofline), with its busiest pipe.
 
 The culprit is the first layer, in that order, with a finding past its threshold; the finding
-that decided it carries the evidence. All judgements are on device time (the kernels): host-device
-copies are reported beside it but belong to the program's inputs, not to any layer's tuning.
+that decided it carries the evidence. Before them, on the run's one timeline: GE's host work
+(`ge-host`, when the compile or re-plan the run waited for is most of its end-to-end time; the
+doctor judges a warm run, a plan-cache hit, unless asked for a cold one) and the Runtime's
+submissions (host-bound, when the device sits idle waiting for tasks to be submitted). Host-device
+copies of the program's inputs and results are reported with their share of end to end: they
+belong to the program's interface (keep inputs resident on the device to save them), not to a
+layer's tuning.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,8 +55,15 @@ from geir.types import TensorType
 from geir.verifier import verify_graph
 
 
-LAYERS = ("fusion", "runtime", "kernel")
+# GE's host work comes first on the timeline: a run that waits for GE cannot be saved by the device
+LAYERS = ("ge-host", "fusion", "runtime", "kernel")
 CULPRITS = LAYERS + ("none",)
+# GE's host work (a compile or re-plan the run waited for) is the culprit when it takes more than this
+# share of the run's end-to-end time: then no device-side improvement can win back much
+GE_HOST_SHARE = 0.5
+# The Runtime is host-bound when the device sits idle this share of its span with every task
+# started the moment it was submitted: the host's submissions, not the device, set the pace
+HOST_BOUND_IDLE = 0.5
 SEVERITIES = ("high", "medium", "info")
 
 # A fusion miss is the culprit when fusing it would win back at least this share of the device
@@ -177,14 +190,18 @@ def run_counting_waits(program: Graph, inputs: Mapping[str, np.ndarray], weights
 
 
 def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                   pipeline: str, target: str, file: str = "<input>") -> Diagnosis:
-    """Compile a ge.graph with the pipeline, run it, and judge the three layers.
+                   pipeline: str, target: str, file: str = "<input>", cold: bool = False) -> Diagnosis:
+    """Compile a ge.graph with the pipeline, run it, and judge the layers.
 
+    `cold`: the run is the first request, which waits for GE's compile (measured host time); else a
+    warm run (a plan-cache hit), with the compile reported beside it.
     DiagnosticError for a graph GE rejects, RuntimeFailure for a run that fails.
     """
     g = specialise(graph, {k: np.shape(v) for k, v in inputs.items()})
     probe = probe_fusion(g, pipeline, target, file, weights)
-    module, _ = compile_module(Module([clone_graph(g)], file, dict(weights)), pipeline, target)
+    start = time.perf_counter()
+    module, _ = compile_module(Module([clone_graph(g)], file, dict(weights)), pipeline, target, verify_each=False)
+    compile_us = (time.perf_counter() - start) * 1e6
     program = module.graphs[0]
     result = run_counting_waits(program, inputs, weights, target)
     cache: dict[tuple[str, ...], float | str] = {}
@@ -195,7 +212,7 @@ def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapp
             cache[key] = fused_attention_us(q, k, v, pipeline, target)
         return cache[key]
 
-    return judge(program, result, probe, fused_equivalent)
+    return judge(program, result, probe, fused_equivalent, compile_us if cold else 0.0, compile_us)
 
 
 def diagnose_program(program: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
@@ -240,12 +257,14 @@ FusedEquivalent = Callable[[TensorType, TensorType, TensorType], "float | str"]
 
 
 def judge(program: Graph, result: RunResult, probe: Probe | None,
-          fused_equivalent: FusedEquivalent | None) -> Diagnosis:
-    """The three layers' findings for a run, and the culprit."""
+          fused_equivalent: FusedEquivalent | None, host_ge_us: float = 0.0,
+          compile_us: float | None = None) -> Diagnosis:
+    """The layers' findings for a run (which waited `host_ge_us` for GE), and the culprit."""
     views = kernel_views(program, result)
     device_us = sum(v.time_us for v in views)
     copies_us = sum(t.end_us - t.start_us for t in result.tasks if t.kind in ("h2d", "d2h"))
     end_us = max((t.end_us for t in result.tasks), default=0.0)
+    timeline = timeline_findings(result, host_ge_us, compile_us, device_us, copies_us, end_us)
     misses = attention_misses(probe, views) if probe is not None else []
     # kernels a fusion would replace: their own problems come after the fusion's
     absorbed = {id(v): m.loc for m in misses for v in m.kernels}
@@ -255,7 +274,9 @@ def judge(program: Graph, result: RunResult, probe: Probe | None,
                           "(run gedoctor on the ge.graph it was lowered from to judge fusion)")]
     else:
         fusion = fusion_findings(probe, views, device_us, misses, fused_equivalent)
-    findings = fusion + runtime_findings(views, result.target, device_us, copies_us, end_us, absorbed) + \
+    ge_host = [f for f in timeline if f.layer == "ge-host"]
+    submissions = [f for f in timeline if f.layer != "ge-host"]
+    findings = ge_host + fusion + submissions + runtime_findings(views, result.target, device_us, copies_us, end_us, absorbed) + \
         kernel_findings(views, result.target, absorbed)
     culprit = decide(findings)
     return Diagnosis(culprit, findings, views, device_us, end_us, copies_us, result.target.name, probe is None)
@@ -418,6 +439,57 @@ def _after_fusion(v: KernelView, absorbed: Mapping[int, Location] | None, severi
     return "medium", f" (it belongs to the attention not fused at {loc}: fusing replaces this kernel)"
 
 
+def timeline_findings(result: RunResult, host_ge_us: float, compile_us: float | None, device_us: float,
+                      copies_us: float, span_us: float) -> list[Finding]:
+    """The run's one timeline: GE's host work it waited for, and whether the Runtime's submissions set the pace."""
+    out: list[Finding] = []
+    end_to_end = host_ge_us + span_us
+    figures = {"host_ge_us": host_ge_us, "device_span_us": span_us, "kernel_time_us": device_us,
+               "transfer_time_us": copies_us, "end_to_end_us": end_to_end}
+    if compile_us is not None:
+        figures["compile_us"] = compile_us
+    if end_to_end and host_ge_us / end_to_end > GE_HOST_SHARE:
+        out.append(Finding("ge-host", "ge_host_dominates", "high",
+                           f"the run waited {host_ge_us:.0f} us for GE's host work, {100 * host_ge_us / end_to_end:.0f} % "
+                           f"of its {end_to_end:.0f} us end to end, against {device_us:.1f} us of kernels: compile once "
+                           f"and reuse the plan (a session's plan cache), or give GE less to do per request",
+                           {**figures, "stake_us": host_ge_us, "threshold_share": GE_HOST_SHARE}))
+    elif compile_us is not None:
+        out.append(Finding("ge-host", "compile", "info",
+                           f"GE compiled the graph in {compile_us:.0f} us of host time; the doctor judges a warm run "
+                           f"(a plan-cache hit, which waits for no compile; --cold judges the first request)", figures))
+    # the device's idle time within its span, and the tasks that started the moment they were submitted
+    busy = _union_us([(t.start_us, t.end_us) for t in result.tasks])
+    idle = span_us - busy
+    waited = [t for t in result.tasks if t.start_us <= t.submitted_us + 1e-9 and t.submitted_us > 0]
+    submit = result.target.data.get("host", {}).get("launch_latency_us", 0.0)
+    evidence = {**figures, "device_idle_us": idle, "tasks": len(result.tasks), "tasks_waiting_submission": len(waited),
+                "submit_us_per_task": submit, "stake_us": idle, "threshold_idle_share": HOST_BOUND_IDLE}
+    if span_us and idle / span_us > HOST_BOUND_IDLE and len(waited) * 2 > len(result.tasks):
+        out.append(Finding("runtime", "host_bound", "high",
+                           f"host-bound: the device sat idle {idle:.1f} of its {span_us:.1f} us waiting for the Runtime "
+                           f"to submit tasks ({len(waited)} of {len(result.tasks)} started the moment they were "
+                           f"submitted, {submit:g} us each): fewer launches (fusion) or a longer task per launch",
+                           evidence))
+    if end_to_end and copies_us / end_to_end > 0.5:
+        out.append(Finding("runtime", "copies_dominate", "medium",
+                           f"host-device copies take {copies_us:.1f} us, {100 * copies_us / end_to_end:.0f} % of "
+                           f"{end_to_end:.1f} us end to end: the program's inputs and results cross the host link; "
+                           f"inputs a session keeps on the device (resident) are not copied again",
+                           {**figures, "stake_us": copies_us}))
+    return out
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, -math.inf
+    for s, e in sorted(spans):
+        if e > reach:
+            total += e - max(s, reach)
+            reach = e
+    return total
+
+
 def runtime_findings(views: list[KernelView], target: Target, device_us: float, copies_us: float,
                      end_us: float, absorbed: Mapping[int, Location] | None = None) -> list[Finding]:
     """Layer 2: for each kernel that matters, whether its data movement was hidden under compute."""
@@ -474,7 +546,7 @@ def runtime_findings(views: list[KernelView], target: Target, device_us: float, 
                                evidence, v.loc))
     out.append(Finding("runtime", "host_copies", "info",
                        f"host-device copies take {copies_us:.1f} us beside {device_us:.1f} us of kernels "
-                       f"({end_us:.1f} us end to end); the doctor judges the device time",
+                       f"({end_us:.1f} us of device span)",
                        {"copies_us": copies_us, "device_us": device_us, "end_to_end_us": end_us}))
     return out
 

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 TOOL = "gedoctor"
 SECTIONS = {
+    "ge-host": "0. GE on the host: did the run wait for GE?",
     "fusion": "1. GE fusion: did fusion take effect?",
     "runtime": "2. Runtime: did data movement overlap compute?",
     "kernel": "3. Kernels: is each near its limit?",
@@ -66,6 +67,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_version(p, TOOL)
     p.add_argument("input", metavar="FILE", help="a .geir (ge.graph or rt.program, - for stdin) or an .onnx model")
     p.add_argument("--json", action="store_true", help='print {"culprit": ..., "findings": [...]} as JSON')
+    p.add_argument("--cold", action="store_true",
+                   help="judge the first request, which waits for GE's compile (default: a warm run, a plan-cache hit)")
     p.add_argument("--entry", metavar="NAME", help="the graph to diagnose (default @main, else the only graph)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--inputs", metavar="IN.npz", help="inputs by argument name (default: random, --seed 0)")
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             check_inputs_match(graph, inputs, f"--inputs {args.inputs}" if args.inputs else f"--seed {args.seed}")
             diagnosis = diagnose_program(graph, inputs, weights, args.target)
         else:
-            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, args.target, module.file)
+            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, args.target, module.file, cold=args.cold)
     except DiagnosticError as e:
         for d in e.diagnostics:
             printer(d)

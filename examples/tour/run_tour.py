@@ -44,9 +44,12 @@ TARGETS = ("ascend910b", "ascend910a", "ascend310p")
 SEGMENTED_ENTRY = "f32_d512_q512_k128"
 # the summary line of gerun --overlap-compile
 OVERLAP_LINE = re.compile(
-    r"compile overlap: (?P<parts>\d+) parts; first kernel after (?P<first_kernel_ms>[\d.]+) ms; "
-    r"total (?P<total_ms>[\d.]+) ms \(host\); GE compiled for (?P<compile_ms>[\d.]+) ms, "
-    r"(?P<hidden_ms>[\d.]+) ms of it while the Runtime ran; simulated device time (?P<simulated_us>[\d.]+) us")
+    r"compile overlap: (?P<parts>\d+) parts on one timeline; first kernel at (?P<first_kernel_us>[\d.]+) us "
+    r"\(compile-then-run: (?P<serial_first_kernel_us>[\d.]+) us\); end to end (?P<end_to_end_us>[\d.]+) us "
+    r"\(compile-then-run: (?P<compile_then_run_us>[\d.]+) us\); GE compiled for (?P<compile_us>[\d.]+) us "
+    r"of host time, (?P<hidden_us>[\d.]+) us of it while the device ran; the device ran for (?P<device_us>[\d.]+) us")
+# its verdict: whether the device's work hid GE's, or GE was the bottleneck
+VERDICT_LINE = re.compile(r"compile overlap: (?P<verdict>(the device's work hid GE's|GE is the bottleneck).*)")
 # gerun --explain's line per run of a session
 REPLAN_LINE = re.compile(
     r"--inputs (?P<inputs>\S+): re-plan for (?P<signature>\[.*?\]) in (?P<ms>[\d.]+) ms: (?P<fusion>.*?), "
@@ -164,7 +167,7 @@ def kernel_us(profile: dict[str, Any]) -> float:
 # --- step 1 -------------------------------------------------------------------------------------------
 
 def host_spans(trace_path: Path) -> list[dict[str, Any]]:
-    """The GE and Runtime spans of gerun --overlap-compile's trace (host wall clock), in order of start."""
+    """The GE and Runtime spans of gerun --overlap-compile's trace (one modelled timeline), in order of start."""
     events = read_json(trace_path)["traceEvents"]
     track = {0: "GE", 1: "Runtime"}
     spans = [{"track": track[e["tid"]], "name": e["name"], "start_ms": e["ts"] / 1e3,
@@ -228,9 +231,10 @@ def step1(t: Tour) -> Step:
     if m is None:
         raise TourError(f"no compile overlap line in the output of '{ran.command}'")
     step.facts["overlap"] = {k: float(v) for k, v in m.groupdict().items()}
+    step.facts["verdict"] = VERDICT_LINE.search(ran.stdout).group("verdict")
     spans = host_spans(trace)
     step.facts["overlap_spans"] = spans
-    t.say("the host timeline of that run (wall clock, from the trace):")
+    t.say("that run's one modelled timeline (GE's measured compile of each part, each part's simulated run):")
     for s in spans:
         kernels = f" ({s['kernels']} kernels)" if s["kernels"] is not None else ""
         t.say(f"  {s['start_ms']:7.1f} - {s['end_ms']:7.1f} ms  {s['track']:<8} {s['name']}{kernels}")
