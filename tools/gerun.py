@@ -2,7 +2,7 @@
 
     gerun FILE [--entry NAME] [--inputs IN.npz ... | --seed N] [--output OUT.npz] [--weights W.npz]
           [--target NAME] [--passes=PIPELINE | --no-fuse] [--check] [--profile] [--profile-json P.json]
-          [--trace TRACE.json] [--inject-fault KIND@N]
+          [--trace TRACE.json] [--op-summary OUT.csv] [--inject-fault KIND@N]
 
 A file holding `ge.graph`s is compiled (default pipeline, `--passes`, or `--no-fuse`; `lower` ends
 every pipeline); a file holding an `rt.program` runs as it is. Several `--inputs` run one after
@@ -15,6 +15,8 @@ Files written (all atomically, and only when the whole run succeeded):
 - `--trace`: Chrome trace-event JSON: host GE (the passes, wall-clock) and Runtime (the tasks,
   simulated) tracks, one track per core and pipe; several runs follow one another on the time axis.
 - `--timeline`: the same as a PNG picture (geir.runtime.timeline), all runs one after another.
+- `--op-summary`: msprof's op_summary CSV (geir.runtime.op_summary), one row per kernel task; several
+  runs: one table, every run's kernels one after another on one device timeline.
 
 Exit codes: 0 success, 1 bad input, a failed run or a failed --check, 2 bad usage (an output onto an
 input or onto another output included), 130 interrupted.
@@ -90,6 +92,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="print the run's profile")
     p.add_argument("--profile-json", metavar="P.json", help="write the profile as JSON (atomically)")
     p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome trace of the run (atomically)")
+    p.add_argument("--op-summary", metavar="OUT.csv",
+                   help="write msprof's op_summary table as CSV (atomically): one row per kernel task with msprof's "
+                        "Atlas A2 PipeUtilization columns, N/A where the simulation has no figure; several --inputs: "
+                        "one table, every run's kernels one after another, as msprof lists several iterations")
     p.add_argument("--timeline", metavar="OUT.png",
                    help="draw the run as a PNG (atomically): GE's passes, the Runtime's tasks, every pipe of the "
                         "cores; several --inputs: all runs one after another (needs matplotlib: the plot extra)")
@@ -476,7 +482,8 @@ def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
     weights = ("--weights" if args.weights else "the weights archive beside FILE", weights_path(args))
     inputs = [("FILE", args.input), weights] + [("--inputs", path) for path in args.inputs]
     refuse_overwrites(inputs, [("--output", args.output), ("--profile-json", args.profile_json),
-                               ("--trace", args.trace), ("--timeline", args.timeline)])
+                               ("--trace", args.trace), ("--timeline", args.timeline),
+                               ("--op-summary", args.op_summary)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -638,6 +645,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         files.append((args.profile_json, json.dumps(_json_safe(doc), allow_nan=False)))
     if args.trace:
         files.append((args.trace, trace_json(results, span_groups)))
+    if args.op_summary:
+        files.append((args.op_summary, _op_summary_csv(results)))
     if args.timeline:
         from geir.runtime.timeline import render_png, timeline_data
 
@@ -704,9 +713,18 @@ def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, we
         files.append((args.profile_json, json.dumps(_json_safe(doc), allow_nan=False)))
     if args.trace:
         files.append((args.trace, run.trace()))
+    if args.op_summary:  # the parts ran one after another: one table, as for several runs
+        files.append((args.op_summary, _op_summary_csv(run.results)))
     for path, payload in files:
         write_atomically(path, payload)
     return EXIT_OK
+
+
+def _op_summary_csv(results: list) -> str:
+    """msprof's op_summary CSV of the runs, one after another on one device timeline."""
+    from geir.runtime.op_summary import op_summary_rows_of_runs, render_csv
+
+    return render_csv(op_summary_rows_of_runs(results))
 
 
 def _json_safe(x: Any) -> Any:
