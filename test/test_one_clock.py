@@ -88,3 +88,19 @@ def test_a_resident_input_is_not_copied_again():
     assert all(np.array_equal(a, b) for a, b in zip(cold.outputs, warm.outputs))
     saved = 2048 * 2048 * 2 / (target.data["host"]["pcie_gb_per_s"] * 1e3) + target.data["host"]["copy_latency_us"]
     assert profile(cold)["transfer_time_us"] - profile(warm)["transfer_time_us"] == pytest.approx(saved)
+
+
+def test_gerun_resident_inputs_are_not_copied(tmp_path, capsys):
+    import json
+
+    from geir.tools import gerun
+
+    path = tmp_path / "two.geir"
+    path.write_text(TWO_INPUTS)
+    cold, warm = tmp_path / "cold.json", tmp_path / "warm.json"
+    assert gerun.main([str(path), "--profile-json", str(cold)]) == 0
+    assert gerun.main([str(path), "--profile-json", str(warm), "--resident", "w*"]) == 0
+    a, b = json.loads(cold.read_text()), json.loads(warm.read_text())
+    assert b["transfer_time_us"] < a["transfer_time_us"] and b["kernel_time_us"] == pytest.approx(a["kernel_time_us"])
+    assert gerun.main([str(path), "--resident", "nothing"]) == 2
+    assert "--resident nothing: no argument of @main matches" in capsys.readouterr().err

@@ -104,3 +104,29 @@ def test_gerun_timing_only_refuses_what_needs_values(flag, tmp_path, capsys):
 
     assert gerun.main([str(EXAMPLES / "attention.geir"), "--timing-only", *flag]) == 2
     assert "--timing-only computes no values" in capsys.readouterr().err
+
+
+def test_a_model_from_a_hugging_face_config_runs_timing_only(tmp_path):
+    # the config's numbers become the graph's shapes; prefill with SDPA attention, then one decode step
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
+                                  "num_hidden_layers": 2, "torch_dtype": "float16", "model_type": "llama"}))
+    make = [sys.executable, str(EXAMPLES / "make_model.py"), "--config", str(config), "--no-weights"]
+    prefill, decode = tmp_path / "prefill.geir", tmp_path / "decode.geir"
+    subprocess.run(make + ["--seq", "256", "--attention", "sdpa", "-o", str(prefill)], check=True, capture_output=True)
+    subprocess.run(make + ["--decode", "512", "-o", str(decode)], check=True, capture_output=True)
+    target = load_target("ascend910b")
+    p_prog = compile_module(parse_file(str(prefill)), DEFAULT_PIPELINE, "ascend910b")[0].graphs[0]
+    assert [a.type.shape for a in p_prog.args] == [(1, 256, 256)]
+    flash = [op for op in p_prog.ops if op.name == "rt.launch" and op.kernel == "ge.flash_attention"]
+    assert len(flash) == 2 and all(op.attrs.get("causal") for op in flash)
+    mlp = [op for op in p_prog.ops if op.name == "rt.launch" and op.results[0].type.shape[-1] == 688]
+    assert len(mlp) == 2  # the config's intermediate_size
+    d_prog = compile_module(parse_file(str(decode)), DEFAULT_PIPELINE, "ascend910b")[0].graphs[0]
+    assert [a.type.shape for a in d_prog.args] == [(1, 1, 256)] + [(1, 4, 512, 64)] * 4
+    assert len(d_prog.result_types) == 1 + 4
+    for program in (p_prog, d_prog):
+        assert Runtime(target, timing_only=True).run(program, {}, {}).kernels

@@ -103,6 +103,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="cut the graph into up to PARTS subgraphs; GE compiles the next while the device runs the "
                         "current one, on one modelled timeline (reports time to first kernel, the compile hidden, "
                         "end to end against compile-then-run, and whether GE is the bottleneck)")
+    p.add_argument("--resident", action="append", default=[], metavar="ARG",
+                   help="an input that stays on the device between calls (a KV cache): not copied in; a shell "
+                        "pattern such as 'l*_kcache' (may repeat)")
     p.add_argument("--timing-only", action="store_true",
                    help="time every task with the kernels' cost models and skip the arithmetic: the simulated "
                         "figures are the full run's, at a fraction of the host time; weights may be absent and "
@@ -262,6 +265,21 @@ def random_inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def resident_args(graph: Graph, patterns: list[str]) -> set[str]:
+    """The arguments --resident names (shell patterns); a pattern that names none is a usage error."""
+    import fnmatch
+
+    names = [a.name for a in graph.args]
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hit = fnmatch.filter(names, pattern.lstrip("%"))
+        if not hit:
+            raise ToolError(f"--resident {pattern}: no argument of @{graph.name} matches (its arguments: "
+                            f"{', '.join('%' + n for n in names[:8])}{', ...' if len(names) > 8 else ''})", EXIT_USAGE)
+        chosen.update(hit)
+    return chosen
+
+
 def shape_inputs(graph: Graph) -> dict[str, np.ndarray]:
     """Stand-ins with every argument's shape and dtype and no memory (zero strides), for a timing-only run."""
     out: dict[str, np.ndarray] = {}
@@ -352,7 +370,7 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
     progress = _Progress(launches, label)
     runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress, args.timing_only)
     try:
-        return runtime.run(program, inputs, weights)
+        return runtime.run(program, inputs, weights, resident_args(program, args.resident))
     except RuntimeFailure as e:
         raise ToolError(str(e)) from None
     finally:
