@@ -615,14 +615,17 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
             plan_caches.append(dict(session.plan_cache))
             host_ge_us.append((session.compile_us if r == 0 else 0.0) + session.last_ge_us)
             span_groups.append(session.spans[before[0]:])
-            if args.explain and session.misses > before[1]:
-                print(f"{labels[r]}: {session.replans[-1].summary()}")
-                for line in session.replans[-1].unfused + session.replans[-1].retiled:
-                    print(f"  {line}")
-            elif args.explain:
-                print(f"{labels[r]}: plan cache hit, no re-plan")
         programs.append(program)
         results.append(run_once(program, inputs, weights, args, faults, f"run {r} " if several else ""))
+        if args.explain and session is not None and session.misses > before[1]:
+            # the re-plan's host time beside the device time of the run it served, on the one timeline
+            served = max((t.end_us for t in results[-1].tasks), default=0.0)
+            print(f"{labels[r]}: {session.replans[-1].summary()}; the run it served took {served:.1f} us on "
+                  f"the device (GE's re-plan is {session.last_ge_us / served if served else 0:.0f}x that)")
+            for line in session.replans[-1].unfused + session.replans[-1].retiled:
+                print(f"  {line}")
+        elif args.explain and session is not None:
+            print(f"{labels[r]}: plan cache hit, no re-plan")
 
     failed_checks = 0
     for r, (inputs, result) in enumerate(zip(runs, results)):
