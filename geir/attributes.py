@@ -79,6 +79,14 @@ class DenseAttr:
             bad = self.values[(self.values < lo) | (self.values > hi)]
             if bad.size:
                 return f"integer {bad.flat[0]} is out of range for {type.dtype} (from {lo} to {hi})"
+        if kind in "iuf" and self.values.size and type.dtype.is_float:
+            # a finite value the element type cannot hold would become an infinity: no silent change
+            with np.errstate(over="ignore", invalid="ignore"):
+                stored = self.values.astype(type.dtype.np)
+            lost = np.isfinite(self.values) & ~np.isfinite(stored.astype(np.float64))
+            if lost.any():
+                top = float(np.finfo(type.dtype.np).max)
+                return f"{self.values[lost].flat[0].item()!r} is out of range for {type.dtype} (largest finite {top:g})"
         if not type.is_static:
             what = "a splat" if self.values.ndim == 0 else f"a dense literal of shape {_shape_text(self.values.shape)}"
             return f"{what} needs a static result type, not {type}"
