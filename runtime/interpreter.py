@@ -40,6 +40,10 @@ class Task:
     end_us: float
     # when the Runtime's host thread had submitted it (the device cannot start it before)
     submitted_us: float = 0.0
+    # a kernel's launch: the name of its first result, its operand and result types (msprof's op_summary)
+    label: str = ""
+    inputs: tuple[TensorType, ...] = ()
+    outputs: tuple[TensorType, ...] = ()
 
 
 @attrs.define
@@ -162,7 +166,8 @@ class Runtime:
                                                            len(kernels), faults)
                     kernels.append(stats)
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
-                                      stats.end / self.cycles_per_us, submitted))
+                                      stats.end / self.cycles_per_us, submitted, op.results[0].name or "",
+                                      tuple(v.type for v in op.operands), tuple(r.type for r in op.results)))
                 elif name == "rt.return" and not self.timing_only:
                     outputs = [host[id(v)] for v in op.operands]
                 elif name == "rt.return":

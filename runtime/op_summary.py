@@ -18,12 +18,13 @@ Sources (the column list, its order and each definition):
   chip's AI cube cores x Task Duration); Task Wait Time is clipped at 0 and 0 for the first row, as
   msprof's op_summary export computes it.
 
-What the simulation has is computed from the run. Op Name and OP Type are the launched kernel's op
-(the run keeps no node names); Task ID numbers each stream's tasks in submission order, copies
+What the simulation has is computed from the run. Op Name is the node's name (the launch's first
+result, as GE names a node after it), OP Type the kernel's op; the input and output shapes, data
+types and formats are the launch's operand and result types in msprof's spelling (`1,128,256;768`,
+`FLOAT16;FLOAT`, `ND;FRACTAL_NZ`). Task ID numbers each stream's tasks in submission order, copies
 included, as the Runtime hands them to the device. What the simulation does not have is N/A, as
-msprof writes for a field it did not collect: Model ID, OP State, Context ID, the tensors' shapes,
-dtypes and formats (the run records none of them per launch), the scalar pipe (no kernel issues
-scalar work) and the instruction cache (not simulated). HF32 Eligible is NO: the simulated cube
+msprof writes for a field it did not collect: Model ID, OP State, Context ID, the scalar pipe (no
+kernel issues scalar work) and the instruction cache (not simulated). HF32 Eligible is NO: the simulated cube
 never computes f32 as HF32.
 
 One lane of the simulated chip is one AI core group: on the 910B one AIC (cube core) with two AIVs
@@ -75,12 +76,12 @@ _COLUMNS: tuple[tuple[str, str | None], ...] = (
     ("Block Dim", "block_dim"),
     ("Mix Block Dim", "mix_block_dim"),
     ("HF32 Eligible", "hf32_eligible"),
-    ("Input Shapes", None),
-    ("Input Data Types", None),
-    ("Input Formats", None),
-    ("Output Shapes", None),
-    ("Output Data Types", None),
-    ("Output Formats", None),
+    ("Input Shapes", "input_shapes"),
+    ("Input Data Types", "input_dtypes"),
+    ("Input Formats", "input_formats"),
+    ("Output Shapes", "output_shapes"),
+    ("Output Data Types", "output_dtypes"),
+    ("Output Formats", "output_formats"),
     ("Context ID", None),
     ("aicore_time(us)", "aicore_time_us"),
     ("aic_total_cycles", "aic_total_cycles"),
@@ -152,6 +153,13 @@ class OpSummaryRow:
     aiv_mte3_ratio: float
     cube_utilization_pct: float
     hf32_eligible: str = "NO"
+    # msprof's spelling: shapes `1,128,256;768`, types `FLOAT16;FLOAT`, formats `ND;FRACTAL_NZ`
+    input_shapes: str = NA
+    input_dtypes: str = NA
+    input_formats: str = NA
+    output_shapes: str = NA
+    output_dtypes: str = NA
+    output_formats: str = NA
 
 
 def op_summary_rows(result: RunResult) -> list[OpSummaryRow]:
@@ -180,7 +188,9 @@ def op_summary_rows_of_runs(results: Sequence[RunResult]) -> list[OpSummaryRow]:
             if k.cores == 0 and k.cycles == 0:
                 continue  # a view: no device task
             start = offset + task.start_us
-            partial.append((start, _fields(k, task_id, task.stream, start, result.target)))
+            fields = _fields(k, task_id, task.stream, start, result.target)
+            fields.update(_tensor_fields(task))
+            partial.append((start, fields))
         offset += max((t.end_us for t in result.tasks), default=0.0)
     partial.sort(key=lambda p: p[0])  # stable: launch order among equal starts
     rows: list[OpSummaryRow] = []
@@ -190,6 +200,27 @@ def op_summary_rows_of_runs(results: Sequence[RunResult]) -> list[OpSummaryRow]:
         previous_end = start + fields["task_duration_us"]
         rows.append(OpSummaryRow(task_wait_us=wait, **fields))
     return rows
+
+
+# msprof's names of the data types and formats (its op_summary writes GE's enum names without DT_)
+_MSPROF_DTYPES = {"f16": "FLOAT16", "bf16": "BF16", "f32": "FLOAT", "f64": "DOUBLE", "i1": "BOOL", "i8": "INT8",
+                  "i16": "INT16", "i32": "INT32", "i64": "INT64", "u8": "UINT8"}
+_MSPROF_FORMATS = {"ND": "ND", "NZ": "FRACTAL_NZ"}
+
+
+def _tensor_fields(task) -> dict:
+    """Op Name (the launch's result, as GE names a node after it) and the tensors' shapes, types and formats."""
+    def join(types, render) -> str:
+        return ";".join(render(t) for t in types) if types else NA
+
+    out: dict = {}
+    if task.label:
+        out["op_name"] = task.label
+    for side, types in (("input", task.inputs), ("output", task.outputs)):
+        out[f"{side}_shapes"] = join(types, lambda t: ",".join(str(d) for d in t.shape))
+        out[f"{side}_dtypes"] = join(types, lambda t: _MSPROF_DTYPES.get(t.dtype.name, t.dtype.name.upper()))
+        out[f"{side}_formats"] = join(types, lambda t: _MSPROF_FORMATS.get(t.format, t.format))
+    return out
 
 
 def _fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: Target) -> dict:

@@ -38,8 +38,7 @@ DOCUMENTED_HEADER = [
     "aiv_mte2_ratio", "aiv_mte3_time(us)", "aiv_mte3_ratio", "aiv_icache_miss_rate", "cube_utilization(%)",
 ]
 # what the simulation does not have: written N/A in every row
-NOT_SIMULATED = ["Model ID", "OP State", "Input Shapes", "Input Data Types", "Input Formats", "Output Shapes",
-                 "Output Data Types", "Output Formats", "Context ID", "aic_scalar_time(us)", "aic_scalar_ratio",
+NOT_SIMULATED = ["Model ID", "OP State", "Context ID", "aic_scalar_time(us)", "aic_scalar_ratio",
                  "aic_icache_miss_rate", "aiv_scalar_time(us)", "aiv_scalar_ratio", "aiv_icache_miss_rate"]
 RATIOS = [c for c in DOCUMENTED_HEADER if c.endswith("_ratio") and c not in NOT_SIMULATED]
 ROUNDING = 5e-4 + 1e-9  # the CSV writes us and ratios to 3 decimals, as msprof does
@@ -89,7 +88,7 @@ def test_one_row_per_kernel_task_in_launch_order(source, pipeline, target):
     result = _run(source, pipeline, target)
     _, rows = _table(render_csv(op_summary_rows(result)))
     kernels = _device_kernels(result)
-    assert [r["Op Name"] for r in rows] == [k.name for k in kernels]
+    assert [r["OP Type"] for r in rows] == [k.name for k in kernels]
     assert not any(r["Op Name"] in ("copy out",) or r["Op Name"].startswith("copy %") for r in rows)
     for r in rows:
         for column in NOT_SIMULATED:
@@ -175,7 +174,7 @@ def test_ratios_agree_with_the_profile_and_block_dim_with_the_cores(source, pipe
 
 def test_fused_attention_is_a_mix_task_on_the_910b():
     rows = op_summary_rows(_run("attention.geir", DEFAULT_PIPELINE))
-    (fa,) = [r for r in rows if r.op_name == "ge.flash_attention"]
+    (fa,) = [r for r in rows if r.op_type == "ge.flash_attention"]
     assert fa.task_type == "MIX_AIC" and fa.mix_block_dim == 2 * fa.block_dim > 0
     assert fa.aic_mac_ratio > 0 and fa.aiv_vec_ratio > 0 and fa.aic_mte1_ratio > 0
 
@@ -243,7 +242,7 @@ def test_gerun_writes_the_table(tmp_path, capsys):
     assert rc == 0, err
     header, rows = _table(out.read_text())
     assert header == DOCUMENTED_HEADER
-    assert [r["Op Name"] for r in rows] == ["ge.transpose", "ge.matmul", "ge.mul", "ge.softmax", "ge.matmul"]
+    assert [r["OP Type"] for r in rows] == ["ge.transpose", "ge.matmul", "ge.mul", "ge.softmax", "ge.matmul"]
 
 
 def test_gerun_with_several_inputs_writes_one_table(tmp_path, capsys):
@@ -254,7 +253,7 @@ def test_gerun_with_several_inputs_writes_one_table(tmp_path, capsys):
     rc, _, err = gerun([ATTENTION, "--inputs", inputs, "--inputs", inputs, "--op-summary", out], capsys)
     assert rc == 0, err
     _, rows = _table(out.read_text())
-    assert [r["Op Name"] for r in rows] == ["ge.flash_attention"] * 2
+    assert [r["OP Type"] for r in rows] == ["ge.flash_attention"] * 2
     assert float(rows[1]["Task Start Time(us)"]) > float(rows[0]["Task Start Time(us)"]) + \
         float(rows[0]["Task Duration(us)"])
 
@@ -288,3 +287,17 @@ def test_gerun_overlap_compile_lists_every_parts_kernels(tmp_path, capsys):
     starts = [float(r["Task Start Time(us)"]) for r in rows]
     assert len(rows) > 3 and starts == sorted(starts)
     assert all(float(r["Task Wait Time(us)"]) >= 0 for r in rows)
+
+
+def test_rows_name_the_node_and_its_tensors_as_msprof_does():
+    # oracle: the program's own launch, its operand and result types, in msprof's spelling
+    program = compile_module(parse(MATMUL, "mm.geir"), DEFAULT_PIPELINE, "ascend910b")[0].graphs[0]
+    launch = next(op for op in program.ops if op.name == "rt.launch")
+    rng = np.random.default_rng(0)
+    inputs = {a.name: rng.standard_normal(a.type.shape).astype(a.type.dtype.np) for a in program.args}
+    (row,) = op_summary_rows(Runtime(load_target("ascend910b")).run(program, inputs))
+    assert row.op_name == launch.results[0].name == "c" and row.op_type == "ge.matmul"
+    assert row.input_shapes == "200,500;500,300" and row.output_shapes == "200,300"
+    assert row.input_dtypes == "FLOAT16;FLOAT16" and row.output_dtypes == "FLOAT16"
+    formats = {"ND": "ND", "NZ": "FRACTAL_NZ"}
+    assert row.input_formats == ";".join(formats[v.type.format] for v in launch.operands)

@@ -83,6 +83,11 @@ def test_step1_ge_compiles_the_next_part_while_the_runtime_runs(step1):
     compiles = [s for s in spans if s["track"] == "GE"]
     runs = [s for s in spans if s["track"] == "Runtime"]
     assert len(compiles) == len(runs) == 4
+    # a LLaMA-7B-shaped stack: the device's work is longer than GE's, and the overlap hides GE behind it
+    big = step1.facts["overlap_big"]
+    assert big["device_us"] > big["compile_us"]
+    assert big["hidden_us"] > 0 and big["end_to_end_us"] < big["compile_then_run_us"]
+    assert big["first_kernel_us"] < big["serial_first_kernel_us"]
     assert "check: PASS" in step1.ran[1].stdout
 
 
