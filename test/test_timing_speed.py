@@ -16,12 +16,13 @@ from __future__ import annotations
 import copy
 import math
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
 
 from geir.kernels.base import LaunchContext, PipeWaits
-from geir.kernels.flash_attention import flash_attention_forward
+from geir.kernels.flash_attention import _time_tiles
 from geir.kernels.flash_attention_tiling import candidates as flash_candidates
 from geir.kernels.matmul import matmul_forward
 from geir.kernels.matmul_tiling import candidates as matmul_candidates
@@ -211,3 +212,92 @@ def test_matmul_timing_random_shapes():
         dt = [np.float16, BF16, np.float32][rng.integers(3)]
         _check_matmul(a=a, b=b, bias=bias, ta=ta, tb=tb, dt=dt, activation=activation,
                       buffers=int(rng.integers(1, 3)), pick=2, warm=bool(rng.integers(2)))
+
+
+# --- flash attention -------------------------------------------------------------------------------------
+
+def _flash_tilings(q, k, v, mask, causal, dt, buffers, pick, target):
+    ops = [_type(q, dt), _type(k, dt), _type(v, dt)] + ([_type(mask.shape, mask.dtype)] if mask is not None else [])
+    sig = OpSignature("ge.flash_attention", tuple(ops), (None,), {"causal": causal})
+    tilings = flash_candidates(sig, target, buffers)
+    assert tilings, "the shape has tilings"
+    if pick is None or len(tilings) <= pick:
+        return tilings
+    idx = np.unique(np.linspace(0, len(tilings) - 1, pick).round().astype(int))
+    return [tilings[i] for i in idx]
+
+
+def _check_flash(q, k, v=None, mask=None, causal=False, dt=np.float16, buffers=2, pick=4,
+                 names=("q", "k", "v", "mask", "o"), segments=None, target=TARGET, **kw):
+    dt = np.dtype(dt)
+    v = k if v is None else v
+    Q, K, V = _arr(q, dt), _arr(k, dt), _arr(v, dt)
+    Mk = None if mask is None else _arr(mask[0], mask[1])
+    operands = list(names[:3]) + ([names[3]] if mask is not None else [])
+    tilings = _flash_tilings(q, k, v, Mk, causal, dt, buffers, pick, target)
+    if segments is not None:  # key segments the rule may not pick for this shape
+        tilings = [attrs.evolve(t, segments=segments) for t in tilings]
+    for tiling in tilings:
+        def launch(ctx, fn):
+            m = None if Mk is None else np.broadcast_to(Mk, (Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2]))
+            fn(Q.shape, K.shape, dt, m, causal, tiling.s1, tiling.s2, tiling.buffers, max(tiling.segments, 1), ctx)
+
+        _both(lambda ctx: launch(ctx, _flash_time_new), lambda ctx: launch(ctx, ref.flash_timing),
+              operands, [names[4]], target=target, **kw)
+
+
+def _flash_time_new(q_shape, k_shape, dt, mask, causal, s1, s2, nbuf, segments, ctx):
+    _time_tiles(q_shape, k_shape, dt, mask, causal, s1, s2, nbuf, segments, ctx)
+
+
+FLASH = {
+    "plain": dict(q=(1, 4, 256, 64), k=(1, 4, 256, 64)),
+    "causal": dict(q=(1, 4, 512, 64), k=(1, 4, 512, 64), causal=True),
+    "causal 1 buffer": dict(q=(1, 2, 384, 64), k=(1, 2, 384, 64), causal=True, buffers=1),
+    "causal ragged": dict(q=(2, 3, 200, 64), k=(2, 3, 200, 64), causal=True),
+    "bool mask": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), mask=((1, 1, 256, 256), np.bool_)),
+    "additive mask": dict(q=(1, 2, 256, 64), k=(1, 2, 300, 64), mask=((1, 2, 256, 300), np.float16)),
+    "causal and mask": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), mask=((1, 1, 256, 256), np.bool_), causal=True),
+    "gqa": dict(q=(1, 8, 256, 64), k=(1, 2, 256, 64), causal=True),
+    "gqa 1 buffer": dict(q=(2, 4, 128, 64), k=(2, 1, 128, 64), buffers=1),
+    "long kv": dict(q=(1, 2, 128, 128), k=(1, 2, 2048, 128)),
+    "decode": dict(q=(1, 8, 1, 128), k=(1, 8, 1024, 128)),
+    "head dim 128": dict(q=(1, 4, 512, 128), k=(1, 4, 512, 128), causal=True),
+    "v head dim": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), v=(1, 2, 256, 32)),
+    "bf16": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), dt=BF16, causal=True),
+    "f32": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), dt=np.float32),
+    "q is k": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), names=("x", "x", "v", "mask", "o"), causal=True),
+    "k is v": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), names=("q", "x", "x", "mask", "o")),
+    "o in place of q": dict(q=(1, 2, 256, 64), k=(1, 2, 256, 64), names=("x", "k", "v", "mask", "x")),
+}
+
+
+@pytest.mark.parametrize("case", list(FLASH))
+def test_flash_timing_is_the_reference(case):
+    _check_flash(**FLASH[case])
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("case", ["long kv", "causal", "decode"])
+def test_flash_timing_in_key_segments(case, segments):
+    _check_flash(**FLASH[case], segments=segments, pick=2)
+
+
+@pytest.mark.parametrize("case", ["causal", "additive mask", "gqa"])
+def test_flash_timing_on_a_warm_chip(case):
+    _check_flash(**FLASH[case], warm=True)
+
+
+@pytest.mark.parametrize("target", list(REAL))
+def test_flash_timing_on_the_real_chips(target):
+    _check_flash(**FLASH["causal and mask"], target=REAL[target], pick=2)
+
+
+@pytest.mark.parametrize("record, count_waits", [(False, False), (True, False), (False, True)])
+def test_flash_timing_without_recording(record, count_waits):
+    _check_flash(**FLASH["causal ragged"], record=record, count_waits=count_waits, pick=2)
+
+
+def test_flash_timing_on_fewer_cores():
+    _check_flash(**FLASH["causal"], cores=23, pick=2)
+    _check_flash(**FLASH["gqa"], cores=1, pick=1)
