@@ -36,7 +36,7 @@ from geir.kernels import vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_kernel
 from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import VectorTiling
-from geir.target_npu.sim import CapacityError, Cores, GlobalMemory, spread, vector_cycles
+from geir.target_npu.sim import BlockSets, CapacityError, Cores, GlobalMemory, spread, vector_cycles
 from geir.target_npu.target import Target
 
 FRACTAL = 16  # rows and columns of one GM residency block
@@ -100,6 +100,82 @@ def alias(gm: GlobalMemory, src: str, dst: str) -> None:
     if src in gm.last_touch and src != dst:
         gm.last_touch[dst] = gm.last_touch[src].copy()
         gm.tensor_clock[dst] = gm.tensor_clock.get(src, -np.inf)
+
+
+class TileSets(BlockSets):
+    """A GM tensor's every matrix cut into row tiles x column tiles on the fractal grid, as BlockSets.
+
+    Tiles start on fractal boundaries (a tile size is a multiple of FRACTAL, or the whole dimension), so
+    each tile's pieces are exactly the fractals it covers, as rect_pieces lists them for its rectangle,
+    and the tiles are disjoint. Set ids run matrix by matrix, then row tile, then column tile (`swap`:
+    column tile before row tile). Nothing is listed piece by piece: the residency is read and written
+    through the tensor's fractal grid, reshaped by tiles.
+    """
+
+    def __init__(self, gm: GlobalMemory, t: GmTensor, row_tile: int, col_tile: int, swap: bool = False):
+        super().__init__(gm, t.name)
+        R, C = max(t.mrows, 1), t.cols
+        self.t, self.swap = t, swap
+        self.mats = max(t.rows // R, 1)
+        self.BR, self.FC = t.padded_rows // FRACTAL, t.fcols  # fractal rows of a matrix, fractal columns
+        row_tile, col_tile = min(row_tile, self.BR * FRACTAL), min(col_tile, self.FC * FRACTAL)
+        self.Rp, self.Cp = -(-row_tile // FRACTAL), -(-col_tile // FRACTAL)  # fractals of a tile
+        self.RT, self.CT = -(-self.BR // self.Rp), -(-self.FC // self.Cp)  # tiles of a matrix
+        # rows (columns) of each fractal row (column): 16 but at the matrix's end
+        self.band_rows = np.minimum(R - FRACTAL * np.arange(self.RT * self.Rp), FRACTAL).clip(0)
+        self.col_cols = np.minimum(C - FRACTAL * np.arange(self.CT * self.Cp), FRACTAL).clip(0)
+        rows = self.band_rows.reshape(self.RT, self.Rp).sum(axis=1)
+        cols = self.col_cols.reshape(self.CT, self.Cp).sum(axis=1)
+        total = np.broadcast_to((rows[:, None] * cols[None, :] * t.itemsize)[None], (self.mats, self.RT, self.CT))
+        grid = self._grid()
+        pad = (self.mats, self.RT * self.Rp, self.CT * self.Cp)
+        if pad == grid.shape:
+            lo = hi = grid.reshape(self.mats, self.RT, self.Rp, self.CT, self.Cp)
+            lo, hi = lo.min(axis=(2, 4)), hi.max(axis=(2, 4))
+        else:  # partial tiles at the edges: padding that neither min nor max picks
+            g = np.full(pad, np.inf)
+            g[:, :self.BR, :self.FC] = grid
+            lo = g.reshape(self.mats, self.RT, self.Rp, self.CT, self.Cp).min(axis=(2, 4))
+            g[:, :self.BR, :self.FC] = grid
+            g[:, self.BR:, :] = -np.inf
+            g[:, :, self.FC:] = -np.inf
+            hi = g.reshape(self.mats, self.RT, self.Rp, self.CT, self.Cp).max(axis=(2, 4))
+        self.settle(*(self._order(x) for x in (total, lo, hi)))
+
+    def _grid(self) -> np.ndarray:
+        """The tensor's residency as [matrix, fractal row, fractal column] (a view)."""
+        return self.init[:self.mats * self.BR * self.FC].reshape(self.mats, self.BR, self.FC)
+
+    def _order(self, x: np.ndarray) -> np.ndarray:
+        """[matrix, row tile, column tile] -> set ids' order, flat."""
+        return (x.transpose(0, 2, 1) if self.swap else x).reshape(-1)
+
+    def pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.swap:
+            mat, ct, rt = ids // (self.CT * self.RT), (ids // self.RT) % self.CT, ids % self.RT
+        else:
+            mat, rt, ct = ids // (self.RT * self.CT), (ids // self.CT) % self.RT, ids % self.CT
+        band = rt[:, None] * self.Rp + np.arange(self.Rp)
+        col = ct[:, None] * self.Cp + np.arange(self.Cp)
+        nbytes = self.band_rows[band][:, :, None] * self.col_cols[col][:, None, :] * self.t.itemsize
+        blocks = (mat[:, None, None] * self.BR + band[:, :, None]) * self.FC + col[:, None, :]
+        blocks = np.where(nbytes > 0, blocks, 0)
+        return blocks.reshape(len(ids), -1), nbytes.reshape(len(ids), -1)
+
+    def commit(self, gm: GlobalMemory) -> None:
+        shape = (self.mats, self.CT, self.RT) if self.swap else (self.mats, self.RT, self.CT)
+        seen = self.seen.reshape(shape)
+        mixed = self.mixed.reshape(shape)
+        if self.swap:
+            seen, mixed = seen.transpose(0, 2, 1), mixed.transpose(0, 2, 1)
+        full = (self.mats, self.RT, self.Rp, self.CT, self.Cp)
+        pad = (self.mats, self.RT * self.Rp, self.CT * self.Cp)
+        new = np.broadcast_to(seen[:, :, None, :, None], full).reshape(pad)[:, :self.BR, :self.FC]
+        grid = self._grid()
+        if self.any_mixed and mixed.any():  # sets never moved keep their pieces' own last touches
+            keep = np.broadcast_to(mixed[:, :, None, :, None], full).reshape(pad)[:, :self.BR, :self.FC]
+            new = np.where(keep, grid, new)
+        grid[...] = new
 
 
 def _ints(x) -> np.ndarray:

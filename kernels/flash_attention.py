@@ -384,11 +384,12 @@ class _Moves:
         per = 3 if mname is not None else 2
         at = 1 + per * np.arange(steps)
         qs, ks, vs, ms, os_ = self.sets
+        kv = np.where(act, kv_first + step, 0)  # a lane past its last block sits out (its id is ignored)
         moves = [Transfer(qs, q_block[None, :], np.zeros(1, np.int64), key=q_block),
-                 Transfer(ks, np.where(act, kv_first + step, -1), at, key=kv_first),
-                 Transfer(vs, np.where(act, kv_first + step, -1), at + 1, key=kv_first)]
+                 Transfer(ks, kv, at, key=kv_first, active=act),
+                 Transfer(vs, kv, at + 1, key=kv_first, active=act)]
         if ms is not None:
-            moves.append(Transfer(ms, np.where(act, mask_first + step, -1), at + 2, key=mask_first))
+            moves.append(Transfer(ms, np.where(act, mask_first + step, 0), at + 2, key=mask_first, active=act))
         moves.append(Transfer(os_, o_block[None, :], np.array([1 + per * steps]), write=True))
         costs = gm.transfer([mv for mv in moves if len(mv.at)])
         if steps == 0:

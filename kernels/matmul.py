@@ -34,7 +34,9 @@ from geir.ir import Operation
 from geir.kernels import matmul_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, register_kernel
 from geir.kernels.data_movement import (
+    FRACTAL,
     GmTensor,
+    TileSets,
     check_fault,
     gm_read,
     gm_tensor,
@@ -49,7 +51,6 @@ from geir.kernels.vector import elementwise_passes
 from geir.ops.numerics import round_to
 from geir.target_npu.sim import (
     PIPES,
-    BlockSets,
     Cores,
     GlobalMemory,
     PipeInterval,
@@ -232,18 +233,22 @@ def _time(ctx: LaunchContext, g: _Grid, ag: GmTensor, bg: GmTensor, og: GmTensor
     onchip = target.data["memory"].get("onchip_bytes_per_cycle", 256)
     moves = _Moves(ctx, g, ag, bg, og, biasg, bias_shape)
     state = _State(count, g.nbuf)
+    on_chip: dict[bytes, tuple] = {}  # by the lanes' block sizes: most waves are all whole blocks
     for w, (wave, lanes) in enumerate(spread(g.units, count)):
         mi, ni = (wave // g.tn) % g.tm, wave % g.tn
         m_eff, n_eff = np.minimum(g.M - mi * g.m, g.m), np.minimum(g.N - ni * g.n, g.n)
         bias_cost, load_a, load_b, store = moves.wave(w, wave)
-        # the on-chip costs of every k step, [k step, lane] (local_copy_cycles and cube_cycles, elementwise)
-        to_l0 = np.ceil((m_eff + n_eff)[None, :] * k_eff[:, None] * isz / onchip)
-        mmad = ((-(-m_eff // fm) * -(-n_eff // fn))[None, :] * -(-k_eff // fk)[:, None]).astype(np.float64)
-        if vector_act:
-            drain = (np.ceil(m_eff * n_eff * 4 / onchip), vector_cycles(target, m_eff * n_eff * 4, act_passes), store)
-        else:
-            drain = (store,)
-        _run_wave(cores, ctx.waits, state, lanes, w, g, bias_cost, load_a, load_b, to_l0, mmad, drain, activation)
+        key = m_eff.tobytes() + n_eff.tobytes()
+        if key not in on_chip:
+            # the on-chip costs of every k step, [k step, lane] (local_copy_cycles and cube_cycles, elementwise)
+            to_l0 = np.ceil((m_eff + n_eff)[None, :] * k_eff[:, None] * isz / onchip)
+            mmad = ((-(-m_eff // fm) * -(-n_eff // fn))[None, :] * -(-k_eff // fk)[:, None]).astype(np.float64)
+            drain = (np.ceil(m_eff * n_eff * 4 / onchip), vector_cycles(target, m_eff * n_eff * 4, act_passes)) \
+                if vector_act else ()
+            on_chip[key] = (to_l0, mmad, drain)
+        to_l0, mmad, drain = on_chip[key]
+        _run_wave(cores, ctx.waits, state, lanes, w, g, bias_cost, load_a, load_b, to_l0, mmad, drain + (store,),
+                  activation)
     moves.commit()
 
 
@@ -262,10 +267,11 @@ class _Moves:
     """The kernel's GM moves, wave by wave, in the order the schedule makes them.
 
     Each operand's tiles are fixed rectangles (A: batch matrix x row block x k step; B: matrix x column
-    block x k step; C: the unit's tile; the bias row: its column block), which are disjoint when the
-    blocks lie on the fractal grid; then a wave's moves are timed together (`GlobalMemory.transfer`):
-    a wave reads each A and B tile at most once. Otherwise (tiles sharing fractals, one tensor as two
-    operands, no k) every move is made on its own, as read_pieces / write_pieces take them.
+    block x k step; C: the unit's tile; the bias row: its column block). When the blocks lie on the
+    fractal grid they are disjoint tiles of it (TileSets), and a wave's moves are timed together
+    (`GlobalMemory.transfer`): a wave reads each A and B tile at most once. Otherwise (tiles sharing
+    fractals, one tensor as two operands, no k) every move is made on its own, as read_pieces /
+    write_pieces take them.
     """
 
     def __init__(self, ctx: LaunchContext, g: _Grid, ag: GmTensor, bg: GmTensor, og: GmTensor,
@@ -275,35 +281,15 @@ class _Moves:
         self.rows_vary = bias_shape is not None and any(d != 1 for d in bias_shape[:-1])
         self.cols_vary = bias_shape is not None and len(bias_shape) > 0 and bias_shape[-1] != 1
         names = [t.name for t in (ag, bg, og, biasg) if t is not None]
+        on_grid = all(size % FRACTAL == 0 or size >= dim for size, dim in ((g.m, g.M), (g.n, g.N), (g.k, g.K)))
         self.sets = None
-        if len(set(names)) == len(names) and g.K > 0:
-            sets = self._sets()
-            if all(s.disjoint for s in sets.values()):
-                self.sets = sets
-
-    def _sets(self) -> dict[str, BlockSets]:
-        g, gm = self.g, self.gm
-        kk = np.arange(g.tk)
-        k0, k_eff = kk * g.k, np.maximum(np.minimum(g.K - kk * g.k, g.k), 0)
-        mi, ni = np.arange(g.tm), np.arange(g.tn)
-        m0, m_eff = mi * g.m, np.minimum(g.M - mi * g.m, g.m)
-        n0, n_eff = ni * g.n, np.minimum(g.N - ni * g.n, g.n)
-        # A tile (matrix a, row block mi, k step kk) is set (a * tm + mi) * tk + kk; B's likewise
-        a = np.arange(int(g.a_of.max()) + 1)[:, None, None] * g.ra
-        b = np.arange(int(g.b_of.max()) + 1)[:, None, None] * g.rb
-        mk = (m0[None, :, None], m_eff[None, :, None], k0[None, None, :], k_eff[None, None, :])
-        nk = (n0[None, :, None], n_eff[None, :, None], k0[None, None, :], k_eff[None, None, :])
-        sets = {"a": _rect_sets(gm, self.ag, a, mk, g.transpose_a, True),
-                "b": _rect_sets(gm, self.bg, b, nk, g.transpose_b, False)}
-        u = np.arange(g.units)
-        bo, umi, uni = u // (g.tm * g.tn), (u // g.tn) % g.tm, u % g.tn
-        r0, c0 = bo * g.M + umi * g.m, uni * g.n
-        sets["c"] = BlockSets(gm, self.og.name, *rect_pieces(self.og, r0, r0 + m_eff[umi], c0, c0 + n_eff[uni]))
-        if self.biasg is not None and not self.rows_vary:
-            c0, c1 = (n0, n0 + n_eff) if self.cols_vary else (np.zeros(1, np.int64), np.ones(1, np.int64))
-            sets["bias"] = BlockSets(gm, self.biasg.name, *rect_pieces(self.biasg, np.zeros_like(c0),
-                                                                      np.ones_like(c0), c0, c1))
-        return sets
+        if len(set(names)) == len(names) and g.K > 0 and on_grid:
+            gm, m, n, k = self.gm, g.m, g.n, g.k
+            self.sets = {"a": TileSets(gm, ag, k, m, swap=True) if g.transpose_a else TileSets(gm, ag, m, k),
+                         "b": TileSets(gm, bg, n, k) if g.transpose_b else TileSets(gm, bg, k, n, swap=True),
+                         "c": TileSets(gm, og, m, n)}
+            if biasg is not None and not self.rows_vary:
+                self.sets["bias"] = TileSets(gm, biasg, FRACTAL, n if self.cols_vary else FRACTAL)
 
     def wave(self, w: int, wave: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
         """(bias tile cycles or None, A and B cycles [k step, lane], C store cycles) of one wave's moves."""
@@ -362,24 +348,6 @@ class _Moves:
                 s.commit(self.gm)
 
 
-def _rect_sets(gm: GlobalMemory, t: GmTensor, mat: np.ndarray, span: tuple, transpose: bool,
-               rows_first: bool) -> BlockSets:
-    """The tiles of one cube operand as BlockSets: one per (matrix, row or column block, k step).
-
-    `span` = (block start, block size, k start, k size), broadcast against `mat` (each matrix's first
-    stored row). A's block runs along its rows and B's along its columns; transposed storage swaps them.
-    """
-    x0, xn, k0, kn = span
-    along_rows = rows_first != transpose  # the block (not k) runs along the stored rows
-    if along_rows:
-        r0, r1, c0, c1 = mat + x0, mat + x0 + xn, k0, k0 + kn
-    else:
-        r0, r1, c0, c1 = mat + k0, mat + k0 + kn, x0, x0 + xn
-    r0, r1, c0, c1 = (np.broadcast_to(v, np.broadcast_shapes(mat.shape, x0.shape, k0.shape)).reshape(-1)
-                      for v in (r0, r1, c0, c1))
-    return BlockSets(gm, t.name, *rect_pieces(t, r0, r1, c0, c1))
-
-
 def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.ndarray, w: int, g: _Grid,
               bias_cost: np.ndarray | None, load_a: np.ndarray, load_b: np.ndarray, to_l0: np.ndarray,
               mmad: np.ndarray, drain: tuple, activation: str) -> None:
@@ -387,16 +355,17 @@ def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.nd
     nbuf, tk = g.nbuf, g.tk
     step0 = w * tk  # k steps issued before this wave (every wave has tk of them)
     cs = w % nbuf
-    free, busy = cores.free, cores.busy
-    mte2_0 = free[0, lanes]
+    P = cores.free[:, lanes]  # [pipe, lane], updated below and written back
+    l1, l0 = state.l1_free[:, lanes], state.l0_free[:, lanes]
+    mte2_0 = P[0].copy()
     mte2 = mte2_0
     bias_ready = np.zeros(len(lanes))
     if bias_cost is not None:
         bias_ready = mte2 = mte2_0 + bias_cost
-    mte1, cube = free[1, lanes], free[2, lanes]
+    mte1, cube = P[1].copy(), P[2].copy()
     slots = [(step0 + j) % nbuf for j in range(nbuf)]
-    l1_0 = [state.l1_free[s, lanes] for s in slots]  # by k step: the slot step j finds is l1_0[j % nbuf]
-    l0_0 = [state.l0_free[s, lanes] for s in slots]
+    l1_0 = [l1[s] for s in slots]  # by k step: the slot step j finds is l1_0[j % nbuf]
+    l0_0 = [l0[s] for s in slots]
     l0c = state.l0c_free[cs, lanes]
     steps = _Steps(nbuf, mte2, mte1, cube, l1_0, l0_0, bias_ready, l0c, load_a, load_b, to_l0, mmad)
     steps.solve(state.template)
@@ -406,44 +375,48 @@ def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.nd
     if len(drain) == 3:
         c_ub, c_act, c_store = drain
         ub = state.ub_free[cs, lanes]
-        fix_ready = np.maximum(free[3, lanes], last)
+        fix_ready = np.maximum(P[3], last)
         fix_start = np.maximum(fix_ready, ub)
         U = fix_start + c_ub
-        vec_start = np.maximum(free[4, lanes], U)
+        vec_start = np.maximum(P[4], U)
         V = vec_start + c_act
-        st_start = np.maximum(free[5, lanes], V)
+        st_start = np.maximum(P[5], V)
         S = st_start + c_store
-        tail = [(3, "L0C to UB", c_ub, free[3, lanes], fix_ready, fix_start, U),
-                (4, f"{activation} and cast", c_act, free[4, lanes], vec_start, vec_start, V),
-                (5, "store C", c_store, free[5, lanes], st_start, st_start, S)]
+        tail = [(3, "L0C to UB", c_ub, P[3].copy(), fix_ready, fix_start, U),
+                (4, f"{activation} and cast", c_act, P[4].copy(), vec_start, vec_start, V),
+                (5, "store C", c_store, P[5].copy(), st_start, st_start, S)]
         state.l0c_free[cs, lanes] = U
         state.ub_free[cs, lanes] = S
     else:
         (c_store,) = drain
-        fix_start = np.maximum(free[3, lanes], last)
+        fix_start = np.maximum(P[3], last)
         F = fix_start + c_store
-        tail = [(3, "L0C to GM", c_store, free[3, lanes], fix_start, fix_start, F)]
+        tail = [(3, "L0C to GM", c_store, P[3].copy(), fix_start, fix_start, F)]
         state.l0c_free[cs, lanes] = F
     if cores.record or waits is not None:
         _account(cores, waits, lanes, nbuf, mte2_0, mte2, bias_cost, mte1, cube, l1_0, l0_0, bias_ready, l0c,
                  load_a, load_b, to_l0, mmad, A, B, L, Mm, tail)
     # the pipes' and slots' new state
-    free[0, lanes], free[1, lanes], free[2, lanes] = B[-1], L[-1], last
+    P[0], P[1], P[2] = B[-1], L[-1], last
     for p, _, _, _, _, _, end in tail:
-        free[p, lanes] = end
+        P[p] = end
+    cores.free[:, lanes] = P
     for j in range(max(tk - nbuf, 0), tk):
         s = (step0 + j) % nbuf
-        state.l1_free[s, lanes] = L[j]
-        state.l0_free[s, lanes] = Mm[j]
+        l1[s], l0[s] = L[j], Mm[j]
+    state.l1_free[:, lanes], state.l0_free[:, lanes] = l1, l0
     # busy cycles: each pipe's costs added one instruction at a time, in issue order (cumsum adds in order)
-    mte2_costs = np.empty((2 * tk, len(lanes)))
-    mte2_costs[0::2], mte2_costs[1::2] = load_a, load_b
-    first = [busy[0, lanes]] + ([bias_cost] if bias_cost is not None else [])
-    busy[0, lanes] = np.cumsum(np.concatenate([np.array(first), mte2_costs]), axis=0)[-1]
-    busy[1, lanes] = np.cumsum(np.concatenate([busy[1, lanes][None, :], to_l0]), axis=0)[-1]
-    busy[2, lanes] = np.cumsum(np.concatenate([busy[2, lanes][None, :], mmad]), axis=0)[-1]
+    busy = cores.busy[:, lanes]
+    mte2_costs = np.empty((2 * tk + 2, len(lanes)))
+    mte2_costs[0] = busy[0]
+    mte2_costs[1] = bias_cost if bias_cost is not None else 0.0  # x + 0.0 == x
+    mte2_costs[2::2], mte2_costs[3::2] = load_a, load_b
+    busy[0] = np.cumsum(mte2_costs, axis=0)[-1]
+    busy[1] = np.cumsum(np.concatenate([busy[1][None, :], to_l0]), axis=0)[-1]
+    busy[2] = np.cumsum(np.concatenate([busy[2][None, :], mmad]), axis=0)[-1]
     for p, _, cost, _, _, _, _ in tail:
-        busy[p, lanes] += cost
+        busy[p] += cost
+    cores.busy[:, lanes] = busy
 
 
 class _Steps:
@@ -461,7 +434,7 @@ class _Steps:
     the slot load A already waited for, and MTE1's for load A (before load B), change nothing.
     """
 
-    LOOP = 3  # steps done one by one before guessing: a wave's first steps wait on the last wave's drain
+    LOOP = 3  # steps done one by one where a guess failed, before guessing again
 
     def __init__(self, nbuf, mte2, mte1, cube, l1_0, l0_0, bias_ready, l0c, load_a, load_b, to_l0, mmad):
         self.nbuf = nbuf
@@ -488,8 +461,10 @@ class _Steps:
                 if f > j:
                     j = f
                     continue
-            self._loop(j, min(j + self.LOOP, tk))
-            j += self.LOOP
+            # the first nbuf steps look back into the last wave, whose state the guesses do not read
+            run = self.LOOP if j else self.nbuf
+            self._loop(j, min(j + run, tk))
+            j += run
 
     def _loop(self, j0: int, j1: int) -> None:
         """Steps [j0, j1) one instruction at a time (the recurrence itself)."""

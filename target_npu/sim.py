@@ -199,32 +199,30 @@ class GlobalMemory:
 
     def transfer(self, moves: list[Transfer]) -> list[np.ndarray]:
         """Cycles of every mover in every event of `moves` ([events, movers] each; idle movers' entries are
-        meaningless), exactly as read_pieces / write_pieces would cost them one event at a time in order.
+        0), exactly as read_pieces / write_pieces would cost them one event at a time in order.
 
         The byte clock is known before any hit is judged (an event moves its bytes whatever hits), so
         each event's clock is a cumulative sum. Each set may be moved by at most one event of a call
         (otherwise a later event would have to see the earlier one's touch), and every tensor by at
         most one Transfer of a call; the caller makes its calls small enough for that.
         """
-        n = 1 + max(int(m.at[-1]) for m in moves if len(m.at))
+        n = 1 + max(int(m.at[-1]) for m in moves)
         moved_at = np.zeros(n, dtype=np.int64)
         totals = []
         for m in moves:
-            active = m.ids >= 0
-            if active.all():
-                active = None
             total = m.sets.total[m.ids]
-            if active is not None:
-                total = np.where(active, total, 0)
-            totals.append((active, total))
+            if m.active is not None:
+                total = np.where(m.active, total, 0)
+            totals.append(total)
             moved_at[m.at] = total.sum(axis=1)
         after = self.clock + np.cumsum(moved_at)
         before = after - moved_at
         out = []
-        for m, (active, total) in zip(moves, totals):
-            sets, ids = m.sets, m.ids
+        for m, total in zip(moves, totals):
+            sets, ids, active = m.sets, m.ids, m.active
             moved = int(total.sum())
-            lat = np.where(total > 0, self.latency, 0)
+            # np.where(total > 0, latency, 0) as read_pieces adds it; where every mover moves bytes, the latency
+            lat = self.latency if active is None and sets.all_moved else np.where(total > 0, self.latency, 0)
             if m.write:
                 self.gm_write_bytes += moved
                 self.hbm_write_bytes += moved
@@ -237,8 +235,7 @@ class GlobalMemory:
             else:
                 clock = before[m.at][:, None]
                 miss_set = (clock - sets.seen[ids]) >= self.l2_bytes
-                first = None if m.key is None and active is None else \
-                    (active if m.key is None else first_of_key(m.key, active))
+                first = active if m.key is None else first_of_key(m.key, active)
                 if first is not None:
                     miss_set &= first
                 miss = np.where(miss_set, total, 0)
@@ -248,9 +245,9 @@ class GlobalMemory:
                         cold &= first
                     if cold.any():
                         e, i = np.nonzero(cold)
-                        s = ids[e, i]
-                        piece_hit = (clock[e] - sets.init[sets.blocks[s]]) < self.l2_bytes
-                        miss[e, i] = np.where(sets.valid[s] & ~piece_hit, sets.nbytes[s], 0).sum(axis=1)
+                        blocks, nbytes = sets.pieces(ids[e, i])
+                        piece_hit = (clock[e] - sets.init[blocks]) < self.l2_bytes
+                        miss[e, i] = np.where((nbytes > 0) & ~piece_hit, nbytes, 0).sum(axis=1)
                 count = np.maximum((miss > 0).sum(axis=1), 1)
                 rate = np.minimum(self.hbm_rate, self.chip_hbm_rate / count)[:, None]
                 out.append(lat + (total - miss) / self.l2_rate + miss / rate)
@@ -265,8 +262,7 @@ class GlobalMemory:
                 sets.seen[ids[active]] = np.broadcast_to(end, ids.shape)[active]
                 if sets.any_mixed:
                     sets.mixed[ids[active]] = False
-            if len(m.at):
-                self.tensor_clock[sets.name] = int(end[-1, 0])
+            self.tensor_clock[sets.name] = int(end[-1, 0])
         self.clock = int(after[-1])
         return out
 
@@ -285,10 +281,11 @@ class GlobalMemory:
 class Transfer:
     """Several reads (or writes) of `BlockSets`, one per event, for `GlobalMemory.transfer`.
 
-    `ids[e, i]` is the set mover i moves in event e (-1: mover i sits this event out); `at[e]` is the
-    event's place in the order of all the call's events (increasing). `key[i]` (reads only): movers
-    with equal keys move the same set in every event both take part in, together (read_pieces'
-    `key`: the first of them brings it into L2, the others hit); None: each mover alone.
+    `ids[e, i]` is the set mover i moves in event e; `at[e]` is the event's place in the order of all the
+    call's events (increasing); `active[e, i]` whether mover i takes part in event e (None: all do; an idle
+    mover's id is ignored). `key[i]` (reads only): movers with equal keys move the same set in every event
+    both take part in, together (read_pieces' `key`: the first of them brings it into L2, the others
+    hit); None: each mover alone.
     """
 
     sets: "BlockSets"
@@ -296,20 +293,20 @@ class Transfer:
     at: np.ndarray
     write: bool = False
     key: np.ndarray | None = None
+    active: np.ndarray | None = None
 
 
 def first_of_key(key: np.ndarray, active: np.ndarray | None) -> np.ndarray | None:
     """[events, movers]: whether each mover is the first active one of its key in the event (None: all are)."""
+    if active is None:  # the same movers every event: a few dozen at most, plain Python is cheapest
+        keys = key.tolist()
+        lead: dict = {}
+        first = [lead.setdefault(k, i) == i for i, k in enumerate(keys)]
+        return None if len(lead) == len(keys) else np.array([first])
     order = np.argsort(key, kind="stable")
     ks = key[order]
     lead = np.ones(len(key), dtype=bool)
     lead[1:] = ks[1:] != ks[:-1]
-    if active is None:
-        if lead.all():
-            return None
-        first = np.empty(len(key), dtype=bool)
-        first[order] = lead
-        return np.broadcast_to(first, (1, len(key)))
     # per event, the first active mover of each key group (groups are contiguous in `order`)
     act = active[:, order]
     seen = np.cumsum(act, axis=1)
@@ -328,32 +325,43 @@ class BlockSets:
     Row j of `blocks` / `nbytes` lists set j's pieces as read_pieces takes them (0 bytes: padding).
     Because the sets are disjoint and moved whole, all the pieces of a set share one last touch once
     the launch has moved it, and `GlobalMemory.transfer` judges its L2 residency once per set; before
-    that each piece keeps the last touch it had when the sets were made. The tensor's `last_touch`
-    is brought up to date by `commit`, which the launch calls when it is done with the tensor (until
-    then nothing else may move it).
+    that each piece keeps the last touch it had when the sets were made (a set whose pieces differ
+    there is `mixed`, judged piece by piece the first time). The tensor's `last_touch` is brought up
+    to date by `commit`, which the launch calls when it is done with the tensor (until then nothing
+    else may move it). Subclasses lay the sets out without listing their pieces (`pieces`, `commit`).
     """
 
-    def __init__(self, gm: GlobalMemory, name: str, blocks: np.ndarray, nbytes: np.ndarray):
+    def __init__(self, gm: GlobalMemory, name: str, blocks: np.ndarray | None = None,
+                 nbytes: np.ndarray | None = None):
         self.name = name
+        self.init = gm.last_touch[name]
+        if blocks is None:
+            return
         self.blocks, self.nbytes = blocks, nbytes
-        self.valid = nbytes > 0
-        self.total = nbytes.sum(axis=1)
-        last = gm.last_touch[name]
-        self.init = last
-        valid_blocks = blocks[self.valid]
-        self.disjoint = bool(valid_blocks.size == 0 or np.bincount(valid_blocks).max() <= 1)
-        touch = last[blocks]
-        lo = np.where(self.valid, touch, np.inf).min(axis=1, initial=np.inf)
-        hi = np.where(self.valid, touch, -np.inf).max(axis=1, initial=-np.inf)
-        # a set whose pieces were last touched at different times is judged piece by piece the first time
-        self.mixed = (lo != hi) & self.valid.any(axis=1)
+        valid = nbytes > 0
+        flat = blocks[valid]
+        self.disjoint = bool(flat.size == 0 or np.bincount(flat).max() <= 1)
+        touch = self.init[blocks]
+        lo = np.where(valid, touch, np.inf).min(axis=1, initial=np.inf)
+        hi = np.where(valid, touch, -np.inf).max(axis=1, initial=-np.inf)
+        self.settle(nbytes.sum(axis=1), lo, hi)
+
+    def settle(self, total: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Each set's bytes and the earliest and latest last touch of its pieces (inf, -inf: it has none)."""
+        self.total = total
+        self.all_moved = bool(total.min(initial=1) > 0)  # every set moves bytes: a DMA's latency applies to all
+        self.mixed = lo < hi
         self.any_mixed = bool(self.mixed.any())
         self.seen = np.where(self.mixed, np.nan, hi)  # when the set was last touched
+
+    def pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The block ids and bytes of these sets' pieces, [set, piece] (0 bytes: padding)."""
+        return self.blocks[ids], self.nbytes[ids]
 
     def commit(self, gm: GlobalMemory) -> None:
         """Write the sets' last touches into the tensor's per-block residency (sets never moved keep theirs)."""
         rows = ~self.mixed
-        valid = self.valid[rows]
+        valid = self.nbytes[rows] > 0
         gm.last_touch[self.name][self.blocks[rows][valid]] = np.broadcast_to(self.seen[rows, None], valid.shape)[valid]
 
 
