@@ -34,6 +34,7 @@ from geir.target_npu.sim import (
     Cores,
     GlobalMemory,
     PipeInterval,
+    SetPool,
     Transfer,
     cube_cycles,
     local_copy_cycles,
@@ -360,6 +361,7 @@ class _Moves:
                     continue
                 blocks = len(gm.last_touch[name])
                 self.sets.append(BlockSets(gm, name, np.arange(blocks)[:, None], np.full((blocks, 1), nbytes)))
+            self.pool = SetPool(self.sets)
 
     def wave(self, q_block: np.ndarray, kv_first: np.ndarray, mask_first: np.ndarray, o_block: np.ndarray,
              trips: np.ndarray) -> tuple:
@@ -382,29 +384,27 @@ class _Moves:
                     m[s, on] = gm.read(mname, mask_first[on] + s, mask_bytes)
             return q, k, v, (m if mname is not None else None), gm.write(oname, o_block, o_bytes)
         per = 3 if mname is not None else 2
-        at = 1 + per * np.arange(steps)
         qs, ks, vs, ms, os_ = self.sets
         kv = np.where(act, kv_first + step, 0)  # a lane past its last block sits out (its id is ignored)
-        moves = [Transfer(qs, q_block[None, :], np.zeros(1, np.int64), key=q_block),
-                 Transfer(ks, kv, at, key=kv_first, active=act),
-                 Transfer(vs, kv, at + 1, key=kv_first, active=act)]
-        if ms is not None:
-            moves.append(Transfer(ms, np.where(act, mask_first + step, 0), at + 2, key=mask_first, active=act))
-        moves.append(Transfer(os_, o_block[None, :], np.array([1 + per * steps]), write=True))
-        costs = gm.transfer([mv for mv in moves if len(mv.at)])
+        moves = [Transfer([qs], q_block[None, :] + qs.base, np.zeros(1, np.int64), key=[q_block])]
+        if steps:  # K, V (and the mask) of each block take turns
+            if ms is None:
+                ids, key, turns = np.stack([kv + ks.base, kv + vs.base], axis=1), [kv_first, kv_first], [ks, vs]
+            else:
+                ids = np.stack([kv + ks.base, kv + vs.base, np.where(act, mask_first + step, 0) + ms.base], axis=1)
+                key, turns = [kv_first, kv_first, mask_first], [ks, vs, ms]
+            moves.append(Transfer(turns, ids.reshape(per * steps, -1), 1 + np.arange(per * steps), key=key,
+                                  active=np.repeat(act, per, axis=0)))
+        moves.append(Transfer([os_], o_block[None, :] + os_.base, np.array([1 + per * steps]), write=True))
+        costs = gm.transfer(moves)
         if steps == 0:
-            q, o = costs
-            return q[0], np.zeros((0, len(trips))), np.zeros((0, len(trips))), None, o[0]
-        q, k, v = costs[:3]
-        m = costs[3] if ms is not None else None
-        zero = lambda x: np.where(act, x, 0.0)  # noqa: E731 (idle lanes' entries are meaningless)
-        return q[0], zero(k), zero(v), (zero(m) if m is not None else None), costs[-1][0]
+            return costs[0][0], np.zeros((0, len(trips))), np.zeros((0, len(trips))), None, costs[-1][0]
+        kvm = costs[1]
+        return (costs[0][0], kvm[0::per], kvm[1::per], kvm[2::per] if ms is not None else None, costs[-1][0])
 
     def commit(self) -> None:
         if self.sets is not None:
-            for s in self.sets:
-                if s is not None:
-                    s.commit(self.gm)
+            self.pool.commit(self.gm)
 
 
 class _Lanes:

@@ -52,6 +52,7 @@ from geir.ops.numerics import round_to
 from geir.target_npu.sim import (
     PIPES,
     Cores,
+    SetPool,
     GlobalMemory,
     PipeInterval,
     Transfer,
@@ -290,6 +291,7 @@ class _Moves:
                          "c": TileSets(gm, og, m, n)}
             if biasg is not None and not self.rows_vary:
                 self.sets["bias"] = TileSets(gm, biasg, FRACTAL, n if self.cols_vary else FRACTAL)
+            self.pool = SetPool(list(self.sets.values()))
 
     def wave(self, w: int, wave: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
         """(bias tile cycles or None, A and B cycles [k step, lane], C store cycles) of one wave's moves."""
@@ -305,20 +307,23 @@ class _Moves:
         kk = np.arange(g.tk)[:, None]
         first = 0
         moves = []
+        sa, sb, sc = self.sets["a"], self.sets["b"], self.sets["c"]
         if bias is None and self.biasg is not None:
             ids = ni if self.cols_vary else np.zeros_like(ni)
-            moves.append(Transfer(self.sets["bias"], ids[None, :], np.zeros(1, np.int64), key=ids))
+            moves.append(Transfer([self.sets["bias"]], ids[None, :] + self.sets["bias"].base, np.zeros(1, np.int64),
+                                  key=[ids]))
             first = 1
-        at = first + 2 * kk[:, 0]
-        # cores loading the same block in a step share it (the first one brings it into L2)
+        # A and B of each k step take turns; cores loading the same block in a step share it (the first
+        # one brings it into L2)
         ka, kb = g.a_of[bo] * g.tm + mi, g.b_of[bo] * g.tn + ni
-        moves.append(Transfer(self.sets["a"], ka[None, :] * g.tk + kk, at, key=ka))
-        moves.append(Transfer(self.sets["b"], kb[None, :] * g.tk + kk, at + 1, key=kb))
-        moves.append(Transfer(self.sets["c"], wave[None, :], np.array([first + 2 * g.tk]), write=True))
+        ids = np.empty((2 * g.tk, len(wave)), dtype=np.int64)
+        ids[0::2], ids[1::2] = (ka * g.tk + sa.base)[None, :] + kk, (kb * g.tk + sb.base)[None, :] + kk
+        moves.append(Transfer([sa, sb], ids, first + np.arange(2 * g.tk), key=[ka, kb]))
+        moves.append(Transfer([sc], wave[None, :] + sc.base, np.array([first + 2 * g.tk]), write=True))
         costs = gm.transfer(moves)
         if first:
             bias = costs.pop(0)[0]
-        return bias, costs[0], costs[1], costs[2][0]
+        return bias, costs[0][0::2], costs[0][1::2], costs[1][0]
 
     def _each(self, bo, mi, ni, m0, m_eff, n0, n_eff) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One wave's A, B and C moves one at a time (read_pieces, write_pieces)."""
@@ -344,8 +349,7 @@ class _Moves:
 
     def commit(self) -> None:
         if self.sets is not None:
-            for s in self.sets.values():
-                s.commit(self.gm)
+            self.pool.commit(self.gm)
 
 
 def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.ndarray, w: int, g: _Grid,
