@@ -52,12 +52,13 @@ from geir.ops.numerics import round_to
 from geir.target_npu.sim import (
     PIPES,
     Cores,
-    SetPool,
     GlobalMemory,
     PipeInterval,
+    SetPool,
     Transfer,
     spread,
     vector_cycles,
+    whole_sums,
 )
 from geir.target_npu.target import Target
 
@@ -235,6 +236,11 @@ def _time(ctx: LaunchContext, g: _Grid, ag: GmTensor, bg: GmTensor, og: GmTensor
     moves = _Moves(ctx, g, ag, bg, og, biasg, bias_shape)
     state = _State(count, g.nbuf)
     on_chip: dict[bytes, tuple] = {}  # by the lanes' block sizes: most waves are all whole blocks
+    # MTE1 and cube cycles are whole numbers: where the counters are too, a wave's busy cycles add as one
+    # sum per lane (exact in any order), not one instruction at a time
+    per_core = -(-g.units // count) * g.tk
+    most = max(np.ceil((g.m + g.n) * g.k * isz / onchip), -(-g.m // fm) * -(-g.n // fn) * -(-g.k // fk))
+    whole = whole_sums(cores.busy[1:3], per_core * most)
     for w, (wave, lanes) in enumerate(spread(g.units, count)):
         mi, ni = (wave // g.tn) % g.tm, wave % g.tn
         m_eff, n_eff = np.minimum(g.M - mi * g.m, g.m), np.minimum(g.N - ni * g.n, g.n)
@@ -246,10 +252,11 @@ def _time(ctx: LaunchContext, g: _Grid, ag: GmTensor, bg: GmTensor, og: GmTensor
             mmad = ((-(-m_eff // fm) * -(-n_eff // fn))[None, :] * -(-k_eff // fk)[:, None]).astype(np.float64)
             drain = (np.ceil(m_eff * n_eff * 4 / onchip), vector_cycles(target, m_eff * n_eff * 4, act_passes)) \
                 if vector_act else ()
-            on_chip[key] = (to_l0, mmad, drain)
-        to_l0, mmad, drain = on_chip[key]
+            sums = (to_l0.sum(axis=0), mmad.sum(axis=0)) if whole else None
+            on_chip[key] = (to_l0, mmad, drain, sums)
+        to_l0, mmad, drain, sums = on_chip[key]
         _run_wave(cores, ctx.waits, state, lanes, w, g, bias_cost, load_a, load_b, to_l0, mmad, drain + (store,),
-                  activation)
+                  activation, sums)
     moves.commit()
 
 
@@ -354,8 +361,9 @@ class _Moves:
 
 def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.ndarray, w: int, g: _Grid,
               bias_cost: np.ndarray | None, load_a: np.ndarray, load_b: np.ndarray, to_l0: np.ndarray,
-              mmad: np.ndarray, drain: tuple, activation: str) -> None:
-    """One wave's instructions on its lanes: the k steps' recurrence, the drain of L0C, the accounting."""
+              mmad: np.ndarray, drain: tuple, activation: str, sums: tuple | None) -> None:
+    """One wave's instructions on its lanes: the k steps' recurrence, the drain of L0C, the accounting
+    (`sums`: each lane's MTE1 and cube cycles of the wave, where they may be added as one sum)."""
     nbuf, tk = g.nbuf, g.tk
     step0 = w * tk  # k steps issued before this wave (every wave has tk of them)
     cs = w % nbuf
@@ -416,8 +424,12 @@ def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.nd
     mte2_costs[1] = bias_cost if bias_cost is not None else 0.0  # x + 0.0 == x
     mte2_costs[2::2], mte2_costs[3::2] = load_a, load_b
     busy[0] = np.cumsum(mte2_costs, axis=0)[-1]
-    busy[1] = np.cumsum(np.concatenate([busy[1][None, :], to_l0]), axis=0)[-1]
-    busy[2] = np.cumsum(np.concatenate([busy[2][None, :], mmad]), axis=0)[-1]
+    if sums is not None:
+        busy[1] += sums[0]
+        busy[2] += sums[1]
+    else:
+        busy[1] = np.cumsum(np.concatenate([busy[1][None, :], to_l0]), axis=0)[-1]
+        busy[2] = np.cumsum(np.concatenate([busy[2][None, :], mmad]), axis=0)[-1]
     for p, _, cost, _, _, _, _ in tail:
         busy[p] += cost
     cores.busy[:, lanes] = busy

@@ -441,6 +441,12 @@ class SetPool:
             p.commit(gm)
 
 
+def whole_sums(busy: np.ndarray, added: float) -> bool:
+    """Whether adding whole-number costs summing to at most `added` to these busy counters is exact in any
+    order: every counter a whole number and every partial sum below 2**53 (float64 integers are exact)."""
+    return bool(np.all(busy == np.floor(busy))) and float(np.abs(busy).max(initial=0.0)) + added < 2.0**52
+
+
 def cube_cycles(target: Target, dtype: str, m: int, k: int, n: int) -> float:
     """Cycles of one core's cube for an m x k by k x n matmul: fractal count at the dtype's MACs per cycle."""
     fm, fk, fn = target.data["cube"][dtype]

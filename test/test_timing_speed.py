@@ -83,12 +83,19 @@ def _figures(cores: Cores, gm: GlobalMemory, waits: PipeWaits | None):
 
 def _both(launch_new, launch_ref, operands: list[str], results: list[str], *, record: bool = True,
           count_waits: bool = True, warm: bool = False, cores: int = 24, sizes: dict | None = None,
-          launches: int = 2, target: Target = TARGET) -> None:
-    """Run a launch `launches` times in a row through the fast and the reference timing; the figures must match."""
+          launches: int = 2, target: Target = TARGET, busy: bool = False) -> None:
+    """Run a launch `launches` times in a row through the fast and the reference timing; the figures must match.
+
+    `warm`: the operands' blocks were last touched at assorted times; `busy`: the pipes' busy and free
+    cycles start at fractions (as another kernel's float costs would leave them)."""
     figures = []
     for launch in (launch_new, launch_ref):
         chip = Cores(cores, record=record)
         gm = GlobalMemory(target)
+        if busy:
+            rng = np.random.default_rng(cores)
+            chip.busy[:] = rng.random(chip.busy.shape) * 1e4
+            chip.free[:] = chip.busy + rng.random(chip.busy.shape) * 1e3
         if warm:
             _warm(gm, operands + results)
         for name, nbytes in (sizes or {}).items():
@@ -185,6 +192,12 @@ def test_matmul_timing_on_a_warm_chip(case):
 def test_matmul_timing_without_recording(record, count_waits):
     _check_matmul(a=(100, 200), b=(200, 150), bias=(150,), activation="gelu", record=record,
                   count_waits=count_waits, pick=3)
+
+
+@pytest.mark.parametrize("case", ["edges", "gelu", "M=1 1 buffer", "batched"])
+def test_matmul_timing_after_fractional_busy_cycles(case):
+    # busy counters that are not whole numbers: each pipe's costs must be added one at a time, in order
+    _check_matmul(**MATMULS[case], busy=True, pick=3)
 
 
 def test_matmul_timing_on_fewer_cores():
@@ -296,6 +309,11 @@ def test_flash_timing_on_the_real_chips(target):
 @pytest.mark.parametrize("record, count_waits", [(False, False), (True, False), (False, True)])
 def test_flash_timing_without_recording(record, count_waits):
     _check_flash(**FLASH["causal ragged"], record=record, count_waits=count_waits, pick=2)
+
+
+@pytest.mark.parametrize("case", ["causal ragged", "additive mask"])
+def test_flash_timing_after_fractional_busy_cycles(case):
+    _check_flash(**FLASH[case], busy=True, pick=2)
 
 
 def test_flash_timing_on_fewer_cores():
