@@ -40,6 +40,7 @@ from geir.target_npu.sim import (
     local_copy_cycles,
     spread,
     vector_cycles,
+    whole_sums,
 )
 from geir.target_npu.target import Target
 from geir.types import DType
@@ -245,6 +246,10 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     c = _Consts(target, dname, s1, s2, D, isz)
     # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
     slots = _Slots(cores.count, nbuf)
+    # MTE1, cube, FIXP and vector cycles are whole numbers: where those busy counters are too, a wave adds
+    # each lane's as one sum (exact in any order), not one instruction at a time
+    per_core = -(-units // cores.count) * (nk + 1)
+    whole = whole_sums(cores.busy[[MTE1, CUBE, FIXP, VECTOR]], per_core * 4 * max(vars(c).values()))
     for wave, on in spread(units, cores.count):
         seg = wave % segments
         rest = wave // segments
@@ -260,7 +265,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
         q_block = bn * nq + qi
         costs = moves.wave(q_block, (b * Nkv + nkv) * nk + t0, (bn * nq + qi) * nk + t0,
                            q_block if segments == 1 else wave, trips)
-        _run_wave(cores, waits, slots, on, trips, costs, c, segments == 1)
+        _run_wave(cores, waits, slots, on, trips, costs, c, segments == 1, whole)
     moves.commit()
 
     if segments > 1:
@@ -482,22 +487,58 @@ def _steps_of(first: list[np.ndarray], second: list[np.ndarray], single: bool) -
 
 
 def _run_wave(cores: Cores, waits: PipeWaits | None, slots: _Slots, on: np.ndarray, trips: np.ndarray,
-              costs: tuple, c: _Consts, single_segment: bool) -> None:
-    """One wave's instructions (the lane program above) on its lanes."""
+              costs: tuple, c: _Consts, single_segment: bool, whole: bool) -> None:
+    """One wave's instructions (the lane program above) on its lanes (`whole`: the on-chip pipes' busy
+    cycles may be added as one sum per lane, see whole_sums)."""
     q_cost, k_cost, v_cost, m_cost, o_cost = costs
     w = _Lanes(cores, waits, slots, on, trips)
     order = w.order
     T = trips[order]
     steps = int(T[0]) if len(T) else 0
-    n_at = np.searchsorted(-T, -np.arange(steps), side="left")  # lanes still working at each block
+    n_at = np.searchsorted(-T, -np.arange(steps), side="left").tolist()  # lanes still working at each block
     k_cost, v_cost = k_cost[:, order], v_cost[:, order]
     m_cost = m_cost[:, order] if m_cost is not None else None
-    nbuf = slots.nbuf
     lanes = len(order)
-    MTE2, MTE1, CUBE, FIXP, VECTOR, MTE3 = (PIPE_INDEX[p] for p in ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3"))
 
     q_end = w.ins(MTE2, lanes, q_cost[order], name="load Q", booked=False)
     q_ready = w.ins(MTE1, lanes, c.q_l0, [q_end], name="Q to L0A")
+    (_blocks if w.log is not None else _blocks_fast)(w, n_at, k_cost, v_cost, m_cost, q_ready, c)
+    if single_segment:
+        w.ins(VECTOR, lanes, c.o_l, name="O / l", booked=False)
+        w.ins(MTE3, lanes, o_cost[order], name="store O", booked=False)
+    else:  # partial O, max and sum go to a workspace for the combine
+        w.ins(MTE3, lanes, o_cost[order], name="store partial O", booked=False)
+
+    # the busy cycles each pipe's instructions added, lane by lane in issue order
+    busy = {MTE2: np.concatenate([q_cost[order][None, :],
+                                  _steps_of([k_cost, v_cost] + ([m_cost] if m_cost is not None else []), [], True)])}
+    if whole:  # whole numbers: each lane's sum at once (T blocks of each instruction)
+        Tf = T.astype(np.float64)
+        busy[MTE1] = (c.q_l0 + Tf * c.k_l0 + Tf * c.p_l0)[None, :]
+        busy[CUBE] = (Tf * c.qk + Tf * c.pv)[None, :]
+        busy[FIXP] = (Tf * c.s_ub + Tf * c.o_ub)[None, :]
+        busy[VECTOR] = (Tf * c.softmax + Tf * c.acc + (c.o_l if single_segment else 0.0))[None, :]
+    else:
+        act = (np.arange(steps)[:, None] < T[None, :]).astype(np.float64)
+        single = slots.nbuf == 1
+        busy[MTE1] = np.concatenate([np.full((1, lanes), c.q_l0), _steps_of([act * c.k_l0], [act * c.p_l0], single)])
+        busy[CUBE] = _steps_of([act * c.qk], [act * c.pv], single)
+        busy[FIXP] = _steps_of([act * c.s_ub], [act * c.o_ub], single)
+        busy[VECTOR] = _steps_of([act * c.softmax], [act * c.acc], single)
+        if single_segment:
+            busy[VECTOR] = np.concatenate([busy[VECTOR], np.full((1, lanes), c.o_l)])
+    # MTE3 also stores O (fractional GM cycles): always one instruction at a time
+    act = (np.arange(steps)[:, None] < T[None, :]).astype(np.float64)
+    busy[MTE3] = np.concatenate([_steps_of([act * c.p_l1], [], True), o_cost[order][None, :]])
+    w.done(busy)
+
+
+MTE2, MTE1, CUBE, FIXP, VECTOR, MTE3 = (PIPE_INDEX[p] for p in ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3"))
+
+
+def _blocks(w: _Lanes, n_at: list[int], k_cost, v_cost, m_cost, q_ready: np.ndarray, c: _Consts) -> None:
+    """Every block's instructions, one `ins` at a time (each logged for the intervals and waits)."""
+    nbuf = w.slots.nbuf
     kf, sf, scf = w.k_free, w.slot_free, w.score_free
 
     def second_half(pending) -> None:
@@ -509,8 +550,7 @@ def _run_wave(cores: Cores, waits: PipeWaits | None, slots: _Slots, on: np.ndarr
         w.ins(VECTOR, n, c.acc, [o_ub, sm_done], name="rescale and accumulate O")
 
     pending = None
-    for t in range(steps):
-        n = int(n_at[t])
+    for t, n in enumerate(n_at):
         slot = t % nbuf
         k_ready = w.ins(MTE2, n, k_cost[t, :n], slots=[kf[slot, :n]], name="load K")
         kv_ready = w.ins(MTE2, n, v_cost[t, :n], slots=[sf[slot, :n]], name="load V")
@@ -536,23 +576,73 @@ def _run_wave(cores: Cores, waits: PipeWaits | None, slots: _Slots, on: np.ndarr
             pending = None
     if pending is not None:
         second_half(pending)
-    if single_segment:
-        w.ins(VECTOR, lanes, c.o_l, name="O / l", booked=False)
-        w.ins(MTE3, lanes, o_cost[order], name="store O", booked=False)
-    else:  # partial O, max and sum go to a workspace for the combine
-        w.ins(MTE3, lanes, o_cost[order], name="store partial O", booked=False)
 
-    # the busy cycles each pipe's instructions added, lane by lane in issue order
-    act = (np.arange(steps)[:, None] < T[None, :]).astype(np.float64)
-    single = nbuf == 1
-    busy = {MTE2: np.concatenate([q_cost[order][None, :],
-                                  _steps_of([k_cost, v_cost] + ([m_cost] if m_cost is not None else []), [], True)]),
-            MTE1: np.concatenate([np.full((1, lanes), c.q_l0), _steps_of([act * c.k_l0], [act * c.p_l0], single)]),
-            CUBE: _steps_of([act * c.qk], [act * c.pv], single),
-            FIXP: _steps_of([act * c.s_ub], [act * c.o_ub], single),
-            VECTOR: _steps_of([act * c.softmax], [act * c.acc], single),
-            MTE3: _steps_of([act * c.p_l1], [], True)}
-    if single_segment:
-        busy[VECTOR] = np.concatenate([busy[VECTOR], np.full((1, lanes), c.o_l)])
-    busy[MTE3] = np.concatenate([busy[MTE3], o_cost[order][None, :]])
-    w.done(busy)
+
+def _blocks_fast(w: _Lanes, n_at: list[int], k_cost, v_cost, m_cost, q_ready: np.ndarray, c: _Consts) -> None:
+    """`_blocks` without the log: the same arithmetic in the same order, each end written straight into its
+    pipe's state (an instruction starts at the latest of its pipe, its flags and its slots)."""
+    mx = np.maximum
+    nbuf = w.slots.nbuf
+    kf, sf, scf = w.k_free, w.slot_free, w.score_free
+    mte2, mte1, cube, fixp, vec, mte3 = (w.pipes[p] for p in (MTE2, MTE1, CUBE, FIXP, VECTOR, MTE3))
+
+    def second_half(n, p_l1, kv_ready, slot) -> None:
+        l0 = mte1[:n]  # P to L0A
+        mx(l0, p_l1, out=l0)
+        l0 += c.p_l0
+        pv = cube[:n]  # P V
+        mx(pv, l0, out=pv)
+        mx(pv, kv_ready, out=pv)
+        pv += c.pv
+        sf[slot, :n] = pv
+        ub = fixp[:n]  # P V to UB
+        mx(ub, pv, out=ub)
+        ub += c.o_ub
+        acc = vec[:n]  # rescale and accumulate O; its softmax's end is still in the score slot
+        mx(acc, ub, out=acc)
+        mx(acc, scf[slot, :n], out=acc)
+        acc += c.acc
+
+    pending = None
+    for t, n in enumerate(n_at):
+        slot = t % nbuf
+        k_ready = mx(mte2[:n], kf[slot, :n])  # load K
+        k_ready += k_cost[t, :n]
+        kv_ready = mx(k_ready, sf[slot, :n])  # load V
+        kv_ready += v_cost[t, :n]
+        if m_cost is not None:
+            mtile = kv_ready + m_cost[t, :n]  # load mask
+            mte2[:n] = mtile
+            mx(k_ready, mtile, out=k_ready)
+        else:
+            mte2[:n] = kv_ready
+        k_l0 = mte1[:n]  # K to L0B
+        mx(k_l0, k_ready, out=k_l0)
+        k_l0 += c.k_l0
+        kf[slot, :n] = k_l0
+        s = cube[:n]  # S = Q K^T
+        mx(s, k_l0, out=s)
+        mx(s, q_ready[:n], out=s)
+        s += c.qk
+        s_ub = fixp[:n]  # S to UB
+        mx(s_ub, s, out=s_ub)
+        mx(s_ub, scf[slot, :n], out=s_ub)
+        s_ub += c.s_ub
+        sm = vec[:n]  # online softmax
+        mx(sm, s_ub, out=sm)
+        sm += c.softmax
+        scf[slot, :n] = sm
+        p_l1 = mte3[:n]  # P to L1
+        mx(p_l1, sm, out=p_l1)
+        mx(p_l1, sf[slot, :n], out=p_l1)
+        p_l1 += c.p_l1
+        p_l1 = p_l1.copy()  # MTE3's next instruction comes before this block's P to L0A
+        if pending is not None:
+            second_half(*pending)
+            pending = None
+        pending = (n, p_l1, kv_ready, slot)
+        if nbuf == 1:
+            second_half(*pending)
+            pending = None
+    if pending is not None:
+        second_half(*pending)
