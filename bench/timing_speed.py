@@ -8,7 +8,7 @@ epilogue, MLP down) and as one decode step (one query row, M = 1 matmuls, --kv k
 with the default pipeline for the 910B, and runs it timing-only (`Runtime(timing_only=True)`): once
 with the kernels' timing as it is, once with the reference schedule kept as the test oracle
 (`test/helpers/reference_timing.py`: the code that issued one instruction and one GM move at a
-time). Prints each kernel's host seconds, both totals and their ratio, and checks that both runs
+time, and listed the vector kernels' GM pieces as three rectangles). Prints each kernel's host seconds, both totals and their ratio, and checks that both runs
 timed everything identically (every task, every kernel's statistics, the GM counters).
 `--gpt2` also runs examples/make_model.py's GPT-2 block (--seq 1024 at most: its causal mask is a
 literal that takes long to parse beyond that).
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "test"))  # the reference schedule lives with the 
 
 from helpers import reference_timing as ref  # noqa: E402
 
-from geir.kernels import KERNELS, flash_attention, matmul  # noqa: E402
+from geir.kernels import KERNELS, data_movement, flash_attention, matmul, vector  # noqa: E402
 from geir.parser import parse  # noqa: E402
 from geir.runtime.interpreter import Runtime  # noqa: E402
 from geir.session import DEFAULT_PIPELINE, compile_module  # noqa: E402
@@ -68,7 +68,8 @@ def layer_text(seq: int, kv: int) -> str:
 
 @contextlib.contextmanager
 def reference_schedule():
-    """Time every matmul and FlashAttention launch with the reference code instead of the kernels' own."""
+    """Time every launch with the reference code instead of the kernels' own (matmul and FlashAttention
+    timing, the vector and copy kernels' GM pieces)."""
     def matmul_forward(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, epilogue=None, activation="none"):
         assert not ctx.compute, "the reference schedule times; it does not compute"
         ref.matmul_timing(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, activation)
@@ -77,12 +78,18 @@ def reference_schedule():
         batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
         return np.empty(batch + (A.shape[-2], B.shape[-1]), dtype=out_dt)
 
-    saved = matmul.matmul_forward, flash_attention._time_tiles
-    matmul.matmul_forward, flash_attention._time_tiles = matmul_forward, ref.flash_timing
+    patches = [(matmul, "matmul_forward", matmul_forward), (flash_attention, "_time_tiles", ref.flash_timing)]
+    # the vector and copy kernels' GM pieces, listed as three rectangles one after another
+    patches += [(module, name, getattr(ref, name)) for module in (data_movement, vector, matmul)
+                for name in ("flat_pieces", "share_pieces") if hasattr(module, name)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        matmul.matmul_forward, flash_attention._time_tiles = saved
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 @contextlib.contextmanager

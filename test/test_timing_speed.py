@@ -14,7 +14,9 @@ Host speed itself is measured by `bench/timing_speed.py`, not here.
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import attrs
 import ml_dtypes
@@ -22,11 +24,15 @@ import numpy as np
 import pytest
 
 from geir.kernels.base import LaunchContext, PipeWaits
+from geir.kernels.data_movement import GmTensor, flat_pieces, share_pieces
 from geir.kernels.flash_attention import _time_tiles
 from geir.kernels.flash_attention_tiling import candidates as flash_candidates
 from geir.kernels.matmul import matmul_forward
 from geir.kernels.matmul_tiling import candidates as matmul_candidates
 from geir.kernels.tiling import OpSignature
+from geir.parser import parse, parse_file
+from geir.runtime.interpreter import Runtime
+from geir.session import DEFAULT_PIPELINE, compile_module
 from geir.target_npu import load_target
 from geir.target_npu.sim import Cores, GlobalMemory
 from geir.target_npu.target import Target
@@ -46,6 +52,7 @@ def _small_l2(name: str, mib: int) -> Target:
 
 # the default: a 910B with an L2 a small launch overflows; the real ones where named
 TARGET = _small_l2("ascend910b", 1)
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 REAL = {name: load_target(name) for name in ("ascend910b", "ascend910a", "ascend310p")}
 
 
@@ -319,3 +326,108 @@ def test_flash_timing_after_fractional_busy_cycles(case):
 def test_flash_timing_on_fewer_cores():
     _check_flash(**FLASH["causal"], cores=23, pick=2)
     _check_flash(**FLASH["gqa"], cores=1, pick=1)
+
+
+# --- the vector kernels' pieces --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flat_pieces_cost_what_the_listed_pieces_cost(seed):
+    # flat_pieces lists each fractal once with all the range's bytes in it; read and written, it must cost
+    # and touch exactly what the three parts listed one after another (the reference) did
+    rng = np.random.default_rng(seed)
+    target = TARGET
+    for _ in range(40):
+        mats, R, C = int(rng.integers(1, 4)), int(rng.integers(1, 70)), int(rng.integers(1, 90))
+        t = GmTensor("x", mats * R, C, int(rng.choice([1, 2, 4])), R)
+        n = int(rng.integers(1, 30))
+        lo = rng.integers(0, t.size + 1, n)
+        hi = lo + (rng.integers(0, t.size + 1, n) if rng.random() < 0.3 else rng.integers(0, 3 * C + 40, n))
+        part, count = rng.integers(0, 50, n), rng.integers(0, 4 * C, n)
+        key = rng.integers(0, 3, n) if rng.random() < 0.5 else None
+        states = []
+        for flat, share in ((flat_pieces, share_pieces), (ref.flat_pieces, ref.share_pieces)):
+            gm = GlobalMemory(target)
+            gm.clock = 2 * gm.l2_bytes
+            gm.tensor("x", t.blocks)
+            gm.last_touch["x"][:] = np.random.default_rng(seed).integers(0, gm.clock, t.blocks)
+            costs = [ref.read_pieces(gm, "x", *flat(t, lo, hi), key=key),
+                     ref.read_pieces(gm, "x", *share(t, part, 50, count)),
+                     ref.write_pieces(gm, "x", *flat(t, lo, hi))]
+            states.append(([c.tolist() for c in costs], gm.clock, gm.gm_read_bytes, gm.hbm_read_bytes,
+                           gm.last_touch["x"].tolist()))
+        assert states[0] == states[1]
+
+
+SMALL_BLOCK = """ge.graph @main(%x: tensor<1x200x256xf16>, %g: tensor<256xf16>, %b: tensor<256xf16>, %w: tensor<256x768xf16>,
+    %bw: tensor<768xf16>, %wo: tensor<256x256xf16>, %m: tensor<1x1x200x200xi1>) -> (tensor<1x200x256xf16>, tensor<1x200x256xf32>) {
+  %ln = ge.layer_norm %x, %g, %b {axis = -1, epsilon = 1.0e-05}
+  %qkv0 = ge.matmul %ln, %w
+  %qkv = ge.add %qkv0, %bw
+  %q2, %k2, %v2 = ge.split %qkv {axis = -1, sizes = [256, 256, 256]}
+  %q3 = ge.reshape %q2 {shape = [1, 200, 4, 64]}
+  %q = ge.transpose %q3 {perm = [0, 2, 1, 3]}
+  %k3 = ge.reshape %k2 {shape = [1, 200, 4, 64]}
+  %k = ge.transpose %k3 {perm = [0, 2, 1, 3]}
+  %v3 = ge.reshape %v2 {shape = [1, 200, 4, 64]}
+  %v = ge.transpose %v3 {perm = [0, 2, 1, 3]}
+  %o = ge.flash_attention %q, %k, %v, %m
+  %ot = ge.transpose %o {perm = [0, 2, 1, 3]}
+  %o2 = ge.reshape %ot {shape = [1, 200, 256]}
+  %a0 = ge.matmul %o2, %wo
+  %h = ge.add %x, %a0
+  %s = ge.softmax %h {axis = -1}
+  %c = ge.cast %s {to = f32}
+  ge.return %h, %c
+}
+"""
+
+PROGRAMS = ["attention.geir", "gpt2_block.geir", "attention/causal.geir", "attention/gqa.geir",
+            "attention/bool_mask.geir", "doctor/vector_bound.geir", SMALL_BLOCK]
+
+
+@pytest.fixture
+def reference_schedule(monkeypatch):
+    """Every kernel timed by the reference code: matmul and FlashAttention's timing, the listed pieces."""
+    from geir.kernels import data_movement, flash_attention, matmul, vector
+
+    def matmul_forward(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, epilogue=None, activation="none"):
+        ref.matmul_timing(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, activation)
+        A = np.swapaxes(a, -1, -2) if transpose_a else a
+        B = np.swapaxes(b, -1, -2) if transpose_b else b
+        return np.empty(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1]), dtype=out_dt)
+
+    monkeypatch.setattr(matmul, "matmul_forward", matmul_forward)
+    monkeypatch.setattr(flash_attention, "_time_tiles", ref.flash_timing)
+    for module in (data_movement, vector, matmul):
+        if hasattr(module, "flat_pieces"):
+            monkeypatch.setattr(module, "flat_pieces", ref.flat_pieces)
+        monkeypatch.setattr(module, "share_pieces", ref.share_pieces)
+    return monkeypatch
+
+
+def _program_figures(result) -> str:
+    tasks = [(t.kind, t.name, t.stream, t.start_us, t.end_us) for t in result.tasks]
+    pipes = [(iv.name, iv.pipe, np.asarray(iv.cores).tolist(), np.asarray(iv.start, dtype=float).tolist(),
+              np.asarray(iv.end, dtype=float).tolist()) for iv in result.cores.intervals]
+    stats = [(k.name, k.start, k.end, k.cores, sorted(k.busy.items()), k.gm_read_bytes, k.gm_write_bytes,
+              k.hbm_read_bytes, k.hbm_write_bytes, None if k.waits is None else (k.waits.flag, k.waits.slot))
+             for k in result.kernels]
+    gm = result.gm
+    return json.dumps([tasks, pipes, stats, gm.clock, sorted((k, v.tolist()) for k, v in gm.last_touch.items())],
+                      default=str)
+
+
+@pytest.mark.parametrize("source", PROGRAMS, ids=[p[:24] if p.endswith(".geir") else "small block" for p in PROGRAMS])
+def test_programs_time_as_the_reference_schedule(source, request):
+    # whole programs, every kernel family, fused and not: the Runtime's figures with the kernels' timing
+    # and with the reference code in its place
+    module = parse_file(str(EXAMPLES / source)) if source.endswith(".geir") else parse(source, "block.geir")
+    program = compile_module(module, DEFAULT_PIPELINE, "ascend910b")[0].graphs[0]
+    target = REAL["ascend910b"]
+    runs = []
+    for reference in (False, True):
+        if reference:
+            request.getfixturevalue("reference_schedule")
+        result = Runtime(target, record_pipes=True, count_waits=True, timing_only=True).run(program, {}, {})
+        runs.append(_program_figures(result))
+    assert runs[0] == runs[1]
