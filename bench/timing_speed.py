@@ -1,6 +1,6 @@
 """Host time of timing-only runs: the kernels' timing models against the reference schedule, side by side.
 
-    python bench/timing_speed.py [--seq 4096] [--kv 4096] [--repeat 3] [--reference-repeat 1] [--gpt2]
+    python bench/timing_speed.py [--seq 4096] [--kv 4096] [--repeat 5] [--reference-repeat 1] [--block] [--gpt2]
 
 Builds one LLaMA-7B-shaped layer (hidden 4096, 32 heads of 128, MLP 11008, f16) as a prefill over
 --seq tokens (QKV matmul with bias, causal FlashAttention, output matmul, MLP up with a GELU
@@ -8,10 +8,12 @@ epilogue, MLP down) and as one decode step (one query row, M = 1 matmuls, --kv k
 with the default pipeline for the 910B, and runs it timing-only (`Runtime(timing_only=True)`): once
 with the kernels' timing as it is, once with the reference schedule kept as the test oracle
 (`test/helpers/reference_timing.py`: the code that issued one instruction and one GM move at a
-time, and listed the vector kernels' GM pieces as three rectangles). Prints each kernel's host seconds, both totals and their ratio, and checks that both runs
-timed everything identically (every task, every kernel's statistics, the GM counters).
-`--gpt2` also runs examples/make_model.py's GPT-2 block (--seq 1024 at most: its causal mask is a
-literal that takes long to parse beyond that).
+time, and listed the vector kernels' GM pieces as three rectangles). Prints each kernel's host
+seconds, both totals and their ratio, and checks that both runs timed everything identically (every
+task, every kernel's statistics, the GM counters). `--block` also runs the whole GPT-2-style block at
+--seq (layer norms, residual adds, the QKV split and head transposes around the same matmuls and
+attention, as `fuse` leaves make_model's block); `--gpt2` runs examples/make_model.py's own block
+(--seq 1024 at most: its causal mask is a literal that takes long to parse beyond that).
 
 Goal (issue 13): the S 4096 layer in at most about 0.25 s of host time, so that 32 layers fit in
 10 s with the rest of the pipeline; the decode step a small fraction of that.
@@ -62,6 +64,42 @@ def layer_text(seq: int, kv: int) -> str:
   %u = ge.gelu %u1
   %d = ge.matmul %u, %w2
   ge.return %qkv, %o, %ao, %d
+}}
+"""
+
+
+def block_text(seq: int) -> str:
+    """A whole GPT-2-style block over `seq` tokens, in the fused form GE's `fuse` gives make_model's block."""
+    H, F, N, D, dt = HIDDEN, MLP, HEADS, HEAD_DIM, "f16"
+    heads = ", ".join(str(x) for x in (1, seq, N, D))
+    return f"""ge.graph @main(%x: tensor<1x{seq}x{H}x{dt}>, %g1: tensor<{H}x{dt}>, %b1: tensor<{H}x{dt}>,
+    %wqkv: tensor<{H}x{3 * H}x{dt}>, %bqkv: tensor<{3 * H}x{dt}>, %wo: tensor<{H}x{H}x{dt}>, %bo: tensor<{H}x{dt}>,
+    %g2: tensor<{H}x{dt}>, %b2: tensor<{H}x{dt}>, %w1: tensor<{H}x{F}x{dt}>, %bf: tensor<{F}x{dt}>,
+    %w2: tensor<{F}x{H}x{dt}>, %bd: tensor<{H}x{dt}>) -> tensor<1x{seq}x{H}x{dt}> {{
+  %ln1 = ge.layer_norm %x, %g1, %b1 {{axis = -1, epsilon = 1.0e-05}}
+  %qkv0 = ge.matmul %ln1, %wqkv
+  %qkv = ge.add %qkv0, %bqkv
+  %q2, %k2, %v2 = ge.split %qkv {{axis = -1, sizes = [{H}, {H}, {H}]}}
+  %q3 = ge.reshape %q2 {{shape = [{heads}]}}
+  %q = ge.transpose %q3 {{perm = [0, 2, 1, 3]}}
+  %k3 = ge.reshape %k2 {{shape = [{heads}]}}
+  %k = ge.transpose %k3 {{perm = [0, 2, 1, 3]}}
+  %v3 = ge.reshape %v2 {{shape = [{heads}]}}
+  %v = ge.transpose %v3 {{perm = [0, 2, 1, 3]}}
+  %o = ge.flash_attention %q, %k, %v {{causal = true}}
+  %ot = ge.transpose %o {{perm = [0, 2, 1, 3]}}
+  %o2 = ge.reshape %ot {{shape = [1, {seq}, {H}]}}
+  %a0 = ge.matmul %o2, %wo
+  %a = ge.add %a0, %bo
+  %h = ge.add %x, %a
+  %ln2 = ge.layer_norm %h, %g2, %b2 {{axis = -1, epsilon = 1.0e-05}}
+  %u0 = ge.matmul %ln2, %w1
+  %u1 = ge.add %u0, %bf
+  %u = ge.gelu %u1 {{approximate = "tanh"}}
+  %d0 = ge.matmul %u, %w2
+  %d = ge.add %d0, %bd
+  %y = ge.add %h, %d
+  ge.return %y
 }}
 """
 
@@ -145,7 +183,8 @@ def compare(name: str, program, target, repeat: int, reference_repeat: int) -> t
     print(f"\n{name}: simulated {new_f[0][-1][4]:.1f} us; timing figures of the two runs: {same}")
     print(f"  {'kernel':<22}{'reference s':>13}{'now s':>10}{'ratio':>9}")
     for op in sorted(ref_k, key=ref_k.get, reverse=True):
-        print(f"  {op:<22}{ref_k[op]:>13.3f}{new_k.get(op, 0.0):>10.3f}{ref_k[op] / max(new_k.get(op, 0.0), 1e-9):>8.1f}x")
+        now = new_k.get(op, 0.0)
+        print(f"  {op:<22}{ref_k[op]:>13.3f}{now:>10.3f}{ref_k[op] / max(now, 1e-9):>8.1f}x")
     print(f"  {'whole run':<22}{ref_s:>13.3f}{new_s:>10.3f}{ref_s / new_s:>8.1f}x")
     if new_f != ref_f:
         raise SystemExit(f"{name}: the timing models no longer produce the reference schedule")
@@ -156,13 +195,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=4096, help="prefill tokens (default 4096)")
     ap.add_argument("--kv", type=int, default=4096, help="keys a decode step attends to (default 4096)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of the kernels' timing, best taken (default 3)")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of the kernels' timing, best taken (default 5)")
     ap.add_argument("--reference-repeat", type=int, default=1, help="runs of the reference (default 1)")
-    ap.add_argument("--gpt2", action="store_true", help="also examples/make_model.py's GPT-2 block (at most --seq 1024)")
+    ap.add_argument("--block", action="store_true", help="also the whole GPT-2-style block at --seq")
+    ap.add_argument("--gpt2", action="store_true",
+                    help="also examples/make_model.py's GPT-2 block (at most --seq 1024)")
     args = ap.parse_args()
     target = load_target("ascend910b")
     runs = [(f"prefill layer, S {args.seq}", layer_text(args.seq, args.seq)),
             (f"decode step, KV {args.kv}", layer_text(1, args.kv))]
+    if args.block:
+        runs.append((f"GPT-2-style block, S {args.seq}", block_text(args.seq)))
     if args.gpt2:
         seq = min(args.seq, 1024)
         with tempfile.TemporaryDirectory() as tmp:

@@ -238,7 +238,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
              ("o", ctx.result_names[0], B * N * nq * segments)]
     qname, kname, vname, mname, oname = _role_names(gm, roles)
     units = B * N * nq * segments
-    q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
+    q_bytes, kv_bytes = s1 * D * isz, s2 * D * isz
 
     moves = _Moves(gm, [qname, kname, vname, mname, oname], q_bytes, kv_bytes,
                    s1 * s2 * _bytes(mask.dtype) if mask is not None else 0,

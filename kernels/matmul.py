@@ -112,7 +112,7 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
                    out_dt: np.dtype, tiling: MatmulTiling, ctx: LaunchContext, epilogue=None,
                    activation: str = "none") -> np.ndarray:
     """The kernel proper; timing goes to ctx.cores and ctx.gm."""
-    target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
+    target, gm = ctx.target, ctx.gm
     m, n, k, nbuf = tiling.m, tiling.n, tiling.k, tiling.buffers
     dt = a.dtype
     isz = dt.itemsize

@@ -251,7 +251,7 @@ def _check_flash(q, k, v=None, mask=None, causal=False, dt=np.float16, buffers=2
                  names=("q", "k", "v", "mask", "o"), segments=None, target=TARGET, **kw):
     dt = np.dtype(dt)
     v = k if v is None else v
-    Q, K, V = _arr(q, dt), _arr(k, dt), _arr(v, dt)
+    Q, K = _arr(q, dt), _arr(k, dt)
     Mk = None if mask is None else _arr(mask[0], mask[1])
     operands = list(names[:3]) + ([names[3]] if mask is not None else [])
     tilings = _flash_tilings(q, k, v, Mk, causal, dt, buffers, pick, target)
@@ -358,8 +358,9 @@ def test_flat_pieces_cost_what_the_listed_pieces_cost(seed):
         assert states[0] == states[1]
 
 
-SMALL_BLOCK = """ge.graph @main(%x: tensor<1x200x256xf16>, %g: tensor<256xf16>, %b: tensor<256xf16>, %w: tensor<256x768xf16>,
-    %bw: tensor<768xf16>, %wo: tensor<256x256xf16>, %m: tensor<1x1x200x200xi1>) -> (tensor<1x200x256xf16>, tensor<1x200x256xf32>) {
+SMALL_BLOCK = """ge.graph @main(%x: tensor<1x200x256xf16>, %g: tensor<256xf16>, %b: tensor<256xf16>,
+    %w: tensor<256x768xf16>, %bw: tensor<768xf16>, %wo: tensor<256x256xf16>, %m: tensor<1x1x200x200xi1>)
+    -> (tensor<1x200x256xf16>, tensor<1x200x256xf32>) {
   %ln = ge.layer_norm %x, %g, %b {axis = -1, epsilon = 1.0e-05}
   %qkv0 = ge.matmul %ln, %w
   %qkv = ge.add %qkv0, %bw
