@@ -9,7 +9,9 @@ and cost it, so a producer and a consumer with different tilings agree on where 
 are always exact; for strided accesses (a slice, a transposed read, a region of a concat) the
 fractal ids are approximated by the tile's proportional position. Cores that read the same tile
 together (matmul lanes sharing an A or B block) are told apart by a `key`: the first brings it
-into L2, the others hit.
+into L2, the others hit. A kernel whose tiles are disjoint tiles of the fractal grid (matmul
+operands, `TileSets`) has a whole wave's moves costed at once by `GlobalMemory.transfer`, with the
+same results as one read_pieces / write_pieces per move.
 
 **Copy kernels** (transpose, concat, split, slice, trans_data, and reshape of NZ data) tile the
 elements they move with the tile pass's `elems` (template DataCopy / TransData / VectorTranspose):

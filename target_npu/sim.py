@@ -331,11 +331,10 @@ class Transfer:
     Event e moves sets of `sets[e % len(sets)]`: several tensors' tiles may take turns (A then B in every
     k step); their BlockSets share one SetPool. `ids[e, i]` is the set mover i moves in event e, as an id
     into the pool (`BlockSets.base` + the set's own id); `at[e]` is the event's place in the order of all
-    the call's events (increasing);
-    `active[e, i]` whether mover i takes part in event e (None: all do; an idle mover's id is ignored).
-    `key[e % len(sets)][i]` (reads only): movers with equal keys move the same set in every event both
-    take part in, together (read_pieces' `key`: the first of them brings it into L2, the others hit);
-    None: each mover alone.
+    the call's events (increasing); `active[e, i]` whether mover i takes part in event e (None: all do;
+    an idle mover's id is ignored). `key[e % len(sets)][i]` (reads only): movers with equal keys move the
+    same set in every event both take part in, together (read_pieces' `key`: the first of them brings it
+    into L2, the others hit); None: each mover alone.
     """
 
     sets: list["BlockSets"]
