@@ -9,7 +9,9 @@ and cost it, so a producer and a consumer with different tilings agree on where 
 are always exact; for strided accesses (a slice, a transposed read, a region of a concat) the
 fractal ids are approximated by the tile's proportional position. Cores that read the same tile
 together (matmul lanes sharing an A or B block) are told apart by a `key`: the first brings it
-into L2, the others hit.
+into L2, the others hit. A kernel whose tiles are disjoint tiles of the fractal grid (matmul
+operands, `TileSets`) has a whole wave's moves costed at once by `GlobalMemory.transfer`, with the
+same results as one read_pieces / write_pieces per move.
 
 **Copy kernels** (transpose, concat, split, slice, trans_data, and reshape of NZ data) tile the
 elements they move with the tile pass's `elems` (template DataCopy / TransData / VectorTranspose):
@@ -36,7 +38,7 @@ from geir.kernels import vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_kernel
 from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import VectorTiling
-from geir.target_npu.sim import CapacityError, Cores, GlobalMemory, spread, vector_cycles
+from geir.target_npu.sim import BlockSets, CapacityError, Cores, GlobalMemory, spread, vector_cycles
 from geir.target_npu.target import Target
 
 FRACTAL = 16  # rows and columns of one GM residency block
@@ -102,6 +104,82 @@ def alias(gm: GlobalMemory, src: str, dst: str) -> None:
         gm.tensor_clock[dst] = gm.tensor_clock.get(src, -np.inf)
 
 
+class TileSets(BlockSets):
+    """A GM tensor's every matrix cut into row tiles x column tiles on the fractal grid, as BlockSets.
+
+    Tiles start on fractal boundaries (a tile size is a multiple of FRACTAL, or the whole dimension), so
+    each tile's pieces are exactly the fractals it covers, as rect_pieces lists them for its rectangle,
+    and the tiles are disjoint. Set ids run matrix by matrix, then row tile, then column tile (`swap`:
+    column tile before row tile). Nothing is listed piece by piece: the residency is read and written
+    through the tensor's fractal grid, reshaped by tiles.
+    """
+
+    def __init__(self, gm: GlobalMemory, t: GmTensor, row_tile: int, col_tile: int, swap: bool = False):
+        super().__init__(gm, t.name)
+        R, C = max(t.mrows, 1), t.cols
+        self.t, self.swap = t, swap
+        self.mats = max(t.rows // R, 1)
+        self.BR, self.FC = t.padded_rows // FRACTAL, t.fcols  # fractal rows of a matrix, fractal columns
+        row_tile, col_tile = min(row_tile, self.BR * FRACTAL), min(col_tile, self.FC * FRACTAL)
+        self.Rp, self.Cp = -(-row_tile // FRACTAL), -(-col_tile // FRACTAL)  # fractals of a tile
+        self.RT, self.CT = -(-self.BR // self.Rp), -(-self.FC // self.Cp)  # tiles of a matrix
+        # rows (columns) of each fractal row (column): 16 but at the matrix's end
+        self.band_rows = np.minimum(R - FRACTAL * np.arange(self.RT * self.Rp), FRACTAL).clip(0)
+        self.col_cols = np.minimum(C - FRACTAL * np.arange(self.CT * self.Cp), FRACTAL).clip(0)
+        rows = self.band_rows.reshape(self.RT, self.Rp).sum(axis=1)
+        cols = self.col_cols.reshape(self.CT, self.Cp).sum(axis=1)
+        total = np.broadcast_to((rows[:, None] * cols[None, :] * t.itemsize)[None], (self.mats, self.RT, self.CT))
+        grid = self._grid()
+        pad = (self.mats, self.RT * self.Rp, self.CT * self.Cp)
+        if pad == grid.shape:
+            lo = hi = grid.reshape(self.mats, self.RT, self.Rp, self.CT, self.Cp)
+            lo, hi = lo.min(axis=(2, 4)), hi.max(axis=(2, 4))
+        else:  # partial tiles at the edges: padding that neither min nor max picks
+            g = np.full(pad, np.inf)
+            g[:, :self.BR, :self.FC] = grid
+            lo = g.reshape(self.mats, self.RT, self.Rp, self.CT, self.Cp).min(axis=(2, 4))
+            g[:, :self.BR, :self.FC] = grid
+            g[:, self.BR:, :] = -np.inf
+            g[:, :, self.FC:] = -np.inf
+            hi = g.reshape(self.mats, self.RT, self.Rp, self.CT, self.Cp).max(axis=(2, 4))
+        self.settle(*(self._order(x) for x in (total, lo, hi)))
+
+    def _grid(self) -> np.ndarray:
+        """The tensor's residency as [matrix, fractal row, fractal column] (a view)."""
+        return self.init[:self.mats * self.BR * self.FC].reshape(self.mats, self.BR, self.FC)
+
+    def _order(self, x: np.ndarray) -> np.ndarray:
+        """[matrix, row tile, column tile] -> set ids' order, flat."""
+        return (x.transpose(0, 2, 1) if self.swap else x).reshape(-1)
+
+    def pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.swap:
+            mat, ct, rt = ids // (self.CT * self.RT), (ids // self.RT) % self.CT, ids % self.RT
+        else:
+            mat, rt, ct = ids // (self.RT * self.CT), (ids // self.CT) % self.RT, ids % self.CT
+        band = rt[:, None] * self.Rp + np.arange(self.Rp)
+        col = ct[:, None] * self.Cp + np.arange(self.Cp)
+        nbytes = self.band_rows[band][:, :, None] * self.col_cols[col][:, None, :] * self.t.itemsize
+        blocks = (mat[:, None, None] * self.BR + band[:, :, None]) * self.FC + col[:, None, :]
+        blocks = np.where(nbytes > 0, blocks, 0)
+        return blocks.reshape(len(ids), -1), nbytes.reshape(len(ids), -1)
+
+    def commit(self, gm: GlobalMemory) -> None:
+        shape = (self.mats, self.CT, self.RT) if self.swap else (self.mats, self.RT, self.CT)
+        seen = self.seen.reshape(shape)
+        mixed = self.mixed.reshape(shape)
+        if self.swap:
+            seen, mixed = seen.transpose(0, 2, 1), mixed.transpose(0, 2, 1)
+        full = (self.mats, self.RT, self.Rp, self.CT, self.Cp)
+        pad = (self.mats, self.RT * self.Rp, self.CT * self.Cp)
+        new = np.broadcast_to(seen[:, :, None, :, None], full).reshape(pad)[:, :self.BR, :self.FC]
+        grid = self._grid()
+        if self.any_mixed and mixed.any():  # sets never moved keep their pieces' own last touches
+            keep = np.broadcast_to(mixed[:, :, None, :, None], full).reshape(pad)[:, :self.BR, :self.FC]
+            new = np.where(keep, grid, new)
+        grid[...] = new
+
+
 def _ints(x) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
@@ -139,7 +217,63 @@ def rect_pieces(t: GmTensor, r0, r1, c0, c1) -> tuple[np.ndarray, np.ndarray]:
 
 
 def flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
-    """Pieces of the row-major element range [lo, hi) per mover: a partial first row, whole rows, a partial last row."""
+    """Pieces of the row-major element range [lo, hi) per mover: a partial first row, whole rows, a partial
+    last row, each fractal they touch listed once with all the range's bytes in it.
+
+    Read or written, that costs and touches exactly what `listed_flat_pieces` (the three parts listed one
+    after another, a fractal the first row shares with the whole rows listed twice) does: per mover the
+    same bytes, the same fractals, each judged by its own last touch (pieces of 0 bytes, whatever their
+    ids, are neither judged nor touched). It is built in one go on the fractal rows the range spans, in
+    int32 (half the memory traffic; the sums GlobalMemory takes of it are int64 as before).
+    """
+    lo, hi = np.broadcast_arrays(_ints(lo), _ints(hi))
+    hi = np.maximum(np.minimum(hi, t.size), lo)
+    C = max(t.cols, 1)
+    rlo, clo = np.divmod(lo, C)
+    rhi, chi = np.divmod(hi, C)
+    same = rlo == rhi
+    if same.all():  # no mover leaves its row: the first part is all there is
+        return listed_flat_pieces(t, lo, hi)
+    R, Rp = max(t.mrows, 1), t.padded_rows
+    grid_row = lambda r: (r // R) * Rp + r % R  # noqa: E731 (every matrix starts on a fresh fractal row)
+    e1 = np.where(same, chi, C)  # the first row's columns [clo, e1)
+    m0, m1 = rlo + 1, np.where(same, rlo + 1, rhi)  # the whole rows [m0, m1)
+    e3 = np.where(same, 0, chi)  # the last row's columns [0, e3)
+    first, whole, last = clo < e1, m1 > m0, e3 > 0
+    # the fractal rows the range spans, from its first row's to its last row's
+    top = np.where(first, rlo, np.where(whole, m0, rhi))
+    bottom = np.where(last, rhi, np.where(whole, m1 - 1, rlo))
+    b0 = grid_row(top) // FRACTAL
+    span = np.where(first | whole | last, grid_row(bottom) // FRACTAL - b0 + 1, 0)
+    NB, FC = int(span.max(initial=0)), t.fcols
+    if NB == 0:
+        empty = np.zeros((len(lo), 0), dtype=np.int64)
+        return empty, empty
+    band = b0[:, None] + np.arange(NB)
+    # whole rows in each fractal row (as rect_pieces counts them, minus the grid rows past a matrix's end)
+    p0 = grid_row(m0)
+    p1 = np.where(whole, grid_row(np.maximum(m1 - 1, m0)) + 1, p0)
+    rlo_, rhi_ = np.maximum(p0[:, None], band * FRACTAL), np.minimum(p1[:, None], (band + 1) * FRACTAL)
+    matrix = band // (Rp // FRACTAL)
+    pad = np.minimum(rhi_, (matrix + 1) * Rp) - np.maximum(rlo_, matrix * Rp + R)
+    rows = np.maximum(np.maximum(rhi_ - rlo_, 0) - np.maximum(pad, 0), 0).astype(np.int32)
+    col = np.arange(FC) * FRACTAL
+    width = (np.minimum(C - col, FRACTAL) * t.itemsize).astype(np.int32)  # bytes of a row in each fractal column
+    nbytes = rows[:, :, None] * width
+    # the partial first row lies in the first fractal row of the span, the partial last row in the last
+    head = np.maximum(np.minimum(e1[:, None], col + FRACTAL) - np.maximum(clo[:, None], col), 0) * t.itemsize
+    nbytes[:, 0, :] += (head * first[:, None]).astype(np.int32)
+    tail = np.maximum(np.minimum(e3[:, None], col + FRACTAL) - col, 0) * t.itemsize
+    nbytes[np.arange(len(lo)), np.maximum(span - 1, 0), :] += (tail * last[:, None]).astype(np.int32)
+    # past a mover's span the pieces have no bytes; their ids need only be in range
+    band = np.minimum(band, t.blocks // FC - 1).astype(np.int32)
+    blocks = band[:, :, None] * np.int32(FC) + np.arange(FC, dtype=np.int32)
+    return blocks.reshape(len(lo), -1), nbytes.reshape(len(lo), -1)
+
+
+def listed_flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+    """`flat_pieces` as three rectangles listed one after another: a partial first row, whole rows, a
+    partial last row (the piece order share_pieces relies on)."""
     lo, hi = np.broadcast_arrays(_ints(lo), _ints(hi))
     hi = np.maximum(np.minimum(hi, t.size), lo)
     C = max(t.cols, 1)
@@ -158,13 +292,14 @@ def share_pieces(t: GmTensor, part, parts, count) -> tuple[np.ndarray, np.ndarra
     part, count = np.broadcast_arrays(_ints(part), _ints(count))
     lo = (part * t.size) // max(int(parts), 1)
     span = np.maximum(np.minimum(lo + count, t.size) - lo, 0)
-    blocks, nbytes = flat_pieces(t, lo, lo + span)
     short = np.maximum(count - span, 0)  # elements read more than once (broadcast): charged on the first piece
-    if short.any():
-        if nbytes.shape[1] == 0:
-            blocks, nbytes = np.zeros((len(part), 1), np.int64), np.zeros((len(part), 1), np.int64)
-        nbytes = nbytes.copy()
-        nbytes[:, 0] += short * t.itemsize
+    if not short.any():
+        return flat_pieces(t, lo, lo + span)
+    blocks, nbytes = listed_flat_pieces(t, lo, lo + span)  # the first piece as the three parts list it
+    if nbytes.shape[1] == 0:
+        blocks, nbytes = np.zeros((len(part), 1), np.int64), np.zeros((len(part), 1), np.int64)
+    nbytes = nbytes.copy()
+    nbytes[:, 0] += short * t.itemsize
     return blocks, nbytes
 
 

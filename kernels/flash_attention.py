@@ -22,11 +22,26 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
-from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
 from geir.kernels.flash_attention_tiling import FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
-from geir.target_npu.sim import CapacityError, cube_cycles, local_copy_cycles, spread, vector_cycles
+from geir.target_npu.sim import (
+    PIPE_INDEX,
+    PIPES,
+    BlockSets,
+    CapacityError,
+    Cores,
+    GlobalMemory,
+    PipeInterval,
+    SetPool,
+    Transfer,
+    cube_cycles,
+    local_copy_cycles,
+    spread,
+    vector_cycles,
+    whole_sums,
+)
 from geir.target_npu.target import Target
 from geir.types import DType
 
@@ -223,12 +238,18 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
              ("o", ctx.result_names[0], B * N * nq * segments)]
     qname, kname, vname, mname, oname = _role_names(gm, roles)
     units = B * N * nq * segments
-    q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
+    q_bytes, kv_bytes = s1 * D * isz, s2 * D * isz
 
+    moves = _Moves(gm, [qname, kname, vname, mname, oname], q_bytes, kv_bytes,
+                   s1 * s2 * _bytes(mask.dtype) if mask is not None else 0,
+                   s1 * D * isz if segments == 1 else s1 * (D + 2) * 4)
+    c = _Consts(target, dname, s1, s2, D, isz)
     # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
-    k_free = [np.zeros(cores.count) for _ in range(nbuf)]      # K slots: free once K is in L0B
-    slot_free = [np.zeros(cores.count) for _ in range(nbuf)]   # V and P slots: free after their P V
-    score_free = [np.zeros(cores.count) for _ in range(nbuf)]  # UB score slots: free after their softmax
+    slots = _Slots(cores.count, nbuf)
+    # MTE1, cube, FIXP and vector cycles are whole numbers: where those busy counters are too, a wave adds
+    # each lane's as one sum (exact in any order), not one instruction at a time
+    per_core = -(-units // cores.count) * (nk + 1)
+    whole = whole_sums(cores.busy[[MTE1, CUBE, FIXP, VECTOR]], per_core * 4 * max(vars(c).values()))
     for wave, on in spread(units, cores.count):
         seg = wave % segments
         rest = wave // segments
@@ -241,57 +262,11 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
         if causal:  # blocks wholly above the diagonal are skipped
             t1 = np.minimum(t1, -(-((qi + 1) * s1) // s2))
         trips = np.maximum(t1 - t0, 0)
-
-        # Q block: GM -> L1 -> L0A once per unit
-        q_ready = cores.issue("MTE2", on, gm.read(qname, bn * nq + qi, q_bytes), name="load Q")
-        q_ready = issue(cores, waits, "MTE1", on, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
-        pending = None  # the previous block's (cores, P event, V event, softmax event, slot)
-
-        for step in range(int(trips.max(initial=0))):
-            act = np.nonzero(step < trips)[0]  # lanes (positions in this wave) with a block to do
-            core = on[act]
-            t = t0[act] + step
-            slot = step % nbuf
-            # each load waits until its slot's previous block is done with it: K once it is in L0B,
-            # V (and P) once the second matmul has read them
-            kv_block = (b[act] * Nkv + nkv[act]) * nk + t
-            k_ready = issue(cores, waits, "MTE2", core, gm.read(kname, kv_block, kv_bytes),
-                            slots=[k_free[slot][core]], name="load K")
-            kv_ready = issue(cores, waits, "MTE2", core, gm.read(vname, kv_block, kv_bytes),
-                             slots=[slot_free[slot][core]], name="load V")
-            if mname is not None:
-                mtile = cores.issue("MTE2", core, gm.read(mname, ((bn[act] * nq) + qi[act]) * nk + t,
-                                                         s1 * s2 * _bytes(mask.dtype)), name="load mask")
-                k_ready = np.maximum(k_ready, mtile)
-            k_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
-            k_free[slot][core] = k_l0
-            s_done = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
-                           name="S = Q K^T")
-            s_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, s1 * s2 * 4), [s_done],
-                         [score_free[slot][core]], name="S to UB")
-            sm_done = issue(cores, waits, "VECTOR", core, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
-                            name="online softmax")
-            score_free[slot][core] = sm_done
-            p_l1 = issue(cores, waits, "MTE3", core, local_copy_cycles(target, p_bytes), [sm_done],
-                         [slot_free[slot][core]], name="P to L1")
-            # with two buffers the second matmul of the previous block follows this block's first on the
-            # cube, and runs while the vector units work on this block's softmax; with one buffer the
-            # next load needs this block's slot back, so its second matmul runs now
-            if pending is not None:
-                _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
-                pending = None
-
-            pending = (core, p_l1, kv_ready, sm_done, slot)
-            if nbuf == 1:
-                _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
-                pending = None
-        if pending is not None:
-            _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
-        if segments == 1:
-            cores.issue("VECTOR", on, vector_cycles(target, s1 * D * 4, 1), name="O / l")
-            cores.issue("MTE3", on, gm.write(oname, bn * nq + qi, s1 * D * isz), name="store O")
-        else:  # partial O, max and sum go to a workspace for the combine
-            cores.issue("MTE3", on, gm.write(oname, wave, s1 * (D + 2) * 4), name="store partial O")
+        q_block = bn * nq + qi
+        costs = moves.wave(q_block, (b * Nkv + nkv) * nk + t0, (bn * nq + qi) * nk + t0,
+                           q_block if segments == 1 else wave, trips)
+        _run_wave(cores, waits, slots, on, trips, costs, c, segments == 1, whole)
+    moves.commit()
 
     if segments > 1:
         _time_combine(ctx, oname, units // segments, segments, s1, D, isz)
@@ -319,17 +294,6 @@ def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None
     return out
 
 
-def _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
-    """Timing of the second matmul of a block and the accumulation that follows it."""
-    core, p_l1, kv_ready, sm_done, slot = pending
-    p_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
-    pv = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
-    slot_free[slot][core] = pv
-    o_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
-    issue(cores, waits, "VECTOR", core, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
-          name="rescale and accumulate O")
-
-
 def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
     """Timing of the log-sum-exp combine: each row block's partials in, one vector pass, O out."""
     cores, gm = ctx.cores, ctx.gm
@@ -339,3 +303,346 @@ def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1:
         done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
                      name="combine segments")
         issue(cores, ctx.waits, "MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
+
+
+# --- the timing of one wave ----------------------------------------------------------------------------
+#
+# A lane's program is the same every wave: load Q, Q to L0A; per key block t: load K, load V (and the
+# mask), K to L0B, S = Q K^T, S to UB, online softmax, P to L1, then the second half of block t - 1
+# (P to L0A, P V, P V to UB, rescale and accumulate O; with one buffer block t's own); after the last
+# block its second half, O / l and store O. Lanes differ only in how many blocks they do (causal rows)
+# and in their loads' cycles. The GM moves are costed first (their cycles do not depend on the pipes),
+# then the pipes run block by block with the lanes sorted by their block count, so the lanes still
+# working are always a leading slice; then the busy cycles, intervals and waits are accounted in the
+# order the instructions were issued.
+
+class _Consts:
+    """The cycles of a block's on-chip instructions (the same for every block of a launch)."""
+
+    def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int):
+        self.q_l0 = local_copy_cycles(target, s1 * D * isz)
+        self.k_l0 = local_copy_cycles(target, s2 * D * isz)
+        self.qk = cube_cycles(target, dname, s1, D, s2)
+        self.s_ub = local_copy_cycles(target, s1 * s2 * 4)
+        self.softmax = vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES)
+        self.p_l1 = local_copy_cycles(target, s1 * s2 * isz)
+        self.p_l0 = local_copy_cycles(target, s1 * s2 * isz)
+        self.pv = cube_cycles(target, dname, s1, s2, D)
+        self.o_ub = local_copy_cycles(target, s1 * D * 4)
+        self.acc = vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES)
+        self.o_l = vector_cycles(target, s1 * D * 4, 1)
+
+
+class _Slots:
+    """The buffer-slot events of every core, kept across waves."""
+
+    def __init__(self, count: int, nbuf: int):
+        self.nbuf = nbuf
+        self.k_free = np.zeros((nbuf, count))      # K slots: free once K is in L0B
+        self.slot_free = np.zeros((nbuf, count))   # V and P slots: free after their P V
+        self.score_free = np.zeros((nbuf, count))  # UB score slots: free after their softmax
+
+
+class _Moves:
+    """The kernel's GM moves, wave by wave: Q, then each block's K, V (and mask) on the lanes doing it, then O.
+
+    Every move is of whole blocks of the kernel's own grid, which are disjoint, and a wave moves each block
+    at most once (a lane's blocks of K and V differ from step to step; lanes on the same block move it in
+    the same step), so a wave's moves are timed together (`GlobalMemory.transfer`) when the roles are
+    distinct tensors; otherwise one move at a time, as `GlobalMemory.read` / `write` take them.
+    """
+
+    def __init__(self, gm: GlobalMemory, names: list[str | None], q_bytes: int, kv_bytes: int, mask_bytes: int,
+                 o_bytes: int):
+        self.gm, self.names = gm, names
+        self.bytes = (q_bytes, kv_bytes, kv_bytes, mask_bytes, o_bytes)
+        present = [x for x in names if x is not None]
+        self.sets = None
+        if len(set(present)) == len(present):
+            self.sets = []
+            for name, nbytes in zip(names, self.bytes):
+                if name is None:
+                    self.sets.append(None)
+                    continue
+                blocks = len(gm.last_touch[name])
+                self.sets.append(BlockSets(gm, name, np.arange(blocks)[:, None], np.full((blocks, 1), nbytes)))
+            self.pool = SetPool(self.sets)
+
+    def wave(self, q_block: np.ndarray, kv_first: np.ndarray, mask_first: np.ndarray, o_block: np.ndarray,
+             trips: np.ndarray) -> tuple:
+        """Cycles of one wave's moves: Q and O [lane], K, V and mask [block step, lane] (0 where a lane is done)."""
+        gm = self.gm
+        qname, kname, vname, mname, oname = self.names
+        q_bytes, kv_bytes, _, mask_bytes, o_bytes = self.bytes
+        steps = int(trips.max(initial=0))
+        step = np.arange(steps)[:, None]
+        act = step < trips[None, :]
+        if self.sets is None:
+            lanes = len(trips)
+            k, v, m = np.zeros((steps, lanes)), np.zeros((steps, lanes)), np.zeros((steps, lanes))
+            q = gm.read(qname, q_block, q_bytes)
+            for s in range(steps):
+                on = np.nonzero(act[s])[0]
+                k[s, on] = gm.read(kname, kv_first[on] + s, kv_bytes)
+                v[s, on] = gm.read(vname, kv_first[on] + s, kv_bytes)
+                if mname is not None:
+                    m[s, on] = gm.read(mname, mask_first[on] + s, mask_bytes)
+            return q, k, v, (m if mname is not None else None), gm.write(oname, o_block, o_bytes)
+        per = 3 if mname is not None else 2
+        qs, ks, vs, ms, os_ = self.sets
+        kv = np.where(act, kv_first + step, 0)  # a lane past its last block sits out (its id is ignored)
+        moves = [Transfer([qs], q_block[None, :] + qs.base, np.zeros(1, np.int64), key=[q_block])]
+        if steps:  # K, V (and the mask) of each block take turns
+            if ms is None:
+                ids, key, turns = np.stack([kv + ks.base, kv + vs.base], axis=1), [kv_first, kv_first], [ks, vs]
+            else:
+                ids = np.stack([kv + ks.base, kv + vs.base, np.where(act, mask_first + step, 0) + ms.base], axis=1)
+                key, turns = [kv_first, kv_first, mask_first], [ks, vs, ms]
+            moves.append(Transfer(turns, ids.reshape(per * steps, -1), 1 + np.arange(per * steps), key=key,
+                                  active=np.repeat(act, per, axis=0)))
+        moves.append(Transfer([os_], o_block[None, :] + os_.base, np.array([1 + per * steps]), write=True))
+        costs = gm.transfer(moves)
+        if steps == 0:
+            return costs[0][0], np.zeros((0, len(trips))), np.zeros((0, len(trips))), None, costs[-1][0]
+        kvm = costs[1]
+        return (costs[0][0], kvm[0::per], kvm[1::per], kvm[2::per] if ms is not None else None, costs[-1][0])
+
+    def commit(self) -> None:
+        if self.sets is not None:
+            self.pool.commit(self.gm)
+
+
+class _Lanes:
+    """One wave's pipes on its lanes, sorted by block count (most first): the lanes doing block t are the
+    first `n` of them, so every instruction runs on a leading slice of the state arrays."""
+
+    def __init__(self, cores: Cores, waits: PipeWaits | None, slots: _Slots, on: np.ndarray, trips: np.ndarray):
+        self.cores, self.waits, self.slots = cores, waits, slots
+        self.order = np.argsort(-trips, kind="stable")
+        self.lanes = on[self.order]
+        self.pipes = cores.free[:, self.lanes]  # [pipe, lane]: when each pipe is free
+        self.k_free = slots.k_free[:, self.lanes]
+        self.slot_free = slots.slot_free[:, self.lanes]
+        self.score_free = slots.score_free[:, self.lanes]
+        # what was issued, for the intervals and waits: (pipe, name, lanes, free, ready, start, end, booked)
+        self.log: list | None = [] if cores.record or waits is not None else None
+
+    def ins(self, pipe: int, n: int, cost, flags=(), slots=(), name: str = "", booked: bool = True) -> np.ndarray:
+        """One instruction on `pipe` of the first n lanes: it starts when the pipe, its flags and its slots
+        are all ready (issue's arithmetic); returns its end times."""
+        free = self.pipes[pipe, :n]
+        ready = free
+        for e in flags:
+            ready = np.maximum(ready, e)
+        start = ready
+        for e in slots:
+            start = np.maximum(start, e)
+        end = start + cost
+        if self.log is not None:
+            copy = lambda x: x.copy() if x is free else x  # noqa: E731 (free is overwritten below)
+            self.log.append((pipe, name, n, free.copy(), copy(ready), copy(start), end, booked))
+        self.pipes[pipe, :n] = end
+        return end
+
+    def done(self, busy_rows: dict[int, np.ndarray]) -> None:
+        """Write the wave's state back, add each pipe's busy cycles (`busy_rows[pipe]`: its costs in issue
+        order, [instruction, lane], 0 where a lane issued nothing), and record the intervals and waits."""
+        cores, lanes = self.cores, self.lanes
+        cores.free[:, lanes] = self.pipes
+        self.slots.k_free[:, lanes] = self.k_free
+        self.slots.slot_free[:, lanes] = self.slot_free
+        self.slots.score_free[:, lanes] = self.score_free
+        for p, rows in busy_rows.items():
+            # cumsum adds in order: the same floats as adding one instruction's cost at a time (x + 0.0 == x)
+            cores.busy[p, lanes] = np.cumsum(np.concatenate([cores.busy[p, lanes][None, :], rows]), axis=0)[-1]
+        if self.log is None:
+            return
+        # back to the lanes' order in the wave, as each instruction saw them
+        back = {}
+        for pipe, name, n, free, ready, start, end, booked in self.log:
+            if n not in back:
+                idx = np.argsort(self.order[:n])
+                back[n] = (idx, lanes[:n][idx])
+            idx, on = back[n]
+            if booked and self.waits is not None:
+                self.waits.flag[PIPES[pipe]] += float(np.sum((ready - free)[idx]))
+                self.waits.slot[PIPES[pipe]] += float(np.sum((start - ready)[idx]))
+            if cores.record:
+                cores.intervals.append(PipeInterval(pipe, name, on, start[idx], end[idx]))
+
+
+def _steps_of(first: list[np.ndarray], second: list[np.ndarray], single: bool) -> np.ndarray:
+    """A pipe's per-lane costs in issue order, from the first half's costs of each block ([block, lane]) and
+    the second half's (block t's comes after block t + 1's first half; with one buffer, right after its own)."""
+    parts = first + second
+    steps = len(first[0])
+    rows = np.zeros((len(parts) * (steps + 1), first[0].shape[1]))
+    k = len(parts)
+    for i, x in enumerate(first):
+        rows[i:k * steps:k] = x
+    shift = 0 if single else k
+    for i, x in enumerate(second):
+        rows[len(first) + i + shift::k][:steps] = x
+    return rows
+
+
+def _run_wave(cores: Cores, waits: PipeWaits | None, slots: _Slots, on: np.ndarray, trips: np.ndarray,
+              costs: tuple, c: _Consts, single_segment: bool, whole: bool) -> None:
+    """One wave's instructions (the lane program above) on its lanes (`whole`: the on-chip pipes' busy
+    cycles may be added as one sum per lane, see whole_sums)."""
+    q_cost, k_cost, v_cost, m_cost, o_cost = costs
+    w = _Lanes(cores, waits, slots, on, trips)
+    order = w.order
+    T = trips[order]
+    steps = int(T[0]) if len(T) else 0
+    n_at = np.searchsorted(-T, -np.arange(steps), side="left").tolist()  # lanes still working at each block
+    k_cost, v_cost = k_cost[:, order], v_cost[:, order]
+    m_cost = m_cost[:, order] if m_cost is not None else None
+    lanes = len(order)
+
+    q_end = w.ins(MTE2, lanes, q_cost[order], name="load Q", booked=False)
+    q_ready = w.ins(MTE1, lanes, c.q_l0, [q_end], name="Q to L0A")
+    (_blocks if w.log is not None else _blocks_fast)(w, n_at, k_cost, v_cost, m_cost, q_ready, c)
+    if single_segment:
+        w.ins(VECTOR, lanes, c.o_l, name="O / l", booked=False)
+        w.ins(MTE3, lanes, o_cost[order], name="store O", booked=False)
+    else:  # partial O, max and sum go to a workspace for the combine
+        w.ins(MTE3, lanes, o_cost[order], name="store partial O", booked=False)
+
+    # the busy cycles each pipe's instructions added, lane by lane in issue order
+    busy = {MTE2: np.concatenate([q_cost[order][None, :],
+                                  _steps_of([k_cost, v_cost] + ([m_cost] if m_cost is not None else []), [], True)])}
+    if whole:  # whole numbers: each lane's sum at once (T blocks of each instruction)
+        Tf = T.astype(np.float64)
+        busy[MTE1] = (c.q_l0 + Tf * c.k_l0 + Tf * c.p_l0)[None, :]
+        busy[CUBE] = (Tf * c.qk + Tf * c.pv)[None, :]
+        busy[FIXP] = (Tf * c.s_ub + Tf * c.o_ub)[None, :]
+        busy[VECTOR] = (Tf * c.softmax + Tf * c.acc + (c.o_l if single_segment else 0.0))[None, :]
+    else:
+        act = (np.arange(steps)[:, None] < T[None, :]).astype(np.float64)
+        single = slots.nbuf == 1
+        busy[MTE1] = np.concatenate([np.full((1, lanes), c.q_l0), _steps_of([act * c.k_l0], [act * c.p_l0], single)])
+        busy[CUBE] = _steps_of([act * c.qk], [act * c.pv], single)
+        busy[FIXP] = _steps_of([act * c.s_ub], [act * c.o_ub], single)
+        busy[VECTOR] = _steps_of([act * c.softmax], [act * c.acc], single)
+        if single_segment:
+            busy[VECTOR] = np.concatenate([busy[VECTOR], np.full((1, lanes), c.o_l)])
+    # MTE3 also stores O (fractional GM cycles): always one instruction at a time
+    act = (np.arange(steps)[:, None] < T[None, :]).astype(np.float64)
+    busy[MTE3] = np.concatenate([_steps_of([act * c.p_l1], [], True), o_cost[order][None, :]])
+    w.done(busy)
+
+
+MTE2, MTE1, CUBE, FIXP, VECTOR, MTE3 = (PIPE_INDEX[p] for p in ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3"))
+
+
+def _blocks(w: _Lanes, n_at: list[int], k_cost, v_cost, m_cost, q_ready: np.ndarray, c: _Consts) -> None:
+    """Every block's instructions, one `ins` at a time (each logged for the intervals and waits)."""
+    nbuf = w.slots.nbuf
+    kf, sf, scf = w.k_free, w.slot_free, w.score_free
+
+    def second_half(pending) -> None:
+        n, p_l1, kv_ready, sm_done, slot = pending
+        p_l0 = w.ins(MTE1, n, c.p_l0, [p_l1], name="P to L0A")
+        pv = w.ins(CUBE, n, c.pv, [p_l0, kv_ready], name="P V")
+        sf[slot, :n] = pv
+        o_ub = w.ins(FIXP, n, c.o_ub, [pv], name="P V to UB")
+        w.ins(VECTOR, n, c.acc, [o_ub, sm_done], name="rescale and accumulate O")
+
+    pending = None
+    for t, n in enumerate(n_at):
+        slot = t % nbuf
+        k_ready = w.ins(MTE2, n, k_cost[t, :n], slots=[kf[slot, :n]], name="load K")
+        kv_ready = w.ins(MTE2, n, v_cost[t, :n], slots=[sf[slot, :n]], name="load V")
+        if m_cost is not None:
+            mtile = w.ins(MTE2, n, m_cost[t, :n], name="load mask", booked=False)
+            k_ready = np.maximum(k_ready, mtile)
+        k_l0 = w.ins(MTE1, n, c.k_l0, [k_ready], name="K to L0B")
+        kf[slot, :n] = k_l0
+        s_done = w.ins(CUBE, n, c.qk, [k_l0, q_ready[:n]], name="S = Q K^T")
+        s_ub = w.ins(FIXP, n, c.s_ub, [s_done], [scf[slot, :n]], name="S to UB")
+        sm_done = w.ins(VECTOR, n, c.softmax, [s_ub], name="online softmax")
+        scf[slot, :n] = sm_done
+        p_l1 = w.ins(MTE3, n, c.p_l1, [sm_done], [sf[slot, :n]], name="P to L1")
+        # with two buffers the second matmul of the previous block follows this block's first on the
+        # cube, and runs while the vector units work on this block's softmax; with one buffer the
+        # next load needs this block's slot back, so its second matmul runs now
+        if pending is not None:
+            second_half(pending)
+            pending = None
+        pending = (n, p_l1, kv_ready, sm_done, slot)
+        if nbuf == 1:
+            second_half(pending)
+            pending = None
+    if pending is not None:
+        second_half(pending)
+
+
+def _blocks_fast(w: _Lanes, n_at: list[int], k_cost, v_cost, m_cost, q_ready: np.ndarray, c: _Consts) -> None:
+    """`_blocks` without the log: the same arithmetic in the same order, each end written straight into its
+    pipe's state (an instruction starts at the latest of its pipe, its flags and its slots)."""
+    mx = np.maximum
+    nbuf = w.slots.nbuf
+    kf, sf, scf = w.k_free, w.slot_free, w.score_free
+    mte2, mte1, cube, fixp, vec, mte3 = (w.pipes[p] for p in (MTE2, MTE1, CUBE, FIXP, VECTOR, MTE3))
+
+    def second_half(n, p_l1, kv_ready, slot) -> None:
+        l0 = mte1[:n]  # P to L0A
+        mx(l0, p_l1, out=l0)
+        l0 += c.p_l0
+        pv = cube[:n]  # P V
+        mx(pv, l0, out=pv)
+        mx(pv, kv_ready, out=pv)
+        pv += c.pv
+        sf[slot, :n] = pv
+        ub = fixp[:n]  # P V to UB
+        mx(ub, pv, out=ub)
+        ub += c.o_ub
+        acc = vec[:n]  # rescale and accumulate O; its softmax's end is still in the score slot
+        mx(acc, ub, out=acc)
+        mx(acc, scf[slot, :n], out=acc)
+        acc += c.acc
+
+    pending = None
+    for t, n in enumerate(n_at):
+        slot = t % nbuf
+        k_ready = mx(mte2[:n], kf[slot, :n])  # load K
+        k_ready += k_cost[t, :n]
+        kv_ready = mx(k_ready, sf[slot, :n])  # load V
+        kv_ready += v_cost[t, :n]
+        if m_cost is not None:
+            mtile = kv_ready + m_cost[t, :n]  # load mask
+            mte2[:n] = mtile
+            mx(k_ready, mtile, out=k_ready)
+        else:
+            mte2[:n] = kv_ready
+        k_l0 = mte1[:n]  # K to L0B
+        mx(k_l0, k_ready, out=k_l0)
+        k_l0 += c.k_l0
+        kf[slot, :n] = k_l0
+        s = cube[:n]  # S = Q K^T
+        mx(s, k_l0, out=s)
+        mx(s, q_ready[:n], out=s)
+        s += c.qk
+        s_ub = fixp[:n]  # S to UB
+        mx(s_ub, s, out=s_ub)
+        mx(s_ub, scf[slot, :n], out=s_ub)
+        s_ub += c.s_ub
+        sm = vec[:n]  # online softmax
+        mx(sm, s_ub, out=sm)
+        sm += c.softmax
+        scf[slot, :n] = sm
+        p_l1 = mte3[:n]  # P to L1
+        mx(p_l1, sm, out=p_l1)
+        mx(p_l1, sf[slot, :n], out=p_l1)
+        p_l1 += c.p_l1
+        p_l1 = p_l1.copy()  # MTE3's next instruction comes before this block's P to L0A
+        if pending is not None:
+            second_half(*pending)
+            pending = None
+        pending = (n, p_l1, kv_ready, slot)
+        if nbuf == 1:
+            second_half(*pending)
+            pending = None
+    if pending is not None:
+        second_half(*pending)

@@ -197,6 +197,122 @@ class GlobalMemory:
             rate = min(self.hbm_rate, self.chip_hbm_rate / max(int(np.count_nonzero(total)), 1))
         return np.where(total > 0, self.latency, 0) + total / rate
 
+    def transfer(self, moves: list[Transfer]) -> list[np.ndarray]:
+        """Cycles of every mover in every event of `moves` ([events, movers] each; idle movers' entries are
+        0), exactly as read_pieces / write_pieces would cost them one event at a time in order.
+
+        The byte clock is known before any hit is judged (an event moves its bytes whatever hits), so
+        each event's clock is a cumulative sum. Each set may be moved by at most one event of a call
+        (otherwise a later event would have to see the earlier one's touch), and every tensor by at
+        most one Transfer of a call; the caller makes its calls small enough for that.
+        """
+        n = 1 + max(int(m.at[-1]) for m in moves)
+        moved_at = np.zeros(n, dtype=np.int64)
+        totals = []
+        for m in moves:
+            # bytes as floats: integers well below 2**53 are exact, and the costs divide them as floats anyway
+            total = m.sets[0].pool.ftotal[m.ids]
+            if m.active is not None:
+                total = np.where(m.active, total, 0.0)
+            totals.append(total)
+            moved_at[m.at] = total.sum(axis=1)
+        after = self.clock + np.cumsum(moved_at)
+        before = after - moved_at
+        out = []
+        for m, total in zip(moves, totals):
+            pool, ids, active = m.sets[0].pool, m.ids, m.active
+            moved = int(moved_at[m.at].sum())
+            # np.where(total > 0, latency, 0) as read_pieces adds it; where every mover moves bytes, the latency
+            dense = active is None and pool.all_moved
+            lat = self.latency if dense else np.where(total > 0, self.latency, 0)
+            if m.write:
+                self.gm_write_bytes += moved
+                self.hbm_write_bytes += moved
+                big = [self.sizes.get(s.name, 0) > self.l2_bytes for s in m.sets]
+                if any(big):
+                    count = np.maximum(np.count_nonzero(total, axis=1), 1)
+                    hbm = np.minimum(self.hbm_rate, self.chip_hbm_rate / count)
+                    rate = np.where(np.resize(big, len(count)), hbm, self.l2_rate)[:, None]
+                    out.append(lat + total / rate)
+                else:
+                    out.append(lat + total / self.l2_rate)
+            else:
+                clock = before[m.at][:, None]
+                miss_set = (clock - pool.seen[ids]) >= self.l2_bytes
+                first = self._first(m)
+                if first is not None:
+                    if first.shape[0] == ids.shape[0]:
+                        miss_set &= first
+                    else:  # one row per set, the same every turn
+                        view = miss_set.reshape(-1, *first.shape)
+                        view &= first
+                miss = np.where(miss_set, total, 0.0)
+                cold = pool.any_mixed and self._cold(pool, ids, first, clock, miss)
+                # movers that miss: where every one moves bytes, those whose set missed
+                count = (miss_set if dense and not cold else miss > 0).sum(axis=1)
+                rate = np.minimum(self.hbm_rate, self.chip_hbm_rate / np.maximum(count, 1))[:, None]
+                out.append(lat + (total - miss) / self.l2_rate + miss / rate)
+                self.gm_read_bytes += moved
+                self.hbm_read_bytes += int(miss.sum())
+            end = after[m.at]
+            if active is None:
+                pool.seen[ids] = end[:, None]
+                if pool.any_mixed:
+                    pool.mixed[ids] = False
+            else:
+                pool.seen[ids[active]] = np.broadcast_to(end[:, None], ids.shape)[active]
+                if pool.any_mixed:
+                    pool.mixed[ids[active]] = False
+            R = len(m.sets)
+            for r, s in enumerate(m.sets):  # each tensor's last event of the call
+                self.tensor_clock[s.name] = int(end[(len(end) - 1 - r) // R * R + r])
+        self.clock = int(after[-1])
+        return out
+
+    @staticmethod
+    def _first(m: Transfer) -> np.ndarray | None:
+        """Whether each mover is the first of its key in its event: [events, movers], [sets, movers] (the same
+        every turn), or None (all are)."""
+        if m.key is None:
+            return m.active
+        R = len(m.sets)
+        if m.active is None:
+            rows = [first_of_key(k, None) for k in m.key]
+            if all(r is None for r in rows):
+                return None
+            first = np.ones((R, len(m.key[0])), dtype=bool)
+            for r, row in enumerate(rows):
+                if row is not None:
+                    first[r] = row[0]
+            return first
+        first = np.empty(m.active.shape, dtype=bool)
+        for r, k in enumerate(m.key):
+            first[r::R] = first_of_key(k, m.active[r::R])
+        return first
+
+    def _cold(self, pool: SetPool, ids: np.ndarray, first: np.ndarray | None, clock: np.ndarray,
+              miss: np.ndarray) -> bool:
+        """The first touch of sets whose pieces differ: judged piece by piece, as read_pieces does (into
+        `miss`); whether there was any."""
+        cold = pool.mixed[ids]
+        if first is not None:
+            if first.shape[0] == ids.shape[0]:
+                cold &= first
+            else:
+                cold.reshape(-1, *first.shape)[...] &= first
+        if not cold.any():
+            return False
+        e, i = np.nonzero(cold)
+        pid = ids[e, i]
+        part = np.searchsorted(pool.start, pid, side="right") - 1
+        for p in np.unique(part):
+            sel = part == p
+            sets = pool.parts[p]
+            blocks, nbytes = sets.pieces(pid[sel] - sets.base)
+            piece_hit = (clock[e[sel]] - sets.init[blocks]) < self.l2_bytes
+            miss[e[sel], i[sel]] = np.where((nbytes > 0) & ~piece_hit, nbytes, 0).sum(axis=1)
+        return True
+
     def read(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
         """Cycles for each core to read one block each (block ids per core); counts GM and HBM bytes."""
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
@@ -206,6 +322,129 @@ class GlobalMemory:
         """Cycles for each core to write one block each."""
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
         return self.write_pieces(name, blocks[:, None], sizes[:, None])
+
+
+@attrs.define
+class Transfer:
+    """Reads (or writes) of BlockSets, one per event, for `GlobalMemory.transfer`.
+
+    Event e moves sets of `sets[e % len(sets)]`: several tensors' tiles may take turns (A then B in every
+    k step); their BlockSets share one SetPool. `ids[e, i]` is the set mover i moves in event e, as an id
+    into the pool (`BlockSets.base` + the set's own id); `at[e]` is the event's place in the order of all
+    the call's events (increasing); `active[e, i]` whether mover i takes part in event e (None: all do;
+    an idle mover's id is ignored). `key[e % len(sets)][i]` (reads only): movers with equal keys move the
+    same set in every event both take part in, together (read_pieces' `key`: the first of them brings it
+    into L2, the others hit); None: each mover alone.
+    """
+
+    sets: list["BlockSets"]
+    ids: np.ndarray
+    at: np.ndarray
+    write: bool = False
+    key: list[np.ndarray] | None = None
+    active: np.ndarray | None = None
+
+
+def first_of_key(key: np.ndarray, active: np.ndarray | None) -> np.ndarray | None:
+    """Whether each mover is the first active one of its key in its event: [events, movers], or with every
+    mover active [1, movers]; None where all are."""
+    if active is None:  # the same movers every event: a few dozen at most, plain Python is cheapest
+        keys = key.tolist()
+        if len(set(keys)) == len(keys):
+            return None
+        lead: dict = {}
+        return np.array([[lead.setdefault(k, i) == i for i, k in enumerate(keys)]])
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    lead = np.ones(len(key), dtype=bool)
+    lead[1:] = ks[1:] != ks[:-1]
+    # per event, the first active mover of each key group (groups are contiguous in `order`)
+    act = active[:, order]
+    seen = np.cumsum(act, axis=1)
+    group = np.cumsum(lead) - 1
+    starts = np.nonzero(lead)[0]
+    before = seen[:, starts] - act[:, starts]  # active movers of earlier groups
+    first_sorted = act & (seen - before[:, group] == 1)
+    first = np.empty_like(first_sorted)
+    first[:, order] = first_sorted
+    return first
+
+
+class BlockSets:
+    """Disjoint sets of one GM tensor's blocks, each always moved whole: the tiles a launch moves.
+
+    Row j of `blocks` / `nbytes` lists set j's pieces as read_pieces takes them (0 bytes: padding).
+    Because the sets are disjoint and moved whole, all the pieces of a set share one last touch once
+    the launch has moved it, and `GlobalMemory.transfer` judges its L2 residency once per set; before
+    that each piece keeps the last touch it had when the sets were made (a set whose pieces differ
+    there is `mixed`, judged piece by piece the first time). The tensor's `last_touch` is brought up
+    to date by `commit`, which the launch calls when it is done with the tensor (until then nothing
+    else may move it). Subclasses lay the sets out without listing their pieces (`pieces`, `commit`).
+    """
+
+    def __init__(self, gm: GlobalMemory, name: str, blocks: np.ndarray | None = None,
+                 nbytes: np.ndarray | None = None):
+        self.name = name
+        self.init = gm.last_touch[name]
+        self.pool, self.base = None, 0  # set by the SetPool the launch puts it in
+        if blocks is None:
+            return
+        self.blocks, self.nbytes = blocks, nbytes
+        valid = nbytes > 0
+        flat = blocks[valid]
+        self.disjoint = bool(flat.size == 0 or np.bincount(flat).max() <= 1)
+        touch = self.init[blocks]
+        lo = np.where(valid, touch, np.inf).min(axis=1, initial=np.inf)
+        hi = np.where(valid, touch, -np.inf).max(axis=1, initial=-np.inf)
+        self.settle(nbytes.sum(axis=1), lo, hi)
+
+    def settle(self, total: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Each set's bytes and the earliest and latest last touch of its pieces (inf, -inf: it has none)."""
+        self.total = total
+        self.all_moved = bool(total.min(initial=1) > 0)  # every set moves bytes: a DMA's latency applies to all
+        self.mixed = lo < hi
+        self.any_mixed = bool(self.mixed.any())
+        self.seen = np.where(self.mixed, np.nan, hi)  # when the set was last touched
+
+    def pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The block ids and bytes of these sets' pieces, [set, piece] (0 bytes: padding)."""
+        return self.blocks[ids], self.nbytes[ids]
+
+    def commit(self, gm: GlobalMemory) -> None:
+        """Write the sets' last touches into the tensor's per-block residency (sets never moved keep theirs)."""
+        rows = ~self.mixed
+        valid = self.nbytes[rows] > 0
+        gm.last_touch[self.name][self.blocks[rows][valid]] = np.broadcast_to(self.seen[rows, None], valid.shape)[valid]
+
+
+class SetPool:
+    """The BlockSets of one launch in one id space: their per-set state lives in shared arrays, so one
+    Transfer can move several tensors' tiles (the BlockSets keep views of their part)."""
+
+    def __init__(self, parts: list[BlockSets | None]):
+        self.parts = [p for p in parts if p is not None]
+        sizes = [len(p.total) for p in self.parts]
+        self.start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.total = np.concatenate([p.total for p in self.parts])
+        self.ftotal = self.total.astype(np.float64)
+        self.seen = np.concatenate([p.seen for p in self.parts])
+        self.mixed = np.concatenate([p.mixed for p in self.parts])
+        for p, lo, hi in zip(self.parts, self.start[:-1], self.start[1:]):
+            p.pool, p.base = self, int(lo)
+            p.total, p.seen, p.mixed = self.total[lo:hi], self.seen[lo:hi], self.mixed[lo:hi]
+        self.all_moved = all(p.all_moved for p in self.parts)
+        self.any_mixed = any(p.any_mixed for p in self.parts)
+
+    def commit(self, gm: GlobalMemory) -> None:
+        """Every part's commit (the launch is done with its tensors)."""
+        for p in self.parts:
+            p.commit(gm)
+
+
+def whole_sums(busy: np.ndarray, added: float) -> bool:
+    """Whether adding whole-number costs summing to at most `added` to these busy counters is exact in any
+    order: every counter a whole number and every partial sum below 2**53 (float64 integers are exact)."""
+    return bool(np.all(busy == np.floor(busy))) and float(np.abs(busy).max(initial=0.0)) + added < 2.0**52
 
 
 def cube_cycles(target: Target, dtype: str, m: int, k: int, n: int) -> float:
