@@ -83,9 +83,10 @@ def test_step1_ge_compiles_the_next_part_while_the_runtime_runs(step1):
     compiles = [s for s in spans if s["track"] == "GE"]
     runs = [s for s in spans if s["track"] == "Runtime"]
     assert len(compiles) == len(runs) == 4
-    # a LLaMA-7B-shaped stack: the device's work is longer than GE's, and the overlap hides GE behind it
+    # a LLaMA-7B-shaped stack: milliseconds of device work per part, behind which GE's compile hides
+    # (how much depends on GE's measured host time, so on the machine's load: only the structure is pinned)
     big = step1.facts["overlap_big"]
-    assert big["device_us"] > big["compile_us"]
+    assert big["device_us"] > 100 * o["device_us"]
     assert big["hidden_us"] > 0 and big["end_to_end_us"] < big["compile_then_run_us"]
     assert big["first_kernel_us"] < big["serial_first_kernel_us"]
     assert "check: PASS" in step1.ran[1].stdout
