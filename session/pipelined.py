@@ -195,13 +195,16 @@ class PipelinedRun:
     def verdict(self) -> str:
         """One sentence: whether the overlap hid GE's work, or GE was the bottleneck and by how much."""
         s = self.summary()
-        if not s["ge_bound"]:
-            return (f"the device's work hid GE's: {s['compile_hidden_us']:.0f} of {s['compile_us']:.0f} us of compile "
-                    f"ran while earlier parts ran")
+        hidden = f"{s['compile_hidden_us']:.0f} of {s['compile_us']:.0f} us of compile ran while earlier parts ran"
+        waiting = len(s["ge_bound_parts"])
+        if not waiting:
+            return f"the device's work hid GE's: {hidden}"
         worst = max(s["ge_bound_parts"], key=lambda b: b["compile_us"] - b["previous_run_us"])
-        return (f"GE is the bottleneck: compiling {worst['part']} took {worst['compile_us']:.0f} us, longer than "
-                f"the device's {worst['previous_run_us']:.1f} us run of the part before it ({len(s['ge_bound_parts'])} "
-                f"of {s['parts'] - 1} parts wait for GE); little of GE's {s['compile_us']:.0f} us can hide")
+        why = (f"compiling {worst['part']} took {worst['compile_us']:.0f} us, longer than the device's "
+               f"{worst['previous_run_us']:.1f} us run of the part before it")
+        if waiting * 2 < s["parts"] - 1:
+            return f"the device's work hid most of GE's: {hidden}; {waiting} of {s['parts'] - 1} parts waited for GE ({why})"
+        return f"GE is the bottleneck: {why} ({waiting} of {s['parts'] - 1} parts wait for GE); {hidden}"
 
     def trace(self, overlap: bool = True) -> str:
         """Chrome trace of the schedule on its one timeline: GE's compile of each part beside each part's run."""

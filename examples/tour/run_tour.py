@@ -49,7 +49,7 @@ OVERLAP_LINE = re.compile(
     r"\(compile-then-run: (?P<compile_then_run_us>[\d.]+) us\); GE compiled for (?P<compile_us>[\d.]+) us "
     r"of host time, (?P<hidden_us>[\d.]+) us of it while the device ran; the device ran for (?P<device_us>[\d.]+) us")
 # its verdict: whether the device's work hid GE's, or GE was the bottleneck
-VERDICT_LINE = re.compile(r"compile overlap: (?P<verdict>(the device's work hid GE's|GE is the bottleneck).*)")
+VERDICT_LINE = re.compile(r"compile overlap: (?P<verdict>(the device's work hid (most of )?GE's|GE is the bottleneck).*)")
 # gerun --explain's line per run of a session
 REPLAN_LINE = re.compile(
     r"--inputs (?P<inputs>\S+): re-plan for (?P<signature>\[.*?\]) in (?P<ms>[\d.]+) ms: (?P<fusion>.*?), "
