@@ -88,7 +88,11 @@ class _Graph:
             return self.int_text(self.draw(st.integers(lo, hi) | st.integers(-5, 5)))
         if self.draw(st.booleans()):
             return self.int_text(self.draw(st.integers(-100, 100)))  # integers initialise floats too
-        v = self.draw(st.floats(allow_nan=special, allow_infinity=special, width=32) | st.sampled_from([0.5, -0.0, 1e-5]))
+        # finite values stay within what the element type holds (a literal beyond it is an error, not an inf)
+        top = {"f16": 65504.0, "bf16": 3.3800000765064914e+38}.get(dtype)  # exactly representable in f32
+        finite = st.floats(-top, top, width=32) if top else st.floats(allow_nan=False, allow_infinity=False, width=32)
+        v = self.draw(finite | st.sampled_from([0.5, -0.0, 1e-5] + ([float("nan"), float("inf"), -float("inf")]
+                                                                      if special else [])))
         return self.float_text(v)
 
     def attr_value(self, depth: int = 0) -> str:
