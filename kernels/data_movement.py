@@ -216,6 +216,17 @@ def rect_pieces(t: GmTensor, r0, r1, c0, c1) -> tuple[np.ndarray, np.ndarray]:
     return blocks.reshape(len(r0), -1), nbytes.reshape(len(r0), -1)
 
 
+def _row_range(t: GmTensor, lo, hi) -> tuple:
+    """A row-major element range [lo, hi) per mover, clipped to the tensor, in rows and columns of its
+    matrix view: (lo, hi, cols, first row, its first column, last row, its end column, whether one row)."""
+    lo, hi = np.broadcast_arrays(_ints(lo), _ints(hi))
+    hi = np.maximum(np.minimum(hi, t.size), lo)
+    C = max(t.cols, 1)
+    rlo, clo = np.divmod(lo, C)
+    rhi, chi = np.divmod(hi, C)
+    return lo, hi, C, rlo, clo, rhi, chi, rlo == rhi
+
+
 def flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
     """Pieces of the row-major element range [lo, hi) per mover: a partial first row, whole rows, a partial
     last row, each fractal they touch listed once with all the range's bytes in it.
@@ -226,12 +237,7 @@ def flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
     ids, are neither judged nor touched). It is built in one go on the fractal rows the range spans, in
     int32 (half the memory traffic; the sums GlobalMemory takes of it are int64 as before).
     """
-    lo, hi = np.broadcast_arrays(_ints(lo), _ints(hi))
-    hi = np.maximum(np.minimum(hi, t.size), lo)
-    C = max(t.cols, 1)
-    rlo, clo = np.divmod(lo, C)
-    rhi, chi = np.divmod(hi, C)
-    same = rlo == rhi
+    lo, hi, C, rlo, clo, rhi, chi, same = _row_range(t, lo, hi)
     if same.all():  # no mover leaves its row: the first part is all there is
         return listed_flat_pieces(t, lo, hi)
     R, Rp = max(t.mrows, 1), t.padded_rows
@@ -274,12 +280,7 @@ def flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
 def listed_flat_pieces(t: GmTensor, lo, hi) -> tuple[np.ndarray, np.ndarray]:
     """`flat_pieces` as three rectangles listed one after another: a partial first row, whole rows, a
     partial last row (the piece order share_pieces relies on)."""
-    lo, hi = np.broadcast_arrays(_ints(lo), _ints(hi))
-    hi = np.maximum(np.minimum(hi, t.size), lo)
-    C = max(t.cols, 1)
-    rlo, clo = np.divmod(lo, C)
-    rhi, chi = np.divmod(hi, C)
-    same = rlo == rhi
+    lo, hi, C, rlo, clo, rhi, chi, same = _row_range(t, lo, hi)
     parts = [rect_pieces(t, rlo, rlo + 1, clo, np.where(same, chi, C)),
              rect_pieces(t, rlo + 1, np.where(same, rlo + 1, rhi), 0, C),
              rect_pieces(t, rhi, rhi + 1, 0, np.where(same, 0, chi))]
