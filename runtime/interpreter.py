@@ -115,6 +115,16 @@ class Runtime:
         transfers = 0
         faults: list[dict[str, Any]] = []
 
+        def copy_task(kind: str, what: str, op: Operation) -> None:
+            """Submit a host-device copy and run it on the copy engine, after its stream and the copy before it."""
+            nonlocal submitted, copy_free, transfers
+            submitted += self.submit_us
+            start = max(streams.get(op.stream, 0.0), copy_free, submitted)
+            cost = self._transfer_us(op.result.type.nbytes, op, what, transfers, faults)
+            copy_free = streams[op.stream] = start + cost
+            transfers += 1
+            tasks.append(Task(kind, what, op.stream, start, copy_free, submitted))
+
         tilings = self._tilings(program)
         for arg in program.args if not self.timing_only else ():
             if arg.name not in inputs:
@@ -137,22 +147,11 @@ class Runtime:
                     if op.operands[0].name in resident:
                         continue  # on the device since an earlier call: its bytes (and L2 state) stay
                     gm.forget(_gm_name(op.offset))
-                    submitted += self.submit_us
-                    start = max(streams.get(op.stream, 0.0), copy_free, submitted)
-                    what = f"copy %{op.operands[0].name} in"
-                    copy_free = streams[op.stream] = start + self._transfer_us(t.nbytes, op, what, transfers, faults)
-                    transfers += 1
-                    tasks.append(Task("h2d", what, op.stream, start, copy_free, submitted))
+                    copy_task("h2d", f"copy %{op.operands[0].name} in", op)
                 elif name == "rt.d2h":
-                    t = op.result.type
                     if not self.timing_only:
-                        host[id(op.result)] = device.read(where[id(op.operands[0])], t)
-                    submitted += self.submit_us
-                    start = max(streams.get(op.stream, 0.0), copy_free, submitted)
-                    copy_free = streams[op.stream] = start + self._transfer_us(t.nbytes, op, "copy out", transfers,
-                                                                               faults)
-                    transfers += 1
-                    tasks.append(Task("d2h", "copy out", op.stream, start, copy_free, submitted))
+                        host[id(op.result)] = device.read(where[id(op.operands[0])], op.result.type)
+                    copy_task("d2h", "copy out", op)
                 elif name == "rt.record":
                     events[op.event] = streams.get(op.stream, 0.0)
                 elif name == "rt.wait":
@@ -168,10 +167,9 @@ class Runtime:
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
                                       stats.end / self.cycles_per_us, submitted, op.results[0].name or "",
                                       tuple(v.type for v in op.operands), tuple(r.type for r in op.results)))
-                elif name == "rt.return" and not self.timing_only:
-                    outputs = [host[id(v)] for v in op.operands]
                 elif name == "rt.return":
-                    pass  # timing only: no values, no outputs
+                    # timing only: no values, no outputs
+                    outputs = [] if self.timing_only else [host[id(v)] for v in op.operands]
                 else:
                     raise RuntimeFailure(f"{op.loc}: the Runtime cannot run {name}")
         except DeviceFault as e:
