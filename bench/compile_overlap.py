@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from geir.parser import parse
+from geir.runtime.device import stand_in
 from geir.session.pipelined import run_pipelined
 
 MAKE_MODEL = Path(__file__).resolve().parent.parent / "examples" / "make_model.py"
@@ -69,7 +70,7 @@ def main() -> None:
     inputs = {a.name: rng.standard_normal(a.type.shape, dtype=np.float32).astype(a.type.dtype.np)
               for a in small.graphs[0].args}
     _report("small (16 layers, hidden 256, S 128, full run)", run_pipelined(small, inputs, weights, parts=args.parts))
-    shapes = {a.name: np.broadcast_to(np.zeros((), a.type.dtype.np), a.type.shape) for a in big.graphs[0].args}
+    shapes = {a.name: stand_in(a.type) for a in big.graphs[0].args}
     _report(f"big (LLaMA-7B-shaped, {args.big_layers} layers, S {args.big_seq}, timing only)",
             run_pipelined(big, shapes, {}, parts=min(args.parts, args.big_layers), timing_only=True))
 

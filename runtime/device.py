@@ -48,6 +48,12 @@ class DeviceMemory:
         return self.view(offset, t).copy()
 
 
+def stand_in(t: TensorType) -> np.ndarray:
+    """An array with a tensor type's shape and dtype and no memory (zero strides): an input a timing-only run
+    takes only the shape of."""
+    return np.broadcast_to(np.zeros((), dtype=t.dtype.np), t.shape)
+
+
 def host_bytes_available() -> int | None:
     """Memory the host can still give this process (Linux MemAvailable; else physical memory), or None."""
     try:

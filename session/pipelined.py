@@ -23,8 +23,9 @@ import numpy as np
 from geir.builder import Builder, clone_op
 from geir.ir import Graph, Module, Operation, Value
 from geir.ops.core import Const
+from geir.runtime.device import stand_in
 from geir.runtime.interpreter import RunResult
-from geir.runtime.profile import profile
+from geir.runtime.profile import time_split
 from geir.session.pipeline import DEFAULT_PIPELINE, compile_module, run_program
 from geir.session.plan_cache import bind_shapes
 from geir.target_npu.target import DEFAULT_TARGET
@@ -188,7 +189,7 @@ class PipelinedRun:
                 "compile_then_run_first_kernel_us": seq.time_to_first_kernel_us,
                 "compile_us": sum(self.compile_us),
                 "device_us": sum(self.run_us),
-                "kernel_time_us": sum(profile(r)["kernel_time_us"] for r in self.results),
+                "kernel_time_us": sum(time_split(r)["kernel_time_us"] for r in self.results),
                 "ge_bound": bool(bound),
                 "ge_bound_parts": [{"part": p, "compile_us": c, "previous_run_us": r} for p, c, r in bound]}
 
@@ -216,7 +217,7 @@ class PipelinedRun:
         ]
         for tid, spans in ((0, sched.compile_spans), (1, sched.run_spans)):
             for n, (name, start, end) in enumerate(spans):
-                args = {"kernel_time_us": profile(self.results[n])["kernel_time_us"],
+                args = {"kernel_time_us": time_split(self.results[n])["kernel_time_us"],
                         "kernels": len(self.results[n].kernels)} if tid == 1 else {}
                 events.append({"ph": "X", "name": name, "pid": 0, "tid": tid, "ts": start, "dur": end - start,
                                "args": args})
@@ -244,8 +245,7 @@ def run_pipelined(module: Module, inputs: Mapping[str, np.ndarray], resources: M
         # the serving path, as the plan cache's re-plans: no re-verification between passes
         program = compile_module(Module([g], module.file, resources), pipeline, target, verify_each=False)[0].graphs[0]
         compile_us.append((time.perf_counter() - start) * 1e6)
-        feed = {a.name: values.get(a.name, np.broadcast_to(np.zeros((), a.type.dtype.np), a.type.shape))
-                for a in g.args}
+        feed = {a.name: values[a.name] if a.name in values else stand_in(a.type) for a in g.args}
         result = run_program(program, feed, resources, target=target, timing_only=timing_only)
         results.append(result)
         for v, out in zip(g.terminator.operands, result.outputs):

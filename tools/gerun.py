@@ -282,12 +282,14 @@ def resident_args(graph: Graph, patterns: list[str]) -> set[str]:
 
 def shape_inputs(graph: Graph) -> dict[str, np.ndarray]:
     """Stand-ins with every argument's shape and dtype and no memory (zero strides), for a timing-only run."""
+    from geir.runtime.device import stand_in
+
     out: dict[str, np.ndarray] = {}
     for a in graph.args:
         t: TensorType = a.type
         if not t.is_static:
             raise ToolError(f"argument %{a.name} is {t}: a timing-only run takes its shapes from --inputs")
-        out[a.name] = np.broadcast_to(np.zeros((), dtype=t.dtype.np), t.shape)
+        out[a.name] = stand_in(t)
     return out
 
 
