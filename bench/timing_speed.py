@@ -15,6 +15,10 @@ task, every kernel's statistics, the GM counters). `--block` also runs the whole
 attention, as `fuse` leaves make_model's block); `--gpt2` runs examples/make_model.py's own block
 (--seq 1024 at most: its causal mask is a literal that takes long to parse beyond that).
 
+Every launch is timed here (`memo=False`): this measures the kernels' timing models. A whole model's
+timing-only run also replays a launch identical to one it timed (`geir.runtime.launch_memo`), so its
+repeated layers cost little more than one; `gerun --timing-only` says how many it replayed.
+
 Goal (issue 13): the S 4096 layer in at most about 0.25 s of host time, so that 32 layers fit in
 10 s with the rest of the pipeline; the decode step a small fraction of that.
 """
@@ -168,7 +172,7 @@ def timed(program, target, repeat: int) -> tuple[float, dict[str, float], tuple]
         seconds: dict[str, float] = defaultdict(float)
         with kernel_clock(seconds):
             t0 = time.perf_counter()
-            result = Runtime(target, timing_only=True).run(program, {}, {})
+            result = Runtime(target, timing_only=True, memo=False).run(program, {}, {})
             total = time.perf_counter() - t0
         if best is None or total < best[0]:
             best = (total, dict(seconds), figures(result))

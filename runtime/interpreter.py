@@ -20,6 +20,7 @@ from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
 from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
 from geir.runtime.device import DeviceFault, DeviceMemory, memory_layout
+from geir.runtime.launch_memo import LaunchMemo
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.target_npu.target import Target
 from geir.types import TensorType
@@ -59,13 +60,16 @@ class RunResult:
     load_us: float = 0.0
     # every injected fault and how the Runtime recovered from it
     faults: list[dict[str, Any]] = attrs.field(factory=list)
+    # timing only: launches replayed from an identical one timed before (geir.runtime.launch_memo)
+    replayed: int = 0
 
 
 class Runtime:
     """Runs rt.programs on one simulated chip."""
 
     def __init__(self, target: Target, record_pipes: bool = False, faults: Iterable[tuple[str, int]] = (),
-                 count_waits: bool = False, timing_only: bool = False):
+                 count_waits: bool = False, timing_only: bool = False,
+                 memo: bool | LaunchMemo = True):
         self.target = target
         # timing only: every task is timed as in a full run, but no value is computed or copied, so inputs
         # and weights may be absent and the run has no outputs (the simulated figures are the full run's)
@@ -82,6 +86,10 @@ class Runtime:
         # the host's cost of submitting one task (a copy or a launch) to a stream, one after another
         self.submit_us = host.get("launch_latency_us", 0.0)
         self.cycles_per_us = target.clock_hz / 1e6
+        # timing only: the launches timed so far, replayed where a launch reads the same (geir.runtime.launch_memo);
+        # kept across runs, so a session's later steps replay what earlier ones timed (pass one LaunchMemo to
+        # several Runtimes to share it; memo=False times every launch)
+        self.memo = None if not timing_only or memo is False else (memo if isinstance(memo, LaunchMemo) else LaunchMemo())
 
     def run(self, program: Graph, inputs: Mapping[str, np.ndarray],
             resources: Mapping[str, np.ndarray] | None = None, resident: Iterable[str] = ()) -> RunResult:
@@ -93,6 +101,7 @@ class Runtime:
         they are neither submitted nor copied again.
         """
         resident = set(resident)
+        hits = self.memo.hits if self.memo is not None else 0
         if program.kind != "rt.program":
             raise RuntimeFailure(f"@{program.name} is a {program.kind}, not a lowered rt.program")
         layout = memory_layout(program)
@@ -182,7 +191,8 @@ class Runtime:
             count = transfers if kind == "dma" else len(kernels)
             raise RuntimeFailure(f"cannot inject {kind}@{n}: the program has only {count} "
                                  f"{'transfers' if kind == 'dma' else 'kernel launches'}")
-        return RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us, faults)
+        replayed = self.memo.hits - hits if self.memo is not None else 0
+        return RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us, faults, replayed)
 
     def _copy_us(self, nbytes: int) -> float:
         return self.copy_latency_us + nbytes / self.link_bytes_per_us
@@ -258,12 +268,25 @@ class Runtime:
         kernel = KERNELS[op.kernel]
         args = [device.view(where[id(v)], v.type) for v in op.operands]
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
-        cores.sync_to(start_cycles)
-        ctx = LaunchContext(self.target, cores, gm, [_gm_name(where[id(v)]) for v in op.operands],
+        # the launch is timed in a frame of its own, from 0, and then placed at its start on the timeline
+        frame = Cores(cores.count, record=cores.record)
+        ctx = LaunchContext(self.target, frame, gm, [_gm_name(where[id(v)]) for v in op.operands],
                             [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None,
                             compute=not self.timing_only)
-        outs, stats = measure(ctx, op.kernel, tiling, flops_of(kernel_op),
-                              lambda: kernel.run(kernel_op, args, tiling, ctx))
+        # timing only, no faults: a launch identical to one timed before (in what its timing reads) is replayed
+        memo = self.memo if self.timing_only and not self.faults else None
+        key = memo.key(op, tiling, ctx) if memo is not None else None
+        replayed = memo.replay(key, op, ctx) if memo is not None else None
+        if replayed is not None:
+            outs, stats = replayed
+        else:
+            before = memo.before(ctx) if memo is not None else None
+            outs, stats = measure(ctx, op.kernel, tiling, flops_of(kernel_op),
+                                  lambda: kernel.run(kernel_op, args, tiling, ctx))
+            if memo is not None:
+                memo.store(key, ctx, before, stats)
+        cores.place(frame, start_cycles)
+        stats.start, stats.end = start_cycles + stats.start, start_cycles + stats.end
         streams[op.stream] = stats.end / self.cycles_per_us
         if not commit:
             return stats

@@ -15,6 +15,7 @@ from geir.diagnostics import DiagnosticEngine, DiagnosticError
 from geir.ir import Graph, Module
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
 from geir.runtime.interpreter import RunResult, Runtime
+from geir.runtime.launch_memo import LaunchMemo
 from geir.target_npu.target import DEFAULT_TARGET, load_target
 
 DEFAULT_PIPELINE = "canonicalize,fuse,layout,tile,plan,lower"
@@ -69,7 +70,8 @@ def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
                 target: str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
-                resident: Iterable[str] = ()) -> RunResult:
-    """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device)."""
-    return Runtime(load_target(target), record_pipes=record_pipes, timing_only=timing_only).run(
-        program, inputs, resources, resident)
+                resident: Iterable[str] = (), memo: LaunchMemo | None = None) -> RunResult:
+    """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device; `memo`:
+    timing only, the launches earlier runs timed)."""
+    return Runtime(load_target(target), record_pipes=record_pipes, timing_only=timing_only,
+                   memo=True if memo is None else memo).run(program, inputs, resources, resident)

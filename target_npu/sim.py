@@ -96,6 +96,16 @@ class Cores:
         """No pipe starts before `t` (a kernel launch after the previous one finished)."""
         np.maximum(self.free, t, out=self.free)
 
+    def place(self, frame: "Cores", start: float) -> None:
+        """Put a launch timed in a frame of its own (cores like these, every pipe free at 0) on this
+        timeline at `start`, when every pipe here is idle. A launch timed from 0 takes the same cycles
+        wherever it lands, to the last bit, so the Runtime may time one launch once for many places."""
+        self.free = start + frame.free
+        self.busy += frame.busy
+        if self.record:
+            self.intervals.extend(PipeInterval(i.pipe, i.name, i.cores, start + i.start, start + i.end)
+                                  for i in frame.intervals)
+
     @property
     def finish(self) -> float:
         return float(self.free.max()) if self.count else 0.0

@@ -349,7 +349,7 @@ class _Progress:
 
 
 def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], progress: _Progress,
-                  timing_only: bool = False):
+                  timing_only: bool = False, memo=True):
     from geir.runtime.interpreter import Runtime
 
     class _Runtime(Runtime):
@@ -360,17 +360,18 @@ def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], prog
             progress.step(op.kernel)
             return stats
 
-    return _Runtime(load_target(target), record_pipes=record, faults=faults, timing_only=timing_only)
+    return _Runtime(load_target(target), record_pipes=record, faults=faults, timing_only=timing_only, memo=memo)
 
 
 def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray], args: argparse.Namespace,
-             faults: list[tuple[str, int]], label: str):
-    """One run of the program; ToolError with a one-line message when the Runtime fails."""
+             faults: list[tuple[str, int]], label: str, memo=True):
+    """One run of the program; ToolError with a one-line message when the Runtime fails (`memo`: timing
+    only, the launches earlier runs of this invocation timed)."""
     from geir.runtime.interpreter import RuntimeFailure
 
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
     progress = _Progress(launches, label)
-    runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress, args.timing_only)
+    runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress, args.timing_only, memo)
     try:
         return runtime.run(program, inputs, weights, resident_args(program, args.resident))
     except RuntimeFailure as e:
@@ -604,6 +605,9 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     host_ge_us: list[float] = []  # GE's host work each run waited for: the compile (run 0), a re-plan
     # GE's spans by the step they belong to: [0] the compile, [r + 1] what run r's re-plan did
     span_groups: list[list[tuple]] = [list(session.spans) if session is not None else []]
+    from geir.runtime.launch_memo import LaunchMemo
+
+    memo = LaunchMemo()  # timing only: every run replays what an earlier one timed
     for r, inputs in enumerate(runs):
         if session is not None:
             # the plan cache: a new shape signature is specialised by GE, a known one reused
@@ -618,7 +622,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
             host_ge_us.append((session.compile_us if r == 0 else 0.0) + session.last_ge_us)
             span_groups.append(session.spans[before[0]:])
         programs.append(program)
-        results.append(run_once(program, inputs, weights, args, faults, f"run {r} " if several else ""))
+        results.append(run_once(program, inputs, weights, args, faults, f"run {r} " if several else "", memo))
         if args.explain and session is not None and session.misses > before[1]:
             # the re-plan's host time beside the device time of the run it served, on the one timeline
             served = max((t.end_us for t in results[-1].tasks), default=0.0)
@@ -636,7 +640,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         for i, a in enumerate(result.outputs):
             print(summary_line(f"{prefix}result{i}", a, result_types[i]))
         if args.timing_only:
-            print(f"{prefix}timing only: {len(result.kernels)} kernels timed, no values computed")
+            replayed = f" ({result.replayed} replayed from an identical launch)" if result.replayed else ""
+            print(f"{prefix}timing only: {len(result.kernels)} kernels timed{replayed}, no values computed")
         if args.check:
             failed_checks += not check_run(reference, inputs, weights, result.outputs, result_types, prefix)
     if args.check:

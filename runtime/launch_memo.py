@@ -1,0 +1,196 @@
+"""Timing-only launches timed once: a launch's timing is a function of what it reads, so an identical
+launch is replayed instead of timed again.
+
+A kernel launch is timed in a frame of its own (its cores all idle at cycle 0; `Cores.place` puts
+it on the timeline). What its timing model reads is then: the kernel op (name, attributes, operand
+and result types), its tiling, the number of cores, whether pipes are recorded or waits counted,
+and, in global memory, the L2 residency of the tensors it touches (each block's reuse distance,
+`GlobalMemory.clock - last_touch`, and each tensor's size). Two launches that agree on all of that
+take the same cycles, move the same bytes and leave the tensors they touch in the same state, to
+the last bit. A transformer's 32 layers launch the same kernels on tensors in the same residency
+state, so a timing-only run of the whole model times each distinct launch once.
+
+A full run computes values and needs each kernel's arithmetic, so only timing-only runs use this.
+`test/test_launch_memo.py` checks replayed runs against runs that time every launch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Hashable
+
+import attrs
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels.base import KernelStats, LaunchContext, PipeWaits
+from geir.kernels.tiling import KernelTiling
+from geir.target_npu.sim import GlobalMemory, PipeInterval
+
+
+@attrs.frozen
+class _NameState:
+    """One GM name's residency relative to the byte clock (None where the name is unknown)."""
+
+    base: int  # index of the launch's operand or result name it belongs to
+    suffix: str  # "" for the name itself, ":q" etc. for a role a kernel tracks under a name of its own
+    size: int | None
+    clock: float | None  # GlobalMemory.clock - tensor_clock
+    blocks: np.ndarray | None  # GlobalMemory.clock - last_touch
+
+    def key(self) -> Hashable:
+        blocks = self.blocks
+        if blocks is not None:
+            # most tensors were last touched all at once (or never): one value says it, not every block's
+            low, high = (float(blocks.min()), float(blocks.max())) if blocks.size else (0.0, 0.0)
+            blocks = (len(blocks), low) if low == high else (len(blocks), blocks.tobytes())
+        return (self.base, self.suffix, self.size, self.clock, blocks)
+
+
+@attrs.define
+class _Entry:
+    """What one timed launch did, relative to its frame and to the byte clock it started at."""
+
+    stats: KernelStats  # start 0, in the launch's own frame
+    free: np.ndarray
+    busy: np.ndarray
+    intervals: list[tuple[PipeInterval, list[str | int]]]  # each with its name as a template (see _template)
+    moved: int  # bytes the byte clock advanced
+    counters: tuple[int, int, int, int]  # gm and hbm read and write bytes
+    after: list[_NameState]  # the touched names' states, relative to the clock after the launch
+
+
+class LaunchMemo:
+    """The launches a Runtime has timed, by everything their timing reads; `hits` counts replays."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Hashable, _Entry] = {}
+        self._static: dict[int, tuple[Operation, Hashable]] = {}
+        self._roles: tuple[int, dict[str, list[str]]] = (-1, {})  # see _names
+        self.hits = 0
+        self.misses = 0
+
+    def key(self, launch: Operation, tiling: KernelTiling | None, ctx: LaunchContext) -> Hashable:
+        """Everything the launch's timing reads, as one hashable value."""
+        bases = _bases(ctx)
+        states = tuple(s.key() for s in self._states(ctx.gm, bases))
+        pattern = tuple(bases.index(n) for n in ctx.operand_names + ctx.result_names)
+        return (self._static_key(launch), repr(tiling), ctx.cores.count, ctx.cores.record,
+                ctx.waits is not None, pattern, states)
+
+    def replay(self, key: Hashable, launch: Operation, ctx: LaunchContext) -> tuple[list[np.ndarray], KernelStats] | None:
+        """The launch's results and statistics as its timed twin left them, applied to ctx; None if none was timed."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        gm, frame = ctx.gm, ctx.cores
+        frame.free = entry.free.copy()
+        frame.busy = entry.busy.copy()
+        bases = _bases(ctx)
+        frame.intervals = [attrs.evolve(iv, name="".join(p if isinstance(p, str) else bases[p] for p in name))
+                           for iv, name in entry.intervals]
+        gm.clock += entry.moved
+        gm.gm_read_bytes += entry.counters[0]
+        gm.gm_write_bytes += entry.counters[1]
+        gm.hbm_read_bytes += entry.counters[2]
+        gm.hbm_write_bytes += entry.counters[3]
+        for s in entry.after:
+            name = bases[s.base] + s.suffix
+            if s.size is not None:
+                gm.sizes[name] = s.size
+            if s.clock is not None:
+                gm.tensor_clock[name] = gm.clock - s.clock
+            if s.blocks is not None:
+                gm.last_touch[name] = gm.clock - s.blocks
+        waits = None
+        if entry.stats.waits is not None:
+            waits = PipeWaits(dict(entry.stats.waits.flag), dict(entry.stats.waits.slot))
+        stats = attrs.evolve(entry.stats, busy=dict(entry.stats.busy), waits=waits)
+        outs = [np.empty(r.type.shape, r.type.dtype.np) for r in launch.results]
+        return outs, stats
+
+    def before(self, ctx: LaunchContext) -> tuple[int, tuple[int, int, int, int], dict[str, float]]:
+        """What `store` compares the launch's effect with: the clock, the counters, every name's clock."""
+        gm = ctx.gm
+        return gm.clock, _counters(gm), dict(gm.tensor_clock)
+
+    def store(self, key: Hashable, ctx: LaunchContext, before: tuple, stats: KernelStats) -> None:
+        """Remember a launch just timed from `before`; one that touched names beyond its own is not kept."""
+        gm, frame = ctx.gm, ctx.cores
+        clock0, counters0, clocks0 = before
+        bases = _bases(ctx)
+        after = self._states(gm, bases)
+        mine = {bases[s.base] + s.suffix for s in after}
+        if any(n not in mine and gm.tensor_clock[n] != clocks0.get(n) for n in gm.tensor_clock):
+            return  # it changed residency this memo does not follow: time such a launch every time
+        waits = None
+        if stats.waits is not None:
+            waits = PipeWaits(dict(stats.waits.flag), dict(stats.waits.slot))
+        self.entries[key] = _Entry(attrs.evolve(stats, busy=dict(stats.busy), waits=waits), frame.free.copy(),
+                                   frame.busy.copy(), [(iv, _template(iv.name, bases)) for iv in frame.intervals],
+                                   gm.clock - clock0,
+                                   tuple(b - a for a, b in zip(counters0, _counters(gm))), after)
+
+    def _static_key(self, launch: Operation) -> Hashable:
+        # offsets and stream place the launch; they do not change its timing (names carry the residency)
+        held = self._static.get(id(launch))
+        if held is None or held[0] is not launch:
+            attributes = tuple(sorted((k, repr(v)) for k, v in launch.attrs.items()))
+            key = (launch.kernel, tuple(str(v.type) for v in launch.operands),
+                   tuple(str(r.type) for r in launch.results), attributes)
+            held = self._static[id(launch)] = (launch, key)
+        return held[1]
+
+
+    def _states(self, gm: GlobalMemory, bases: list[str]) -> list[_NameState]:
+        """The residency of every GM name a launch on `bases` may read or write (its roles' names included)."""
+        out = []
+        roles = self._role_names(gm)
+        for i, base in enumerate(bases):
+            for name in [base, *roles.get(base, ())]:
+                clock = gm.tensor_clock.get(name)
+                blocks = gm.last_touch.get(name)
+                size = gm.sizes.get(name)
+                if clock is None and blocks is None and size is None:
+                    continue
+                out.append(_NameState(i, name[len(base):], size, None if clock is None else gm.clock - clock,
+                                      None if blocks is None else gm.clock - blocks))
+        return out
+
+    def _role_names(self, gm: GlobalMemory) -> dict[str, list[str]]:
+        """The names kernels track a tensor's roles under (`@offset:q`), by tensor.
+
+        A kernel registers such a name in `tensor_clock` before anything else, and names there are never
+        removed, so the index is rebuilt only when that dict grew."""
+        count, roles = self._roles
+        if count != len(gm.tensor_clock):
+            roles = {}
+            for name in sorted(gm.tensor_clock):
+                base, sep, _ = name.partition(":")
+                if sep:
+                    roles.setdefault(base, []).append(name)
+            self._roles = (len(gm.tensor_clock), roles)
+        return roles
+
+
+def _bases(ctx: LaunchContext) -> list[str]:
+    """The distinct GM names of a launch's operands and results, in order."""
+    return list(dict.fromkeys(ctx.operand_names + ctx.result_names))
+
+
+def _template(name: str, bases: list[str]) -> list[str | int]:
+    """A trace label with the launch's GM names (`@offset`) as indices into `bases`, to fill in on replay."""
+    index = {n: i for i, n in enumerate(bases)}
+    parts: list[str | int] = []
+    for piece in _GM_NAME.split(name):
+        parts.append(index.get(piece, piece))
+    return parts
+
+
+_GM_NAME = re.compile(r"(@\d+)")
+
+
+def _counters(gm: GlobalMemory) -> tuple[int, int, int, int]:
+    return gm.gm_read_bytes, gm.gm_write_bytes, gm.hbm_read_bytes, gm.hbm_write_bytes

@@ -1,0 +1,122 @@
+"""A timing-only run replays a launch identical to one it timed before (geir.runtime.launch_memo), and
+what it reports is what timing every launch reports, to the last bit.
+
+The oracle is the same run with the memo off (`Runtime(memo=False)`), which times every launch, and
+the full run, which computes every value; test_timing_only.py compares timing-only and full runs
+on programs of every kernel family, so here the programs are the ones the memo serves: models whose
+layers repeat, and launches that differ only in what L2 holds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from geir.parser import parse
+from geir.runtime.interpreter import Runtime
+from geir.runtime.op_summary import op_summary_rows
+from geir.runtime.profile import chrome_trace, profile
+from geir.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE, compile_module
+from geir.target_npu import load_target
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _make_model():
+    spec = importlib.util.spec_from_file_location("make_model", EXAMPLES / "make_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+make_model = _make_model()
+
+
+def _program(text: str, pipeline: str = DEFAULT_PIPELINE):
+    return compile_module(parse(text, "model.geir"), pipeline, "ascend910b")[0].graphs[0]
+
+
+def _figures(result) -> str:
+    """Everything a user sees of a run's timing: profile, tasks, every pipe interval, the op summary, the trace."""
+    tasks = [(t.kind, t.name, t.stream, t.start_us, t.end_us, t.submitted_us) for t in result.tasks]
+    pipes = [(iv.name, iv.pipe, iv.cores.tolist(), np.asarray(iv.start).tolist(), np.asarray(iv.end).tolist())
+             for iv in result.cores.intervals]
+    counters = (result.gm.gm_read_bytes, result.gm.gm_write_bytes, result.gm.hbm_read_bytes,
+                result.gm.hbm_write_bytes, result.gm.clock)
+    return json.dumps([profile(result), tasks, pipes, counters, op_summary_rows(result), chrome_trace(result)],
+                      sort_keys=True, default=str)
+
+
+MODELS = {
+    "gpt2 4 layers": dict(layers=4, hidden=256, heads=4, seq=128, mlp=1024, dtype="f16"),
+    "sdpa 4 layers": dict(layers=4, hidden=256, heads=2, seq=256, mlp=512, dtype="f16", sdpa=True),
+    "decode 3 layers": dict(layers=3, hidden=256, heads=2, seq=1, mlp=512, dtype="f16", decode=512),
+    "f32 unfused": dict(layers=3, hidden=128, heads=2, seq=64, mlp=256, dtype="f32"),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "pipes recorded"])
+def test_replayed_layers_time_what_timing_every_launch_times(name, record):
+    config = MODELS[name]
+    program = _program(make_model.model_text(**config), NO_FUSE_PIPELINE if name == "f32 unfused"
+                       else DEFAULT_PIPELINE)
+    target = load_target("ascend910b")
+    memo = Runtime(target, record_pipes=record, timing_only=True)
+    replayed = memo.run(program, {}, {})
+    timed = Runtime(target, record_pipes=record, timing_only=True, memo=False).run(program, {}, {})
+    # the later layers repeat the first ones' launches on tensors in the same residency state
+    assert replayed.replayed >= len(replayed.kernels) // config["layers"], (replayed.replayed, len(replayed.kernels))
+    assert timed.replayed == 0
+    assert _figures(replayed) == _figures(timed)
+
+
+def test_counted_waits_are_replayed_too():
+    program = _program(make_model.model_text(layers=3, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
+    target = load_target("ascend910b")
+    runs = [Runtime(target, timing_only=True, count_waits=True, memo=m).run(program, {}, {}) for m in (True, False)]
+    assert runs[0].replayed > 0
+    assert [(k.waits.flag, k.waits.slot) for k in runs[0].kernels] == [(k.waits.flag, k.waits.slot)
+                                                                       for k in runs[1].kernels]
+
+
+# The same add twice on a tensor that fits L2: the first reads x from HBM (it was just copied in),
+# the second finds it in L2. Same op, types and tiling; only the residency differs, so it must be timed.
+TWICE = """ge.graph @main(%x: tensor<64x1024xf16>) -> (tensor<64x1024xf16>, tensor<64x1024xf16>) {
+  %a = ge.add %x, %x
+  %b = ge.add %x, %x
+  ge.return %a, %b
+}
+"""
+
+
+def test_a_launch_reading_other_residency_is_timed_not_replayed():
+    program = _program(TWICE)
+    target = load_target("ascend910b")
+    run = Runtime(target, timing_only=True).run(program, {}, {})
+    timed = Runtime(target, timing_only=True, memo=False).run(program, {}, {})
+    first, second = timed.kernels
+    assert first.hbm_read_bytes > 0 and second.hbm_read_bytes == 0, "the second add reads x from L2"
+    assert run.replayed == 0
+    assert _figures(run) == _figures(timed)
+
+
+def test_a_memo_kept_across_runs_replays_the_second_run_whole():
+    program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
+    runtime = Runtime(load_target("ascend910b"), timing_only=True)
+    first = runtime.run(program, {}, {})
+    second = runtime.run(program, {}, {})
+    assert second.replayed == len(second.kernels)
+    assert _figures(first) == _figures(second)
+
+
+def test_full_runs_and_fault_injection_time_every_launch():
+    program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
+    target = load_target("ascend910b")
+    assert Runtime(target).memo is None
+    faulty = Runtime(target, timing_only=True, faults=[("core", 3)]).run(program, {}, {})
+    assert faulty.replayed == 0 and faulty.faults
