@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from geir.frontends.torch_builder import GraphBuilder, dims_of, geir_dtype, literal_array
+from geir.attributes import DenseResourceAttr
 from geir.ir import Value
 from geir.ops.numerics import normalize_axis
+from geir.passes.fusion.attention import causal_pattern
 from geir.types import Dim, DType, TensorType
 
 
@@ -523,6 +525,22 @@ class Unavailable:
 
 # --- attention ----------------------------------------------------------------------------------------
 
+def _constant_mask(b: GraphBuilder, mask: Value, causal: bool) -> tuple[Value | None, bool]:
+    """The mask and causal flag the kernel is given: a constant top-left causal mask (HF builds one for
+    every prefill) is `causal = true` and no mask, one that keeps every key is no mask."""
+    arr = literal_array(mask)
+    if arr is None and mask.owner is not None and isinstance(mask.owner.attributes.get("value"), DenseResourceAttr):
+        arr = b.weights.get(mask.owner.attributes["value"].key)
+    if arr is None:
+        return mask, causal
+    boolean = mask.type.dtype is DType.i1
+    if not causal and causal_pattern(arr, boolean):
+        return None, True
+    if arr.size and (bool(np.all(arr)) if boolean else not np.any(arr)):
+        return None, causal
+    return mask, causal
+
+
 @converts("aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention_for_cpu")
 def _sdpa(b: GraphBuilder, node: Any, a: dict) -> Any:
     q = tensor(b, a["query"], "query")
@@ -546,6 +564,8 @@ def _sdpa(b: GraphBuilder, node: Any, a: dict) -> Any:
     operands = [q, k, v]
     if mask is not None:
         mask = tensor(b, mask, "attn_mask")
+        mask, causal = _constant_mask(b, mask, causal)
+    if mask is not None:
         if mask.type.dtype is not DType.i1:
             mask = b.cast(mask, q.type.dtype)
         if rank == 3 and mask.type.rank == 3:

@@ -10,11 +10,13 @@ tier the greedy driver runs to a fixpoint, so rules compose: a written-out softm
 from __future__ import annotations
 
 from itertools import groupby
+from typing import Mapping
 
 import attrs
+import numpy as np
 
 from geir.ir import Module
-from geir.passes.fusion.attention import FuseFlashAttention
+from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
@@ -28,14 +30,15 @@ from geir.target_npu.target import DEFAULT_TARGET
 FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu,
-        FuseFlashAttention, FuseMatmulEpilogue, FuseElementwiseChain,
+        FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
     )
 }
 
 
-def _instantiate(rule: type[Pattern], target: str) -> Pattern:
-    # rules whose decision depends on the chip (a kernel's shape guards) take the target
-    return rule(target) if rule is FuseFlashAttention else rule()
+def _instantiate(rule: type[Pattern], target: str, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:
+    # rules whose decision depends on the chip (a kernel's shape guards) take the target, and the module's
+    # weights (a mask may be a dense_resource constant)
+    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs) else rule()
 
 
 def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:
@@ -53,12 +56,12 @@ class Fuse(Pass):
     rules: list[str] = attrs.field(factory=list, validator=_known_rules)
     disable: list[str] = attrs.field(factory=list, validator=_known_rules)
 
-    def selected(self, target: str = DEFAULT_TARGET) -> list[Pattern]:
+    def selected(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None) -> list[Pattern]:
         names = self.rules or list(FUSION_RULES)
-        return [_instantiate(FUSION_RULES[n], target) for n in names if n not in self.disable]
+        return [_instantiate(FUSION_RULES[n], target, resources) for n in names if n not in self.disable]
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        patterns = sorted(self.selected(ctx.target), key=lambda p: -p.BENEFIT)
+        patterns = sorted(self.selected(ctx.target, module.resources), key=lambda p: -p.BENEFIT)
         tiers = [list(group) for _, group in groupby(patterns, key=lambda p: p.BENEFIT)]
         for g in module.graphs:
             listener = PatternListener()

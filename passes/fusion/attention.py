@@ -16,6 +16,8 @@ miss with the reason.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
 from geir.builder import create_op
@@ -54,8 +56,9 @@ class FuseFlashAttention(Pattern):
 
     NAME, ROOT, BENEFIT, EXPLAIN = "flash_attention", "ge.matmul", 20, True
 
-    def __init__(self, target: str = DEFAULT_TARGET):
+    def __init__(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None):
         self.target = target  # the chip whose kernel must take the shapes (passes.fusion.guards)
+        self.resources = resources  # the module's weights: a mask may be a dense_resource constant
 
     def match(self, pv: Operation) -> Match | Miss | None:
         p_val = pv.operands[0]
@@ -88,10 +91,18 @@ class FuseFlashAttention(Pattern):
                 cast_out and not used_only_by(cast_out.result, consumer)):
             return Miss("the attention probabilities are also used elsewhere; fusing would drop them")
 
-        found = _walk_scores(sm.operands[0])
+        found = _walk_scores(sm.operands[0], self.resources)
         if isinstance(found, Miss):
             return found
-        q, k, scale, mask, causal = found
+        q, k, scale, masks, causal = found
+        mask_type = None
+        if masks:
+            try:
+                mask_type = masks[0].type
+                for m in masks[1:]:  # several additive masks (T5: a position bias, then the padding mask) add up
+                    mask_type = create_op("ge.add", [], []).infer(mask_type, m.type)
+            except ShapeError as e:
+                return Miss(f"the additive masks do not broadcast together: {e}")
         k_perm = None
         if isinstance(k, tuple):
             k, k_perm = k
@@ -108,23 +119,26 @@ class FuseFlashAttention(Pattern):
         if q.type.rank != 4 or k_type.rank != 4 or v.type.rank != 4:
             return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k_type.rank}, {v.type.rank}")
         attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
-        operands = [q, k, v] + ([mask] if mask is not None else [])
+        operands = [q, k, v]
         try:
-            types = [x.type for x in operands]
-            types[1] = k_type
+            types = [q.type, k_type, v.type] + ([mask_type] if mask_type is not None else [])
             t = create_op("ge.flash_attention", [], [], attrs).infer(*types)
         except ShapeError as e:
             return Miss(f"the fused op would not type-check: {e}")
         if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:
             return Miss(f"the fused result {t} differs from the attention's result {pv.result.type}")
-        why = flash_attention_guard(q.type, k_type, v.type, None if mask is None else mask.type, causal, "BNSD",
-                                    load_target(self.target))
+        why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", load_target(self.target))
         if why is not None:
             return Miss(why)
-        return Match(pv, operands=operands, attrs=attrs, k_perm=k_perm, guard=guard)
+        return Match(pv, operands=operands, masks=masks, attrs=attrs, k_perm=k_perm, guard=guard)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         operands = list(m.operands)
+        if m.masks:
+            mask = m.masks[0]
+            for more in m.masks[1:]:
+                mask = rw.create("ge.add", [mask, more], before=m.root).result
+            operands.append(mask)
         if m.k_perm is not None:
             operands[1] = rw.create("ge.transpose", [operands[1]], {"perm": m.k_perm}, before=m.root).result
         op = rw.create("ge.flash_attention", operands, m.attrs, [m.root.result.type], before=m.root)
@@ -134,10 +148,65 @@ class FuseFlashAttention(Pattern):
         rw.replace(m.root, op)
 
 
-def _walk_scores(x: Value):
-    """From the softmax input up to `q @ k^T`: (q, k, scale, mask, causal) or a Miss."""
+class NativeAttentionInputs(Pattern):
+    """A `ge.flash_attention` given what its kernel does natively, spelled out, takes it natively.
+
+    Frontends bring attention in as one op (torch's `scaled_dot_product_attention`, ONNX's
+    `Attention`) with the exporter's operands: K and V repeated per group of query heads (HF's
+    `repeat_kv`) and a constant causal mask. The kernel reads grouped K/V heads itself and skips
+    the blocks above the diagonal when told `causal = true`, so the repeated copies are not built
+    and the mask is not read: K/V of [B, Nkv, S, D] instead of [B, N, S, D], and no mask tensor. A
+    constant mask that keeps everything (all true, or all zero added) is dropped.
+    """
+
+    NAME, ROOT, BENEFIT, EXPLAIN = "attention_native", "ge.flash_attention", 19, True
+
+    def __init__(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None):
+        self.target = target
+        self.resources = resources
+
+    def match(self, fa: Operation) -> Match | Miss | None:
+        q, k, v = fa.operands[:3]
+        mask = fa.operands[3] if len(fa.operands) > 3 else None
+        causal = bool(fa.attr("causal"))
+        changed = False
+        if fa.attr("layout") == "BNSD":
+            k2, k_group = _repeated_heads(k)
+            v2, v_group = _repeated_heads(v)
+            if k_group != v_group:
+                return Miss(f"k and v are repeated for grouped-query heads differently ({k_group} and {v_group} "
+                            f"copies of each head)")
+            if k_group > 1:
+                k, v, changed = k2, v2, True
+        if mask is not None:
+            arr = const_array(mask, self.resources)
+            boolean = mask.type.dtype == DType.i1
+            if arr is not None and not causal and causal_pattern(arr, boolean=boolean):
+                mask, causal, changed = None, True, True
+            elif arr is not None and arr.size and (bool(np.all(arr)) if boolean else not np.any(arr)):
+                mask, changed = None, True
+        if not changed:
+            return None  # nothing spelled out that the kernel does itself
+        why = flash_attention_guard(q.type, k.type, v.type, None if mask is None else mask.type, causal,
+                                    fa.attr("layout"), load_target(self.target))
+        if why is not None:
+            return Miss(why)
+        attrs = {"scale": fa.attr("scale"), "causal": causal, "layout": fa.attr("layout")}
+        return Match(fa, operands=[q, k, v] + ([mask] if mask is not None else []), attrs=attrs)
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = rw.create("ge.flash_attention", m.operands, m.attrs, [m.root.result.type], before=m.root)
+        rw.replace(m.root, op)
+
+
+def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
+    """From the softmax input up to `q @ k^T`: (q, k, scale, masks, causal) or a Miss.
+
+    `masks` are the additive masks in the order they were added (T5 adds a position bias, then the
+    padding mask); a boolean `select` mask is the only one."""
     scale = 1.0
-    mask: Value | None = None
+    masks: list[Value] = []
+    boolean_mask = False
     causal = False
     seen_scale = False  # walking up, a scale seen before the mask was applied after it
     mask_before_scale = False
@@ -167,45 +236,45 @@ def _walk_scores(x: Value):
             x = op.operands[1 - side]
             continue
         if op.name == "ge.add":
-            if mask is not None or causal:
-                return Miss("the scores get two masks added")
+            if boolean_mask:
+                return Miss("the scores get an additive mask and a boolean one")
             a, b = op.operands
             side = _mask_side(a, b)
             if side is None:
-                return Miss("neither operand of the mask add is a mask (both come from matmuls)")
+                return Miss(_no_mask_side(a, b))
             m, x = (a, b) if side == 0 else (b, a)
-            mask_before_scale = seen_scale
-            arr = const_array(m)
-            if arr is not None and causal_pattern(arr, boolean=False):
+            mask_before_scale = mask_before_scale or seen_scale
+            arr = const_array(m, resources)
+            if arr is not None and not causal and causal_pattern(arr, boolean=False):
                 causal = True
             elif arr is not None and m.type.dtype.is_float and arr.size and not np.any(arr.astype(np.float32)):
                 pass  # adding zeros leaves every score as it is: no mask
             else:
                 if m.type.dtype == DType.i1 or not m.type.dtype.is_float:
                     return Miss(f"the additive mask has dtype {m.type.dtype}, not a float")
-                mask = m
+                masks.insert(0, m)  # walking up: the mask added first is found last
             chain.append(op)
             continue
         if op.name == "ge.select":
-            if mask is not None or causal:
+            if masks or causal or boolean_mask:
                 return Miss("the scores get two masks")
             cond, keep, fill = op.operands
             if not _is_masked_fill(fill):
                 if _is_masked_fill(keep):
                     return Miss("the select keeps -inf where the condition is true; the fused mask means true = keep")
                 return Miss("the select fills masked scores with something other than -inf")
-            arr = const_array(cond)
+            arr = const_array(cond, resources)
             if arr is not None and causal_pattern(arr, boolean=True):
                 causal = True
             else:
-                mask = cond
+                masks, boolean_mask = [cond], True
             chain.append(op)
             x = keep
             continue
         if op.name == "ge.matmul":
             break
         return Miss(f"the scores come from {op.name}, not from q @ k^T")
-    if mask is not None and mask_before_scale and mask.type.dtype != DType.i1:
+    if masks and mask_before_scale and not boolean_mask:
         return Miss("the additive mask is added before the scale; the fused kernel adds it after scaling")
     for inner in chain:
         if len(inner.result.users()) != 1:
@@ -235,7 +304,7 @@ def _walk_scores(x: Value):
             # k itself is transpose(x, p with its last two entries swapped), which the rewrite builds
             k_perm = list(t.perm[:-2]) + [t.perm[-1], t.perm[-2]]
             k = (k, k_perm)
-    return q, k, float(scale), mask, causal
+    return q, k, float(scale), masks, causal
 
 
 def _peel_scale(v: Value) -> tuple[Value, float]:
@@ -274,39 +343,77 @@ def _zero_rows_problem(guard: Operation, pv: Operation) -> str | None:
 def _repeated_heads(v: Value) -> tuple[Value, int]:
     """k or v repeated per group of query heads, written out: (the [B, Nkv, S, D] tensor, the group size).
 
-    The spelling is reshape(x, [B, Nkv, 1, S, D]), a concat of G copies on axis 2, reshape to
-    [B, Nkv * G, S, D], which gives query head h the kv head h // G (as flash_attention does).
-    Anything else is (v, 1).
+    The spelling is reshape(x, [B, Nkv, 1, S, D]), G copies along axis 2, reshape to
+    [B, Nkv * G, S, D], which gives query head h the kv head h // G (as flash_attention does). The
+    copies are a concat of G times the same value (ONNX `Expand` as geimport brings it in) or a
+    multiplication by a constant of ones shaped [B, Nkv, G, S, D] (`expand` as the torch frontend
+    brings it in: HF's `repeat_kv`). Anything else is (v, 1).
     """
     outer = defining(v, "ge.reshape")
-    cat = defining(outer.operands[0], "ge.concat") if outer is not None else None
-    if cat is None or cat.result.type.rank != 5 or cat.axis % 5 != 2:
+    copies = defining(outer.operands[0], "ge.concat", "ge.mul") if outer is not None else None
+    if copies is None or copies.result.type.rank != 5:
         return v, 1
-    one = cat.operands[0]
+    if copies.name == "ge.concat":
+        one = copies.operands[0]
+        if copies.axis % 5 != 2 or any(x is not one for x in copies.operands):
+            return v, 1
+        group = len(copies.operands)
+    else:
+        a, b = copies.operands
+        full = copies.result.type.shape
+        if _all_ones(b) and b.type.shape == full:
+            one = a
+        elif _all_ones(a) and a.type.shape == full:
+            one = b
+        else:
+            return v, 1
+        group = copies.result.type.shape[2]
     inner = defining(one, "ge.reshape")
-    if inner is None or any(x is not one for x in cat.operands):
+    if inner is None:
         return v, 1
     x = inner.operands[0]
     b, nkv, g, s, d = one.type.shape
-    group = len(cat.operands)
-    if g != 1 or x.type.shape != (b, nkv, s, d) or v.type.shape != (b, None if nkv is None else nkv * group, s, d):
+    if g != 1 or group is None or x.type.shape != (b, nkv, s, d) or v.type.shape != (
+            b, None if nkv is None else nkv * group, s, d):
         return v, 1
     return x, group
 
 
+def _all_ones(v: Value) -> bool:
+    """`v` is a constant whose every element is 1."""
+    arr = const_array(v)
+    return arr is not None and arr.size > 0 and bool(np.all(arr == 1))
+
+
+def _from_scores(v: Value) -> bool:
+    """`v` comes from a matmul through scales, casts and adds of something else (earlier masks)."""
+    op = v.owner
+    while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast", "ge.add"):
+        if op.name == "ge.add":
+            a, b = op.operands
+            side = [x for x in (a, b) if _from_scores(x)]
+            if len(side) != 1:
+                return False
+            op = side[0].owner
+            continue
+        inner = [o for o in op.operands if scalar_constant(o) is None]
+        if len(inner) != 1:
+            return False
+        op = inner[0].owner
+    return op is not None and op.name == "ge.matmul"
+
+
 def _mask_side(a: Value, b: Value) -> int | None:
     """Which operand of `scores + mask` is the mask: the one that does not come from the scores path."""
-    def from_scores(v: Value) -> bool:
-        op = v.owner
-        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast"):
-            inner = [o for o in op.operands if scalar_constant(o) is None]
-            if len(inner) != 1:
-                return False
-            op = inner[0].owner
-        return op is not None and op.name == "ge.matmul"
-
-    if from_scores(b) and not from_scores(a):
+    if _from_scores(b) and not _from_scores(a):
         return 0
-    if from_scores(a) and not from_scores(b):
+    if _from_scores(a) and not _from_scores(b):
         return 1
     return None
+
+
+def _no_mask_side(a: Value, b: Value) -> str:
+    """Why neither operand of an add on the scores is a mask."""
+    if _from_scores(a) and _from_scores(b):
+        return "both operands of the add on the scores come from matmuls (scores added to scores, not a mask)"
+    return "neither operand of the add on the scores leads up to q @ k^T through scales, casts and masks"

@@ -6,7 +6,9 @@ import math
 
 import numpy as np
 
-from geir.attributes import DenseAttr
+from typing import Mapping
+
+from geir.attributes import DenseAttr, DenseResourceAttr
 from geir.ir import Operation, Value
 from geir.ops.core import Const
 
@@ -22,11 +24,17 @@ def used_only_by(v: Value, *ops: Operation) -> bool:
     return all(any(u is o for o in ops) for u in v.uses)
 
 
-def const_array(v: Value) -> np.ndarray | None:
-    """The value of a `dense<...>` constant (in its own dtype), else None."""
+def const_array(v: Value, resources: Mapping[str, np.ndarray] | None = None) -> np.ndarray | None:
+    """The value of a `dense<...>` constant (in its own dtype), or of a `dense_resource<...>` one found in
+    `resources` (the module's weights), else None."""
     op = v.owner
-    if isinstance(op, Const) and isinstance(op.value, DenseAttr) and v.type is not None:
+    if not isinstance(op, Const) or v.type is None:
+        return None
+    if isinstance(op.value, DenseAttr):
         return op.value.to_array(v.type)
+    if isinstance(op.value, DenseResourceAttr) and resources is not None and op.value.key in resources:
+        arr = np.asarray(resources[op.value.key])
+        return arr.astype(v.type.dtype.np, copy=False) if arr.shape == v.type.shape else None
     return None
 
 

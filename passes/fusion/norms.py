@@ -2,14 +2,19 @@
 
 layer norm: d = x - mean(x); var = mean(d * d); y = d / sqrt(var + eps) * gamma + beta
             (also d * rsqrt(var + eps), and pow(d, 2) for the square)
-RMS norm:   ms = mean(x * x); y = x * rsqrt(ms + eps) * gamma   (also x / sqrt(ms + eps))
+RMS norm:   ms = mean(x * x); y = x * rsqrt(ms + eps) * gamma   (also x / sqrt(ms + eps), and
+            x * (1 / sqrt(ms + eps)) as ONNX exporters write T5's)
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from geir.attributes import DenseAttr
 from geir.ir import Operation, Value
 from geir.passes.fusion.match import close, defining, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
+from geir.types import TensorType
 
 
 def _square_of(v: Value) -> Value | None:
@@ -31,20 +36,38 @@ def _trailing_axes(axes: list[int], rank: int) -> int | None:
     return None
 
 
+def _reciprocal_root(v: Value) -> tuple[Operation, list[Operation]] | None:
+    """For v = rsqrt(a) or 1 / sqrt(a) (ONNX's `Reciprocal(Sqrt(a))`, T5's spelling): the root op and the ops
+    between it and v."""
+    r = defining(v, "ge.rsqrt")
+    if r is not None:
+        return r, []
+    inv = defining(v, "ge.div")
+    if inv is not None and close(scalar_constant(inv.operands[0]), 1.0, 1e-6):
+        root = defining(inv.operands[1], "ge.sqrt")
+        if root is not None:
+            return root, [inv]
+    return None
+
+
 def _normalizer(n: Value):
-    """For n = d / sqrt(s + eps) or d * rsqrt(s + eps): (d, s, eps, ops) or a Miss, or None if not a normalisation."""
+    """For n = d / sqrt(s + eps), d * rsqrt(s + eps) or d * (1 / sqrt(s + eps)): (d, s, eps, ops) or a Miss,
+    or None if not a normalisation."""
     op = defining(n, "ge.div", "ge.mul")
     if op is None:
         return None
+    between: list[Operation] = []
     if op.name == "ge.div":
         root = defining(op.operands[1], "ge.sqrt")
         d = op.operands[0]
+        if scalar_constant(d) is not None:
+            return None  # 1 / sqrt(...): a reciprocal, which the mul that uses it normalises with
     else:
         root, d = None, None
         for side in (0, 1):
-            r = defining(op.operands[side], "ge.rsqrt")
-            if r is not None:
-                root, d = r, op.operands[1 - side]
+            found = _reciprocal_root(op.operands[side])
+            if found is not None:
+                (root, between), d = found, op.operands[1 - side]
                 break
     if root is None:
         return None
@@ -59,7 +82,7 @@ def _normalizer(n: Value):
             break
     if eps is None:
         return Miss("epsilon is not a scalar constant")
-    return d, s, eps, [op, root, add]
+    return d, s, eps, [op, *between, root, add]
 
 
 class FuseLayerNorm(Pattern):
@@ -120,36 +143,53 @@ class FuseLayerNorm(Pattern):
 
 
 class FuseRmsNorm(Pattern):
-    """x * rsqrt(mean(x * x) + eps) * gamma -> ge.rms_norm."""
+    """x * rsqrt(mean(x * x) + eps) * gamma -> ge.rms_norm (without the gamma: a gamma of ones)."""
 
     NAME, ROOT, BENEFIT, EXPLAIN = "rms_norm", "ge.mul", 34, True
 
     def match(self, root: Operation) -> Match | Miss | None:
+        users = root.result.users()
+        if not (len(users) == 1 and users[0].name == "ge.mul"):
+            # the normalisation with no scale after it (a gamma of ones, which GE's canonicalize folds away)
+            found = _normalizer(root.result)
+            if isinstance(found, tuple):
+                return self._match(root, found, None)
         for gside in (0, 1):
             found = _normalizer(root.operands[gside])
             if found is None:
                 continue
             if isinstance(found, Miss):
                 return found
-            x, ms, eps, ops = found
-            gamma = root.operands[1 - gside]
-            m = defining(ms, "ge.reduce_mean")
-            if m is None or _square_of(m.operands[0]) is not x:
-                return Miss("the normaliser is not the mean of the input squared")
-            rank = x.type.rank
-            if not (len(m.axes) == 1 and rank and m.axes[0] % rank == rank - 1):
-                return Miss(f"the mean runs over axes {m.axes}, not the last axis")
-            if not m.keepdims:
-                return Miss("the mean drops its axis (keepdims = false)")
-            square = m.operands[0].owner
-            if any(len(o.result.users()) != 1 for o in ops + [square, m]):
-                return Miss("an intermediate of the RMS norm is also used elsewhere; fusing would drop it")
-            if gamma.type.dtype != x.type.dtype or root.result.type.shape != x.type.shape:
+            return self._match(root, found, root.operands[1 - gside])
+        return None
+
+    def _match(self, root: Operation, found, gamma: Value | None) -> Match | Miss:
+        x, ms, eps, ops = found
+        m = defining(ms, "ge.reduce_mean")
+        if m is None or _square_of(m.operands[0]) is not x:
+            return Miss("the normaliser is not the mean of the input squared")
+        rank = x.type.rank
+        if not (len(m.axes) == 1 and rank and m.axes[0] % rank == rank - 1):
+            return Miss(f"the mean runs over axes {m.axes}, not the last axis")
+        if not m.keepdims:
+            return Miss("the mean drops its axis (keepdims = false)")
+        square = m.operands[0].owner
+        inner = [o for o in ops + [square, m] if o is not root]
+        if any(len(o.result.users()) != 1 for o in inner):
+            return Miss("an intermediate of the RMS norm is also used elsewhere; fusing would drop it")
+        if root.result.type.shape != x.type.shape:
+            return Miss(f"the result {root.result.type} is not shaped like the input {x.type}")
+        if gamma is not None:
+            if gamma.type.dtype != x.type.dtype:
                 return Miss(f"gamma {gamma.type} does not scale the input {x.type} elementwise")
             if len(gamma.type.shape) > 1 and any(d != 1 for d in gamma.type.shape[:-1]):
                 return Miss(f"gamma {gamma.type} varies along axes other than the last")
-            return Match(root, x=x, gamma=gamma, eps=eps)
-        return None
+        return Match(root, x=x, gamma=gamma, eps=eps)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
-        rw.replace(m.root, rw.create("ge.rms_norm", [m.x, m.gamma], {"epsilon": m.eps}, before=m.root))
+        gamma = m.gamma
+        if gamma is None:
+            t = m.x.type
+            gamma = rw.create("ge.const", [], {"value": DenseAttr(np.ones((), dtype=t.dtype.np))},
+                              [TensorType((t.shape[-1],), t.dtype)], before=m.root).result
+        rw.replace(m.root, rw.create("ge.rms_norm", [m.x, gamma], {"epsilon": m.eps}, before=m.root))
