@@ -1,0 +1,224 @@
+"""Real models in: Hugging Face transformers from token ids, through both frontends, on the simulated NPU.
+
+    python bench/hf_models.py [--models gpt2,llama,bert,t5,vit] [--paths torch,onnx,onnx23]
+                              [--dtypes f32,f16,bf16] [--batch 2] [--seq 16] [--json OUT.json]
+
+Each model is built from a small random-init config (no downloads: 2 layers, hidden 64, 4 heads;
+LLaMA with 2 kv heads), fed as a user feeds it: `input_ids` with a padded `attention_mask` at batch
+2 (the second row's last quarter is padding), `pixel_values` for ViT. Paths:
+
+  torch   geir.frontends.torch (torch.export, then GE)
+  onnx    torch.onnx.export(dynamo=True) at the exporter's default opset, then geimport's importer
+  onnx23  the same at opset 23 (ONNX's own Attention and RMSNormalization ops)
+
+For each model x path x dtype it prints whether the model imports, whether it runs, its error
+against the same model run by torch in float64 next to torch's own error in that dtype (the
+torch.compile rule of geir.accuracy decides PASS), how many of the model's attention blocks fused
+(k of n), and how many ops GE placed on the AI CPU. A model that stops says where (the first line
+of the error). Needs the `hf` extra (transformers, onnxscript) and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import numpy as np
+
+LAYERS, HIDDEN, HEADS = 2, 64, 4
+
+
+def build(kind: str, attention: str = "sdpa"):
+    """A small random-init Hugging Face model of `kind`, in eval mode, and its main input's name."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=100)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, **common)
+        model = transformers.GPT2Model(cfg)
+    elif kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+                                       num_attention_heads=HEADS, num_key_value_heads=2, **common)
+        model = transformers.LlamaModel(cfg)
+    elif kind == "bert":
+        cfg = transformers.BertConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      intermediate_size=128, max_position_embeddings=64, **common)
+        model = transformers.BertModel(cfg, add_pooling_layer=False)
+    elif kind == "t5":
+        cfg = transformers.T5Config(d_model=HIDDEN, d_ff=128, num_layers=LAYERS, num_heads=HEADS, d_kv=16, **common)
+        model = transformers.T5EncoderModel(cfg)
+    elif kind == "vit":
+        cfg = transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                     intermediate_size=128, image_size=32, patch_size=8, num_channels=3)
+        model = transformers.ViTModel(cfg, add_pooling_layer=False)
+    else:
+        raise ValueError(f"unknown model {kind}")
+    model.config._attn_implementation = attention
+    return model.eval()
+
+
+def inputs(kind: str, batch: int, seq: int) -> dict[str, Any]:
+    """What a user feeds the model: token ids with a padded attention mask, or an image batch."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    if kind == "vit":
+        return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=g)}
+    ids = torch.randint(1, 100, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[-1, seq - seq // 4:] = 0  # the last row is padded at its end
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class LastHidden:
+    """Wraps a model so that it takes its inputs positionally and returns the last hidden state."""
+
+    def __new__(cls, model, names: list[str]):
+        import torch
+
+        class _Wrapped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, *xs):
+                return self.model(**dict(zip(names, xs))).last_hidden_state
+
+        return _Wrapped()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
+
+
+def _cast_model(model, dtype: str):
+    import torch
+
+    return model.to({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype])
+
+
+def run_case(kind: str, path: str, dtype: str, batch: int, seq: int) -> dict[str, Any]:
+    """One model x path x dtype: the figures the table prints."""
+    import torch
+
+    from geir.accuracy import compare
+    from geir.types import DType, TensorType
+
+    row: dict[str, Any] = {"model": kind, "path": path, "dtype": dtype, "imports": False, "runs": False}
+    feed = inputs(kind, batch, seq)
+    names = list(feed)
+    model = LastHidden(_cast_model(build(kind), dtype), names)
+    args = tuple(feed.values())
+    if kind == "vit" and dtype != "f32":
+        args = (args[0].to(next(model.parameters()).dtype),)
+    with torch.no_grad():
+        eager = model(*args).float().numpy()
+        reference = LastHidden(build(kind).double(), names)(
+            *[a.double() if a.is_floating_point() else a for a in args]).numpy()
+    try:
+        module, weights = _import(model, args, path)
+    except Exception as e:  # noqa: BLE001 - a model that stops at the door: say where
+        row["stops"] = _first_line(e)
+        return row
+    row["imports"] = True
+    try:
+        actual, graph = _run(module, weights, names, args)
+    except Exception as e:  # noqa: BLE001
+        row["stops"] = _first_line(e)
+        return row
+    row["runs"] = True
+    t = TensorType(tuple(actual.shape), {"f32": DType.f32, "f16": DType.f16, "bf16": DType.bf16}[dtype])
+    verdict = compare(actual.astype(np.float64), reference, t, eager)
+    row.update(rms_err=verdict.rms_err, eager_rms_err=verdict.eager_rms_err, accurate=verdict.passed,
+               attention_fused=sum(op.name == "ge.flash_attention" for op in graph.ops), attention_blocks=LAYERS,
+               aicpu_ops=sum(op.attributes.get("engine") == "aicpu" for op in graph.ops))
+    return row
+
+
+def _import(model, args, path: str):
+    """The GEIR module (and weights) of the model through one frontend path."""
+    import torch
+
+    if path == "torch":
+        from geir.frontends.torch import from_module
+
+        module = from_module(model, args)
+        return module, module.resources
+    from geir.frontends.onnx import import_onnx
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "model.onnx")
+        kw = {"opset_version": 23} if path == "onnx23" else {}
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            program = torch.onnx.export(model, args, dynamo=True, **kw)
+            program.save(out)
+        return import_onnx(out)
+
+
+def _run(module, weights, names, args):
+    """Compile with GE's default pipeline and run on the simulated 910B: the output and the fused graph."""
+    from geir.ir import Module
+    from geir.session import Session, run_program
+
+    session = Session(Module([module.graph()], module.file, weights))
+    graph_args = [a.name for a in session.generic.args]
+    from geir.frontends.torch_builder import to_numpy
+
+    feed = {name: to_numpy(a) for name, a in zip(graph_args, args)}
+    program = session.program({k: v.shape for k, v in feed.items()})
+    result = run_program(program, feed, weights)
+    return np.asarray(result.outputs[0], dtype=np.float64), session.generic
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt2,llama,bert,t5,vit")
+    ap.add_argument("--paths", default="torch,onnx,onnx23")
+    ap.add_argument("--dtypes", default="f32,f16,bf16")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--json", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        print(f"hf_models: needs torch and the hf extra (pip install -e '.[torch,hf]'): {e}", file=sys.stderr)
+        return 2
+    warnings.simplefilter("ignore")
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # the exporter's notes on torchvision ops
+    rows = []
+    print(f"{'model':<7}{'path':<8}{'dtype':<6}{'imports':<9}{'runs':<6}{'rms err':>9}{'torch':>9}  {'ok':<5}"
+          f"{'attn':<6}{'aicpu':<6}stops at")
+    for kind in args.models.split(","):
+        for path in args.paths.split(","):
+            for dtype in args.dtypes.split(","):
+                row = run_case(kind, path, dtype, args.batch, args.seq)
+                rows.append(row)
+                err = f"{row['rms_err']:>9.1e}{row['eager_rms_err']:>9.1e}" if row["runs"] else f"{'':>18}"
+                ok = ("PASS" if row.get("accurate") else "FAIL") if row["runs"] else ""
+                attn = f"{row['attention_fused']}/{row['attention_blocks']}" if row["runs"] else ""
+                aicpu = str(row["aicpu_ops"]) if row["runs"] else ""
+                print(f"{kind:<7}{path:<8}{dtype:<6}{'yes' if row['imports'] else 'no':<9}"
+                      f"{'yes' if row['runs'] else 'no':<6}{err}  {ok:<5}{attn:<6}{aicpu:<6}{row.get('stops', '')}",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
