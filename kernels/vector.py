@@ -200,6 +200,46 @@ class ElementwiseKernel(FlatTiledKernel):
         return [out.reshape(shape)]
 
 
+@register_kernel
+class ArangeKernel(FlatTiledKernel):
+    """`ge.arange` not folded away (a sequence too long for a literal): per tile the vector unit writes the
+    progression into UB (Ascend C's ArithProgression: one instruction per element, as other ops without a
+    longer sequence) and MTE3 stores it; nothing is loaded."""
+
+    OPS = ("ge.arange",)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        elems, nbuf = tiling.elems, tiling.buffers
+        total = op.length
+        out_dt = op.dtype.np
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target, f"{nbuf} x the tiles of {elems} elements")
+        out = np.empty(total, dtype=out_dt)
+        if total == 0:
+            return [out]
+        out_gm = gm_tensor(ctx.gm, ctx.result_names[0], out.shape, out.dtype.itemsize)
+        lanes = VectorLanes(ctx)
+        cores = ctx.cores
+        free = np.zeros((nbuf, cores.count))  # when each UB slot's previous tile was stored
+        work_bytes = max(out.dtype.itemsize, 4 if _is_half(out_dt) else 0)
+        passes = 1 + (CAST_PASSES // 2 if _is_half(out_dt) else 0)  # f16/bf16: made in f32, cast on the way out
+        nt = -(-total // elems)
+        for n, (wave, on) in enumerate(lanes.waves(nt)):
+            lo = wave * elems
+            hi = np.minimum(lo + elems, total)
+            if ctx.compute:  # the numbers: the op's own sequence for the wave's range
+                a0, a1 = int(lo[0]), int(hi[-1])
+                out[a0:a1] = _cast(op.values(a0, a1), out_dt)
+            used = lanes.used(on)
+            s = n % nbuf
+            made = issue(cores, ctx.waits, "VECTOR", used, lanes.per_lane(on, lanes.vector((hi - lo) * work_bytes, passes)),
+                         [], [free[s, used]], name="arange")
+            store = lanes.per_lane(on, gm_write(ctx.gm, out_gm, flat_pieces(out_gm, lo, hi)))
+            free[s, used] = issue(cores, ctx.waits, "MTE3", used, store, [made], name="store tile")
+        return [out]
+
+
 # --- row ops -------------------------------------------------------------------------------------------
 
 def _row_op(op: Operation) -> Operation:
