@@ -381,12 +381,12 @@ def test_inputs_of_the_wrong_dtype_are_refused():
 # --- what cannot be imported ----------------------------------------------------------------------------
 
 def test_unsupported_op_names_the_op_and_the_node():
-    class Cumsum(nn.Module):
+    class Cumprod(nn.Module):
         def forward(self, x):
-            return torch.cumsum(x, dim=-1)
+            return torch.cumprod(x, dim=-1)
 
-    with pytest.raises(TorchImportError, match=r"aten\.cumsum\.default at node 'cumsum' \(.*test_torch_frontend\.py:\d+\)"):
-        from_module(Cumsum(), (_randn(4, 8),))
+    with pytest.raises(TorchImportError, match=r"aten\.cumprod\.default at node 'cumprod' \(.*test_torch_frontend\.py:\d+\)"):
+        from_module(Cumprod(), (_randn(4, 8),))
 
 
 def test_unsupported_dtype_is_named():
