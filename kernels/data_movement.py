@@ -45,9 +45,9 @@ from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_
 from geir.kernels.gather_tiling import GatherTiling
 from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import VectorTiling
-from geir.ops.indexing import check_indices
+from geir.ops.indexing import index_problem
 from geir.ops.numerics import normalize_axis
-from geir.target_npu.sim import BlockSets, CapacityError, Cores, GlobalMemory, spread, vector_cycles
+from geir.target_npu.sim import BlockSets, CapacityError, Cores, DeviceFault, GlobalMemory, spread, vector_cycles
 from geir.target_npu.target import Target
 
 FRACTAL = 16  # rows and columns of one GM residency block
@@ -642,8 +642,10 @@ class GatherKernel(Kernel):
         out = np.empty(table.shape[:axis] + indices.shape + table.shape[axis + 1:], dtype=table.dtype)
         if out.size == 0:
             return [out]
-        if ctx.compute:  # an index outside the table is an access the device cannot make
-            check_indices(indices, dim, axis)
+        if ctx.compute:  # an index outside the table is an access the device faults on
+            problem = index_problem(indices, dim, axis)
+            if problem is not None:
+                raise DeviceFault(problem)
             index = indices.reshape(-1).astype(np.int64) % dim
             table3, out2 = table.reshape(outer, dim, inner), out.reshape(R, inner)
         gm = ctx.gm

@@ -8,11 +8,10 @@ import numpy as np
 
 from geir.diagnostics import Diagnostic
 from geir.ir import Graph
+from geir.target_npu.sim import DeviceFault  # the chip's (kernels raise it too); the Runtime's name for it
 from geir.types import TensorType
 
-
-class DeviceFault(RuntimeError):
-    """An access the device would fault on: outside its memory, or misaligned."""
+__all__ = ["DeviceFault", "DeviceMemory"]
 
 
 class DeviceMemory:

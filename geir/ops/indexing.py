@@ -37,16 +37,19 @@ class Gather(Operation):
 
     def compute(self, table: np.ndarray, indices: np.ndarray) -> np.ndarray:
         axis = normalize_axis(self.axis, table.ndim)
-        check_indices(indices, table.shape[axis], axis)
+        problem = index_problem(indices, table.shape[axis], axis)
+        if problem is not None:
+            raise IndexError(problem)
         return np.take(table, indices, axis=axis)
 
 
-def check_indices(indices: np.ndarray, dim: int, axis: int) -> None:
-    """IndexError naming the first index outside [-dim, dim) (numpy's range for `np.take`)."""
+def index_problem(indices: np.ndarray, dim: int, axis: int) -> str | None:
+    """What is wrong with the first index outside [-dim, dim) (numpy's range for `np.take`), or None."""
     flat = np.asarray(indices).reshape(-1)
     bad = (flat < -dim) | (flat >= dim)
     if bad.any():
-        raise IndexError(f"gather index {int(flat[np.argmax(bad)])} is out of range for axis {axis} of size {dim}")
+        return f"gather index {int(flat[np.argmax(bad)])} is out of range for axis {axis} of size {dim}"
+    return None
 
 
 @op("ge.arange")
