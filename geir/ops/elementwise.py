@@ -119,8 +119,12 @@ for _name, (_fn, _float_only) in _UNARY.items():
     )
 
 
-class FloatTest(Unary):
-    """A test of each float element; the result is i1."""
+class FloatTest(Operation):
+    """A test of each float element; the result is i1 (never the size of its operand: not InPlaceCapable)."""
+
+    OPERAND_NAMES = ("x",)
+    TRAITS = (Elementwise,)
+    fn: Callable[[np.ndarray], np.ndarray]
 
     def infer(self, x: TensorType) -> TensorType:
         require_float(x)
