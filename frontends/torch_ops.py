@@ -496,6 +496,24 @@ def _index_select(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.gather", [x, index], {"axis": axis})
 
 
+@converts("aten.index")
+def _index(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # x[..., i, ...] with one integer index tensor: the slices it names, in its place (np.take along that dim)
+    x = tensor(b, _input(a), "the input")
+    given = list(a["indices"])
+    while given and given[-1] is None:
+        given.pop()
+    at = [k for k, t in enumerate(given) if t is not None]
+    for k in at:
+        if isinstance(given[k], Value) and given[k].type.dtype is DType.i1:
+            raise b.error("indexing with a boolean mask: its result's size depends on the mask's values, and GEIR's "
+                          "shapes are known when the graph is compiled (torch.where or masked_fill keep the shape)")
+    if len(at) != 1:
+        raise b.error(f"indexing with {len(at)} index tensors at once is not supported (GEIR gathers along one "
+                      f"dimension: index one dimension at a time)")
+    return b.value("ge.gather", [x, _indices(b, given[at[0]], "the index")], {"axis": _axis(b, at[0], x.type.rank)})
+
+
 @converts("aten.cumsum")
 def _cumsum(b: GraphBuilder, node: Any, a: dict) -> Value:
     # torch sums integers and booleans in int64 unless told a dtype: the result's dtype is what it traced

@@ -1,4 +1,5 @@
-"""Vector kernels: elementwise ops, fused elementwise chains, reductions, softmax, layer norm and RMS norm.
+"""Vector kernels: elementwise ops, fused elementwise chains, reductions, softmax, layer norm and RMS norm,
+running sums (cumsum) and arange.
 
 Tiles come from the tile pass (template VectorElementwise: `elems` per tile; VectorRow: `rows`
 whole rows of `cols` elements, in `segments` pieces when a row does not fit UB). A wave deals one
@@ -13,6 +14,9 @@ live in one place; each result is rounded to its dtype as `run_op` rounds it.
                   reduction and normalisation, MTE3 the rows (or one value per row for reduce_*).
                   Segmented rows: a statistics pass over the segments (running max and sum, running
                   mean and M2, sum of squares), then an apply pass that reads each segment again.
+    cumsum        template VectorScan: per tile of `rows` steps of the scanned axis for a unit's `cols` sums,
+                  MTE2 the tile, VECTOR one add a step, MTE3 the tile; the sums carry to the next tile.
+    arange        per tile VECTOR the progression, MTE3 it; nothing is loaded.
 """
 
 from __future__ import annotations

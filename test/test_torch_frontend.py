@@ -470,3 +470,32 @@ def test_isnan_of_an_integer_tensor_is_all_false_like_torch():
     fast = compile(IntNan(), (i,))
     assert torch.equal(fast(i), torch.isnan(i))
 
+
+
+def test_indexing_with_one_integer_tensor_is_a_gather_like_torch():
+    class Index(nn.Module):
+        def forward(self, x, i, j):
+            return x[:, i], x[j], x[..., i]
+
+    x = _randn(5, 7, 9)
+    i, j = torch.tensor([[0, 3], [-1, 2]]), torch.tensor([4, -5, 0])
+    fast = compile(Index(), (x, i, j))
+    assert ops_of(fast.module.graphs[0]).count("ge.gather") == 3
+    for got, want in zip(fast(x, i, j), Index()(x, i, j)):
+        assert torch.equal(got, want)
+
+
+def test_indexing_with_a_boolean_mask_or_two_index_tensors_is_refused_with_the_reason():
+    class Masked(nn.Module):
+        def forward(self, x, m):
+            return x[m]
+
+    class Pairs(nn.Module):
+        def forward(self, x, i, j):
+            return x[i, j]
+
+    x, j = _randn(5, 7), torch.tensor([4, 0])
+    with pytest.raises(TorchImportError, match=r"aten\.index\.Tensor at node .*boolean mask: its result's size depends"):
+        from_module(Masked(), (x, x > 0))
+    with pytest.raises(TorchImportError, match="2 index tensors at once is not supported"):
+        from_module(Pairs(), (x, j, j))
