@@ -8,10 +8,9 @@ import numpy as np
 
 from geir.diagnostics import Diagnostic
 from geir.ir import Graph
-from geir.target_npu.sim import DeviceFault  # the chip's (kernels raise it too); the Runtime's name for it
+# the chip's fault, defined with the chip so kernels raise it too; the Runtime imports it from here
+from geir.target_npu.sim import DeviceFault
 from geir.types import TensorType
-
-__all__ = ["DeviceFault", "DeviceMemory"]
 
 
 class DeviceMemory:
