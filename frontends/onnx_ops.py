@@ -142,6 +142,49 @@ def _unary(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     return [b.emit1(_UNARY[node.op_type], [required(xs, 0, "X")])]
 
 
+@converter("IsNaN")
+def _isnan(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """IsNaN as ge.isnan."""
+    return [b.emit1("ge.isnan", [required(xs, 0, "X")])]
+
+
+@converter("IsInf")
+def _isinf(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """IsInf as ge.isinf; detecting only one sign keeps the infinities on that side of zero."""
+    x = required(xs, 0, "X")
+    positive, negative = bool(node.attr("detect_positive", 1)), bool(node.attr("detect_negative", 1))
+    inf = b.emit1("ge.isinf", [x])
+    if positive and negative:
+        return [inf]
+    if not positive and not negative:
+        return [b.emit1("ge.select", [inf, b.const(False), b.const(False)])]
+    side = b.emit1("ge.greater" if positive else "ge.less", [x, scalar(b, 0, x)])
+    return [b.emit1("ge.select", [inf, side, b.const(False)])]
+
+
+@converter("Range")
+def _range(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Range with inputs known at import as ge.arange (a constant: the builder evaluates it now)."""
+    bounds = [np.asarray(constant(required(xs, i, what), f"the {what}")) for i, what in enumerate(("start", "limit", "delta"))]
+    dtype = dtype_of(bounds[0].dtype)
+    if dtype is DType.i1 or any(a.size != 1 for a in bounds):
+        raise ImportProblem("Range takes three numeric scalars", unsupported=False)
+    start, limit, delta = (float(a.reshape(-1)[0]) if dtype.is_float else int(a.reshape(-1)[0]) for a in bounds)
+    return [b.emit1("ge.arange", [], {"start": start, "limit": limit, "delta": delta, "dtype": dtype})]
+
+
+@converter("CumSum")
+def _cumsum(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """CumSum with its axis known at import as ge.cumsum, exclusive and reverse as ONNX defines them."""
+    x = required(xs, 0, "x")
+    axes = int_list(required(xs, 1, "axis"), "the axis")
+    if len(axes) != 1:
+        raise ImportProblem(f"CumSum takes one axis, got {len(axes)}", unsupported=False)
+    axis = axes[0]
+    return [b.emit1("ge.cumsum", [x], {"axis": axis, "exclusive": bool(node.attr("exclusive", 0)),
+                                        "reverse": bool(node.attr("reverse", 0))})]
+
+
 @converter("Reciprocal")
 def _reciprocal(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     """1 / x."""
@@ -457,9 +500,17 @@ def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 @converter("Gather")
 def _gather(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """Gather: ge.gather with indices computed at run time; with indices known at import, slices of the
+    consecutive runs they name, concatenated (what the fusion rules and shape arithmetic read)."""
+    data, indices = required(xs, 0, "data"), required(xs, 1, "indices")
+    if not indices.is_const:
+        return [b.emit1("ge.gather", [data, indices], {"axis": node.attr("axis", 0)})]
+    return _gather_known(b, node, data, indices)
+
+
+def _gather_known(b: GraphBuilder, node: Node, data: Tensor, indices: Tensor) -> list[Tensor]:
     """Gather with indices known at import: slices of consecutive runs, concatenated."""
-    data = required(xs, 0, "data")
-    indices = np.asarray(constant(required(xs, 1, "indices"), "the indices"))
+    indices = np.asarray(constant(indices, "the indices"))
     axis = normalize_axis(node.attr("axis", 0), data.rank)
     dim = data.shape[axis]
     flat = [int(i) for i in indices.reshape(-1)]

@@ -172,6 +172,17 @@ def _unary(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value(_UNARY[str(node.target.overloadpacket)], [x])
 
 
+@converts("aten.isinf", "aten.isnan")
+def _float_test(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    if not x.type.dtype.is_float:  # an integer is never infinite nor NaN
+        t = result_type(b, node)
+        if not t.is_static:
+            raise b.error(f"{node.target.overloadpacket} of an integer tensor of run-time shape {x.type}")
+        return _splat(b, False, t, node.name)
+    return b.value("ge." + str(node.target.overloadpacket).removeprefix("aten."), [x])
+
+
 @converts("aten.gelu")
 def _gelu(b: GraphBuilder, node: Any, a: dict) -> Value:
     approximate = a.get("approximate", "none")
@@ -455,6 +466,63 @@ def _select_index(b: GraphBuilder, node: Any, a: dict) -> Value:
     index = a["index"] % x.type.shape[axis]
     piece = _slice(b, x, axis, index, index + 1, hint=f"{node.name}_slice")
     return reshape_to(b, piece, result_type(b, node).shape)
+
+
+# --- indexing -------------------------------------------------------------------------------------------
+
+def _indices(b: GraphBuilder, x: Any, what: str) -> Value:
+    v = tensor(b, x, what)
+    if not v.type.dtype.is_int:
+        raise b.error(f"{what} must be integers, not {v.type.dtype}")
+    return v
+
+
+@converts("aten.embedding")
+def _embedding(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # padding_idx, scale_grad_by_freq and sparse change only the gradient: the lookup is a gather of rows
+    weight = tensor(b, a["weight"], "the weight")
+    if weight.type.rank != 2:
+        raise b.error(f"embedding weight must be 2-D [num_embeddings, dim], got {weight.type}")
+    return b.value("ge.gather", [weight, _indices(b, a["indices"], "the indices")], {"axis": 0})
+
+
+@converts("aten.index_select")
+def _index_select(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    index = _indices(b, a["index"], "the index")
+    if index.type.rank > 1:
+        raise b.error(f"index_select takes a 1-D index, got {index.type}")
+    if index.type.rank == 0:  # torch keeps the dimension: a scalar index selects one slice
+        index = reshape_to(b, index, (1,), hint=f"{node.name}_index")
+    axis = _axis(b, a["dim"], max(x.type.rank, 1))
+    return b.value("ge.gather", [x, index], {"axis": axis})
+
+
+@converts("aten.index")
+def _index(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # x[..., i, ...] with one integer index tensor: the slices it names, in its place (np.take along that dim)
+    x = tensor(b, _input(a), "the input")
+    given = list(a["indices"])
+    while given and given[-1] is None:
+        given.pop()
+    at = [k for k, t in enumerate(given) if t is not None]
+    for k in at:
+        if isinstance(given[k], Value) and given[k].type.dtype is DType.i1:
+            raise b.error("indexing with a boolean mask: its result's size depends on the mask's values, and GEIR's "
+                          "shapes are known when the graph is compiled (torch.where or masked_fill keep the shape)")
+    if len(at) != 1:
+        raise b.error(f"indexing with {len(at)} index tensors at once is not supported (GEIR gathers along one "
+                      f"dimension: index one dimension at a time)")
+    return b.value("ge.gather", [x, _indices(b, given[at[0]], "the index")], {"axis": _axis(b, at[0], x.type.rank)})
+
+
+@converts("aten.cumsum")
+def _cumsum(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # torch sums integers and booleans in int64 unless told a dtype: the result's dtype is what it traced
+    x = operand(b, tensor(b, _input(a), "the input"), result_dtype(b, node))
+    if x.type.rank == 0:
+        return x
+    return b.value("ge.cumsum", [x], {"axis": _axis(b, a["dim"], x.type.rank)})
 
 
 # --- reductions and normalisation ---------------------------------------------------------------------

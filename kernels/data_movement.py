@@ -19,6 +19,12 @@ per tile MTE2 loads the source pieces into a UB slot, the vector unit permutes t
 reorders elements (transpose, ND <-> NZ), and MTE3 stores the tile; with 2 buffers the load of the
 next tile overlaps the store of this one. Waves deal tiles to every vector unit (`VectorLanes`).
 
+**Gather** (`ge.gather`, an embedding lookup with run-time indices) copies whole table rows by index
+(template Gather): per tile MTE2 loads the tile's indices, then each of its rows from the table by a DMA
+of its own (one start latency per row), and MTE3 stores the tile's rows, which are consecutive in the
+output. Which table rows a tile reads depends on the index values, and the timing never does: its bytes
+are exact and their fractal ids the tile's proportional position in the table (as for strided copies).
+
 **Views and constants.** `ge.reshape` of ND data is a view: no cost; the result shares the
 operand's residency (`alias`). `ge.const` has no kernel: `lower` turns each constant into an
 `rt.const` that the Runtime copies into device memory once, when the program is loaded (host link
@@ -34,11 +40,14 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels import vector_tiling as tiling_rules
+from geir.kernels import gather_tiling, vector_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, issue, register_kernel
+from geir.kernels.gather_tiling import GatherTiling
 from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import VectorTiling
-from geir.target_npu.sim import BlockSets, CapacityError, Cores, GlobalMemory, spread, vector_cycles
+from geir.ops.indexing import index_problem
+from geir.ops.numerics import normalize_axis
+from geir.target_npu.sim import BlockSets, CapacityError, Cores, DeviceFault, GlobalMemory, spread, vector_cycles
 from geir.target_npu.target import Target
 
 FRACTAL = 16  # rows and columns of one GM residency block
@@ -598,3 +607,81 @@ class ReshapeKernel(_CopyKernel):
         if ctx.operand_names and ctx.result_names:
             alias(ctx.gm, ctx.operand_names[0], ctx.result_names[0])
         return [op.compute(inputs[0])]
+
+
+@register_kernel
+class GatherKernel(Kernel):
+    """Table rows copied by run-time index: MTE2 the tile's indices and its rows, MTE3 the rows out."""
+
+    OPS = ("ge.gather",)
+    TILING = GatherTiling
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> GatherTiling | Miss:
+        return choice(lambda: gather_tiling.choose_gather_tiling(sig, target, buffers))
+
+    def budget(self, tiling: GatherTiling, sig: OpSignature, target: Target) -> Budget:
+        return gather_tiling.gather_budget(tiling, sig, target)
+
+    def shrink(self, tiling: GatherTiling) -> tuple[GatherTiling, str] | None:
+        return gather_tiling.shrink_gather(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[GatherTiling]:
+        return gather_tiling.gather_candidates(sig, target, buffers)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: GatherTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        table, indices = inputs
+        axis = normalize_axis(op.axis, table.ndim)
+        outer, dim, inner = math.prod(table.shape[:axis]), table.shape[axis], math.prod(table.shape[axis + 1:])
+        n = indices.size
+        R = outer * n
+        rows, cols, buffers = tiling.rows, max(tiling.cols, 1), tiling.buffers
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target,
+                      f"{buffers} x the indices and {rows} rows of {cols} elements")
+        out = np.empty(table.shape[:axis] + indices.shape + table.shape[axis + 1:], dtype=table.dtype)
+        if out.size == 0:
+            return [out]
+        if ctx.compute:  # an index outside the table is an access the device faults on
+            problem = index_problem(indices, dim, axis)
+            if problem is not None:
+                raise DeviceFault(problem)
+            index = indices.reshape(-1).astype(np.int64) % dim
+            table3, out2 = table.reshape(outer, dim, inner), out.reshape(R, inner)
+        gm = ctx.gm
+        table_gm = gm_tensor(gm, ctx.operand_names[0], table.shape, table.dtype.itemsize)
+        index_gm = gm_tensor(gm, ctx.operand_names[1], indices.shape, indices.dtype.itemsize)
+        out_gm = gm_tensor(gm, ctx.result_names[0], out.shape, out.dtype.itemsize)
+        pieces = -(-inner // cols)
+        blocks = -(-R // rows)
+        nt = blocks * pieces
+        lanes = VectorLanes(ctx)
+        slots = UbSlots(ctx.cores, buffers, ctx.waits)
+        latency = gm.latency
+        for wave, on in lanes.waves(nt):
+            block, piece = wave // pieces, wave % pieces
+            r0 = block * rows
+            r1 = np.minimum(r0 + rows, R)
+            c0 = piece * cols
+            c1 = np.minimum(c0 + cols, inner)
+            count = r1 - r0
+            if ctx.compute:  # the numbers: the wave's rows, by index (pieces of rows one tile at a time)
+                if pieces == 1:
+                    r = np.arange(int(r0[0]), int(r1[-1]))
+                    out2[r] = table3[r // n, index[r % n]]
+                else:
+                    for a, b, x, y in zip(r0, r1, c0, c1):
+                        r = np.arange(a, b)
+                        out2[r, x:y] = table3[r // n, index[r % n], x:y]
+            # the timing: the tile's indices (one DMA), its rows (one DMA each), its rows out
+            idx = flat_pieces(index_gm, r0, r1) if outer == 1 else share_pieces(index_gm, block, blocks, count)
+            load = gm_read(gm, index_gm, idx)
+            load = load + gm_read(gm, table_gm, share_pieces(table_gm, wave, nt, count * (c1 - c0)))
+            load = load + (count - 1) * latency
+            if pieces == 1:
+                store = gm_write(gm, out_gm, flat_pieces(out_gm, r0 * inner, r1 * inner))
+            else:  # pieces of rows are strided in the output: one DMA a row
+                store = gm_write(gm, out_gm, share_pieces(out_gm, wave, nt, count * (c1 - c0))) + (count - 1) * latency
+            slots.step(lanes.used(on), lanes.per_lane(on, load), None, lanes.per_lane(on, store),
+                       names=("load indices and rows", "gather", "store rows"))
+        return [out]

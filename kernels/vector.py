@@ -1,4 +1,5 @@
-"""Vector kernels: elementwise ops, fused elementwise chains, reductions, softmax, layer norm and RMS norm.
+"""Vector kernels: elementwise ops, fused elementwise chains, reductions, softmax, layer norm and RMS norm,
+running sums (cumsum) and arange.
 
 Tiles come from the tile pass (template VectorElementwise: `elems` per tile; VectorRow: `rows`
 whole rows of `cols` elements, in `segments` pieces when a row does not fit UB). A wave deals one
@@ -13,6 +14,9 @@ live in one place; each result is rounded to its dtype as `run_op` rounds it.
                   reduction and normalisation, MTE3 the rows (or one value per row for reduce_*).
                   Segmented rows: a statistics pass over the segments (running max and sum, running
                   mean and M2, sum of squares), then an apply pass that reads each segment again.
+    cumsum        template VectorScan: per tile of `rows` steps of the scanned axis for a unit's `cols` sums,
+                  MTE2 the tile, VECTOR one add a step, MTE3 the tile; the sums carry to the next tile.
+    arange        per tile VECTOR the progression, MTE3 it; nothing is loaded.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from geir.kernels.data_movement import (
     share_pieces,
 )
 from geir.kernels.tiling import Budget, Miss, OpSignature, choice
-from geir.kernels.vector_tiling import RowTiling, VectorTiling, reduced_axes
+from geir.kernels.vector_tiling import RowTiling, ScanTiling, VectorTiling, reduced_axes
 from geir.opdef import ops_with_trait
 from geir.ops.fused import chainable_ops
 from geir.ops.numerics import round_to, work
@@ -198,6 +202,137 @@ class ElementwiseKernel(FlatTiledKernel):
             slots.step(used, lanes.per_lane(on, load), lanes.per_lane(on, lanes.vector(count * work_bytes, passes)),
                        lanes.per_lane(on, store), after=[ready[used]], names=("load tiles", op.name[3:], "store tile"))
         return [out.reshape(shape)]
+
+
+@register_kernel
+class ArangeKernel(FlatTiledKernel):
+    """`ge.arange` not folded away (a sequence too long for a literal): per tile the vector unit writes the
+    progression into UB (Ascend C's ArithProgression: one instruction per element, as other ops without a
+    longer sequence) and MTE3 stores it; nothing is loaded."""
+
+    OPS = ("ge.arange",)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        elems, nbuf = tiling.elems, tiling.buffers
+        total = op.length
+        out_dt = op.dtype.np
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target, f"{nbuf} x the tiles of {elems} elements")
+        out = np.empty(total, dtype=out_dt)
+        if total == 0:
+            return [out]
+        out_gm = gm_tensor(ctx.gm, ctx.result_names[0], out.shape, out.dtype.itemsize)
+        lanes = VectorLanes(ctx)
+        cores = ctx.cores
+        free = np.zeros((nbuf, cores.count))  # when each UB slot's previous tile was stored
+        work_bytes = max(out.dtype.itemsize, 4 if _is_half(out_dt) else 0)
+        passes = 1 + (CAST_PASSES // 2 if _is_half(out_dt) else 0)  # f16/bf16: made in f32, cast on the way out
+        nt = -(-total // elems)
+        for n, (wave, on) in enumerate(lanes.waves(nt)):
+            lo = wave * elems
+            hi = np.minimum(lo + elems, total)
+            if ctx.compute:  # the numbers: the op's own sequence for the wave's range
+                a0, a1 = int(lo[0]), int(hi[-1])
+                out[a0:a1] = _cast(op.values(a0, a1), out_dt)
+            used = lanes.used(on)
+            s = n % nbuf
+            made = issue(cores, ctx.waits, "VECTOR", used, lanes.per_lane(on, lanes.vector((hi - lo) * work_bytes, passes)),
+                         [], [free[s, used]], name="arange")
+            store = lanes.per_lane(on, gm_write(ctx.gm, out_gm, flat_pieces(out_gm, lo, hi)))
+            free[s, used] = issue(cores, ctx.waits, "MTE3", used, store, [made], name="store tile")
+        return [out]
+
+
+# --- running sums ----------------------------------------------------------------------------------------
+
+@register_kernel
+class CumsumKernel(Kernel):
+    """`ge.cumsum` as Ascend C scans a tile: the scanned axis laid out as rows, one vector add per row adding
+    it to the running sums of the row before (`cols` sums side by side), the last row's sums carried to the
+    unit's next tile. Each unit owns `cols` of the independent sums and walks the whole axis in tiles of
+    `rows` steps: MTE2 the tile, VECTOR `rows` adds over `cols` elements, MTE3 the tile.
+
+    Each sum is added in order, element after element, as numpy's cumsum adds: the results are bit-identical.
+    """
+
+    OPS = ("ge.cumsum",)
+    TILING = ScanTiling
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> ScanTiling | Miss:
+        return choice(lambda: tiling_rules.choose_scan_tiling(sig, target, buffers))
+
+    def budget(self, tiling: ScanTiling, sig: OpSignature, target: Target) -> Budget:
+        return tiling_rules.scan_budget(tiling, sig, target)
+
+    def shrink(self, tiling: ScanTiling) -> tuple[ScanTiling, str] | None:
+        return tiling_rules.shrink_scan(tiling)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[ScanTiling]:
+        return tiling_rules.scan_candidates(sig, target, buffers)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: ScanTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        x = inputs[0]
+        axis = op.axis % x.ndim
+        rows, cols, nbuf = tiling.rows, max(tiling.cols, 1), tiling.buffers
+        C, M = x.shape[axis], math.prod(d for i, d in enumerate(x.shape) if i != axis)
+        out_dt = result_dtype(op, 0, x.dtype)
+        self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target,
+                      f"{nbuf} x tiles of {rows} steps of {cols} sums, the working tile and the carried sums")
+        moved_shape = (C,) + tuple(d for i, d in enumerate(x.shape) if i != axis)
+        if x.size == 0:
+            return [np.empty(x.shape, dtype=out_dt)]
+        halves = _is_half(x.dtype)
+        work_bytes = 4 if halves else x.dtype.itemsize
+        if ctx.compute:  # the scanned axis first, as rows; reverse: the rows from the end
+            y = np.moveaxis(work(x), axis, 0).reshape(C, M)
+            y = y[::-1] if op.reverse else y
+            out2 = np.empty((C, M), dtype=out_dt)
+            target2 = out2[::-1] if op.reverse else out2
+        io = _Streams(ctx)
+        lanes = io.lanes
+        x_gm = io.tensor(ctx.operand_names[0], x)
+        out_gm = gm_tensor(ctx.gm, ctx.result_names[0], x.shape, np.dtype(out_dt).itemsize)
+        units = -(-M // cols)
+        chunks = -(-C // rows)
+        slots = UbSlots(ctx.cores, nbuf, ctx.waits)
+        for wave, on in lanes.waves(units):
+            used = lanes.used(on)
+            a0, a1 = int(wave[0]) * cols, min((int(wave[-1]) + 1) * cols, M)
+            width = np.minimum((wave + 1) * cols, M) - wave * cols
+            carry = None
+            for k in range(chunks):
+                r0, r1 = k * rows, min((k + 1) * rows, C)
+                if ctx.compute:
+                    carry = self._chunk(op, y[r0:r1, a0:a1], target2[r0:r1, a0:a1], carry, out_dt)
+                count = (r1 - r0) * width
+                load = gm_read(ctx.gm, x_gm, share_pieces(x_gm, wave * chunks + k, units * chunks, count))
+                # one add per step over the unit's sums, and the 16-bit casts in and out over the tile
+                vec = lanes.vector(width * work_bytes, r1 - r0) + (lanes.vector(count * 4, CAST_PASSES) if halves else 0)
+                store = gm_write(ctx.gm, out_gm, share_pieces(out_gm, wave * chunks + k, units * chunks, count))
+                slots.step(used, lanes.per_lane(on, load), lanes.per_lane(on, vec), lanes.per_lane(on, store),
+                           names=("load tile", "cumsum", "store tile"))
+        if not ctx.compute:
+            return [np.empty(x.shape, dtype=out_dt)]
+        return [np.ascontiguousarray(np.moveaxis(out2.reshape(moved_shape), 0, axis))]
+
+    @staticmethod
+    def _chunk(op: Operation, tile: np.ndarray, out: np.ndarray, carry: np.ndarray | None,
+               out_dt: np.dtype) -> np.ndarray:
+        """Sum one tile of steps into `out` after the carried sums (None: the first tile); the new carry.
+
+        The carried row is the first term of the scan, so every sum is still added element after element.
+        """
+        sums = np.cumsum(tile if carry is None else np.concatenate([carry[None], tile]), axis=0, dtype=tile.dtype)
+        sums = sums if carry is None else sums[1:]
+        if op.exclusive:  # each step without its own term: the sums before it
+            first = np.zeros_like(sums[:1]) if carry is None else carry[None]
+            out[...] = _cast(np.concatenate([first, sums[:-1]]), out_dt)
+        else:
+            out[...] = _cast(sums, out_dt)
+        return sums[-1]
 
 
 # --- row ops -------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from geir.kernels.tiling import (
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
 
-ELEMENTWISE, ROW = "VectorElementwise", "VectorRow"
+ELEMENTWISE, ROW, SCAN = "VectorElementwise", "VectorRow", "VectorScan"
 COPY_TEMPLATES = ("DataCopy", "TransData", "VectorTranspose")
 SMALLEST_CHUNK = 32  # elements: the least a shrunk flat tile keeps
 
@@ -68,6 +68,26 @@ class RowTiling(KernelTiling):
     cores: int
     ub_bytes: int
     segments: int
+    work_units: int | None = never_printed(None)
+    rule: str = never_printed("")
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        return {"rows": self.rows, "cols": self.cols}
+
+
+@attrs.frozen
+class ScanTiling(KernelTiling):
+    """A running sum's tile: `rows` steps along the scanned axis of `cols` independent sums per vector unit."""
+
+    TEMPLATES = (SCAN,)
+
+    template: str
+    rows: int
+    cols: int
+    buffers: int
+    cores: int
+    ub_bytes: int
     work_units: int | None = never_printed(None)
     rule: str = never_printed("")
 
@@ -274,3 +294,82 @@ def row_candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[Row
     counts = {max(1, min(fit, -(-rows // p))) for p in pieces}
     return [_rows(r, chosen.cols, chosen.segments, rows, buffers, s, chip, f"candidate {r} rows a tile")
             for r in sorted(counts, reverse=True)]
+
+
+# --- running sums (ge.cumsum) -------------------------------------------------------------------------
+
+def scan_extent(sig: OpSignature) -> tuple[int | None, int | None]:
+    """(steps, sums) of a cumsum: the scanned axis's length, and how many independent running sums there are."""
+    x = sig.operands[0]
+    axis = sig.attr("axis", 0) % max(x.rank, 1)
+    return x.shape[axis], product(tuple(d for i, d in enumerate(x.shape) if i != axis))
+
+
+def _scan_bytes(rows: int, cols: int, sig: OpSignature, buffers: int, block: int) -> int:
+    # per buffer a tile in and out, each row of it in whole UB blocks; the f32 working tile where 16-bit
+    # floats are summed, and the carried row of sums (in the working precision)
+    x, out = sig.operands[0], sig.results[0]
+    work = F32_BYTES if x.dtype in (DType.f16, DType.bf16) else x.dtype.itemsize
+    streamed = buffers * rows * (align(cols * x.dtype.itemsize, block) + align(cols * out.dtype.itemsize, block))
+    working = rows * align(cols * work, block) if work != x.dtype.itemsize else 0
+    return streamed + working + align(cols * work, block)
+
+
+def choose_scan_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> ScanTiling:
+    """The independent sums split over the vector units (whole UB blocks of them a tile), as many steps of the
+    scanned axis a tile as fit UB; each unit walks the whole axis, carrying its sums from tile to tile."""
+    check_buffers(buffers)
+    chip = as_target(chip)
+    _check_types(sig)
+    steps, sums = scan_extent(sig)
+    if sums is None:
+        raise Untiled("the number of running sums is dynamic")
+    ub, block, vcores = chip.buffer_bytes("ub"), chip.data["memory"]["ub_block_bytes"], chip.vector_cores
+    per_block = max(block // sig.operands[0].dtype.itemsize, 1)
+    cols = align(max(-(-sums // vcores), 1), per_block)
+    while cols > per_block and _scan_bytes(1, cols, sig, buffers, block) > ub:
+        cols = align(cols // 2, per_block)
+    if _scan_bytes(1, cols, sig, buffers, block) > ub:
+        raise TilingError(f"no cumsum tiling fits {chip.name}: one step of {cols} sums needs "
+                          f"{_scan_bytes(1, cols, sig, buffers, block)} bytes of UB, which holds {ub}")
+    rows = 1
+    while _scan_bytes(rows * 2, cols, sig, buffers, block) <= ub and (steps is None or rows < steps):
+        rows *= 2
+    if steps is not None:
+        rows = max(1, min(rows, steps))
+    tiling = _scan(rows, cols, buffers, sig, chip, "")
+    rule = (f"{cols} running sums a unit, {rows} steps of the axis a tile; "
+            f"{tiling.work_units} work units over {tiling.cores} cores")
+    return attrs.evolve(tiling, rule=rule)
+
+
+def _scan(rows: int, cols: int, buffers: int, sig: OpSignature, chip: Target, rule: str) -> ScanTiling:
+    _, sums = scan_extent(sig)
+    work = -(-sums // cols) if sums else 0
+    block = chip.data["memory"]["ub_block_bytes"]
+    return ScanTiling(SCAN, rows, cols, buffers, max(min(work, chip.vector_cores), 1),
+                      _scan_bytes(rows, cols, sig, buffers, block), work, rule)
+
+
+def scan_budget(tiling: ScanTiling, sig: OpSignature, chip: Target) -> Budget:
+    """One vector unit's UB for a cumsum tile: the streamed tiles, the working tile and the carried sums."""
+    return Budget(_scan_bytes(tiling.rows, max(tiling.cols, 1), sig, tiling.buffers,
+                              chip.data["memory"]["ub_block_bytes"]), 0, 0, 0, 0)
+
+
+def shrink_scan(tiling: ScanTiling) -> tuple[ScanTiling, str] | None:
+    """Half the steps a tile: the sums are still added in the same order, bit-identical."""
+    return halve(tiling, "rows", 1)
+
+
+def scan_candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[ScanTiling]:
+    """The rule's sums a unit with power-of-two steps a tile, from the rule's down to 1."""
+    try:
+        chosen = choose_scan_tiling(sig, chip, buffers)
+    except (Untiled, TilingError):
+        return []
+    out, rows = [], chosen.rows
+    while rows >= 1:
+        out.append(_scan(rows, chosen.cols, buffers, sig, chip, f"candidate {rows} steps a tile"))
+        rows //= 2
+    return out

@@ -14,8 +14,9 @@ from geir.traits import Terminator
 
 
 def foldable(op: Operation, max_elements: int) -> bool:
-    """All operands are dense constants and every result is static and small enough to materialise."""
-    if isinstance(op, Const) or op.has_trait(Terminator) or not op.operands:
+    """All operands are dense constants (an op without operands, ge.arange, always folds) and every result is
+    static and small enough to materialise."""
+    if isinstance(op, Const) or op.has_trait(Terminator):
         return False
     if not all(isinstance(v.owner, Const) and isinstance(v.owner.value, DenseAttr) for v in op.operands):
         return False

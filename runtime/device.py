@@ -8,11 +8,9 @@ import numpy as np
 
 from geir.diagnostics import Diagnostic
 from geir.ir import Graph
+# the chip's fault, defined with the chip so kernels raise it too; the Runtime imports it from here
+from geir.target_npu.sim import DeviceFault
 from geir.types import TensorType
-
-
-class DeviceFault(RuntimeError):
-    """An access the device would fault on: outside its memory, or misaligned."""
 
 
 class DeviceMemory:

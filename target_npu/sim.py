@@ -21,6 +21,11 @@ PIPES = ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "SCALAR")
 PIPE_INDEX = {name: i for i, name in enumerate(PIPES)}
 
 
+class DeviceFault(RuntimeError):
+    """An access the device would fault on: outside its memory, misaligned, or outside the tensor an index
+    addresses (a kernel raises it; the Runtime reports it at the launch)."""
+
+
 class CapacityError(RuntimeError):
     """A tile that does not fit an on-chip buffer: names the buffer, the request and the capacity."""
 

@@ -503,3 +503,80 @@ def test_torch_exported_transformer_block(tmp_path):
         want = block(x).numpy()
     with np.load(tmp_path / "out.npz") as z:
         np.testing.assert_allclose(z["result0"], want, rtol=1e-4, atol=1e-4)
+
+
+# --- run-time indices, ranges, running sums and float tests ------------------------------------------------
+
+I64 = TensorProto.INT64
+
+
+def test_gather_with_run_time_indices_is_one_ge_gather():
+    # an embedding lookup: the table an initializer, the ids a graph input
+    table = randn(50, 8)
+    m = model([helper.make_node("Gather", ["w", "ids"], ["e"], axis=0),
+               helper.make_node("Gather", ["x", "j"], ["c"], axis=-1)],
+              [vi("ids", [2, 5], I64), vi("x", [3, 6]), vi("j", [4], TensorProto.INT32)],
+              [vi("e", [2, 5, 8]), vi("c", [3, 4])], [numpy_helper.from_array(table, "w")])
+    feeds = {"ids": rng.integers(-50, 50, (2, 5)), "x": randn(3, 6), "j": np.array([5, -1, 0, 2], np.int32)}
+    module, _ = check_against_onnx(m, feeds, rtol=0, atol=0)
+    assert ops(module).count("ge.gather") == 2 and "ge.slice" not in ops(module)
+
+
+def test_gather_with_indices_known_at_import_stays_slices():
+    m = model([helper.make_node("Gather", ["x", "i"], ["y"], axis=1)], [vi("x", [3, 6])], [vi("y", [3, 2])],
+              [numpy_helper.from_array(np.array([2, 3], np.int64), "i")])
+    module, _ = check_against_onnx(m, {"x": randn(3, 6)})
+    assert "ge.gather" not in ops(module)
+
+
+@pytest.mark.parametrize("start, limit, delta, dtype", [(0, 10, 3, np.int64), (5, -4, -2, np.int32),
+                                                        (0.5, 2.0, 0.25, np.float32)])
+def test_range_of_constants_is_a_constant_equal_to_onnx(start, limit, delta, dtype):
+    inits = [numpy_helper.from_array(np.array(v, dtype), n) for v, n in ((start, "s"), (limit, "l"), (delta, "d"))]
+    n = len(np.arange(start, limit, delta))
+    code = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    m = model([helper.make_node("Range", ["s", "l", "d"], ["r"]), helper.make_node("Add", ["r", "x"], ["y"])],
+              [vi("x", [n], code)], [vi("y", [n], code)], inits)
+    module, _ = check_against_onnx(m, {"x": np.ones(n, dtype)}, rtol=0, atol=0)
+    assert "ge.arange" not in ops(module)  # folded at import: GEIR's arange evaluated it
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("dtype, axis", [(np.float32, 1), (np.int64, 0), (np.int32, -1)])
+def test_cumsum_with_a_constant_axis_matches_onnx(dtype, axis, exclusive, reverse):
+    code = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    m = model([helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse)],
+              [vi("x", [4, 7], code)], [vi("y", [4, 7], code)],
+              [numpy_helper.from_array(np.array(axis, np.int64), "axis")])
+    x = randn(4, 7) if dtype == np.float32 else rng.integers(-9, 9, (4, 7)).astype(dtype)
+    module, _ = check_against_onnx(m, {"x": x})
+    assert ops(module)[0] == "ge.cumsum"
+
+
+def test_cumsum_with_a_run_time_axis_is_refused_as_unsupported():
+    m = model([helper.make_node("CumSum", ["x", "axis"], ["y"])], [vi("x", [4, 7]), vi("axis", [], I64)],
+              [vi("y", [4, 7])])
+    with pytest.raises(OnnxImportError, match="the axis is computed at run time") as info:
+        import_onnx(m)
+    assert info.value.unsupported
+
+
+@pytest.mark.parametrize("positive, negative", [(1, 1), (1, 0), (0, 1), (0, 0)])
+def test_isinf_sides_and_isnan_match_onnx(positive, negative):
+    m = model([helper.make_node("IsInf", ["x"], ["i"], detect_positive=positive, detect_negative=negative),
+               helper.make_node("IsNaN", ["x"], ["n"])],
+              [vi("x", [6])], [vi("i", [6], TensorProto.BOOL), vi("n", [6], TensorProto.BOOL)])
+    x = np.array([1.0, np.inf, -np.inf, np.nan, -0.0, 3e38], np.float32)
+    check_against_onnx(m, {"x": x}, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # ONNX's reference softmax of a -inf row
+def test_the_dynamo_exporters_softmax_isnan_where_runs():
+    # torch.onnx's SDPA spelling guards fully masked rows: Where(IsNaN(softmax), 0, softmax)
+    m = model([helper.make_node("Softmax", ["x"], ["p"], axis=-1), helper.make_node("IsNaN", ["p"], ["bad"]),
+               helper.make_node("Where", ["bad", "zero", "p"], ["y"])],
+              [vi("x", [2, 4])], [vi("y", [2, 4])], [numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    x = randn(2, 4)
+    x[1] = -np.inf
+    check_against_onnx(m, {"x": x})

@@ -33,18 +33,32 @@ ROWS = """ge.graph @main(%x: tensor<4x40000xf32>, %g: tensor<40000xf32>, %b: ten
 }
 """
 
+# an embedding lookup (whole rows, and rows too long for UB in pieces), running sums over several tiles
+# of steps and along the last axis, an arange and the float tests
+INDEXING = """ge.graph @main(%w: tensor<500x96xf16>, %ids: tensor<4x33xi64>, %long: tensor<6x70000xf32>, %j: tensor<5xi32>, %m: tensor<3000x40xf32>, %n: tensor<2x77xi64>) -> (tensor<4x33x96xf16>, tensor<5x70000xf32>, tensor<3000x40xf32>, tensor<2x77xi64>, tensor<3000xi32>, tensor<3000x40xi1>, tensor<4x33x96xi1>) {
+  %e = ge.gather %w, %ids {axis = 0}
+  %g = ge.gather %long, %j {axis = 0}
+  %c = ge.cumsum %m {axis = 0, exclusive = true}
+  %p = ge.cumsum %n {axis = 1, reverse = true}
+  %a = ge.arange {start = 0, limit = 3000, dtype = i32}
+  %nan = ge.isnan %m
+  %inf = ge.isinf %e
+  ge.return %e, %g, %c, %p, %a, %nan, %inf
+}
+"""
+
 PROGRAMS = [
     ("attention.geir", DEFAULT_PIPELINE), ("attention.geir", NO_FUSE_PIPELINE),
     ("gpt2_block.geir", DEFAULT_PIPELINE), ("gpt2_block.geir", NO_FUSE_PIPELINE),
     ("attention/additive_mask.geir", DEFAULT_PIPELINE), ("attention/bool_mask.geir", DEFAULT_PIPELINE),
     ("attention/causal.geir", DEFAULT_PIPELINE), ("attention/gqa.geir", DEFAULT_PIPELINE),
     ("doctor/single_buffer.geir", None), ("doctor/vector_bound.geir", DEFAULT_PIPELINE),
-    ("tour/step4_tiling.geir", DEFAULT_PIPELINE), (ROWS, DEFAULT_PIPELINE),
+    ("tour/step4_tiling.geir", DEFAULT_PIPELINE), (ROWS, DEFAULT_PIPELINE), (INDEXING, DEFAULT_PIPELINE),
 ]
 
 
 def _program(source: str, pipeline: str | None):
-    module = parse(source, "rows.geir") if source.startswith("ge.graph") else parse_file(str(EXAMPLES / source))
+    module = parse(source, "inline.geir") if source.startswith("ge.graph") else parse_file(str(EXAMPLES / source))
     weights = EXAMPLES / Path(source).with_suffix(".npz") if not source.startswith("ge.graph") else None
     resources = dict(np.load(weights)) if weights is not None and weights.exists() else {}
     if pipeline is not None:

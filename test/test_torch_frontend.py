@@ -381,12 +381,12 @@ def test_inputs_of_the_wrong_dtype_are_refused():
 # --- what cannot be imported ----------------------------------------------------------------------------
 
 def test_unsupported_op_names_the_op_and_the_node():
-    class Cumsum(nn.Module):
+    class Cumprod(nn.Module):
         def forward(self, x):
-            return torch.cumsum(x, dim=-1)
+            return torch.cumprod(x, dim=-1)
 
-    with pytest.raises(TorchImportError, match=r"aten\.cumsum\.default at node 'cumsum' \(.*test_torch_frontend\.py:\d+\)"):
-        from_module(Cumsum(), (_randn(4, 8),))
+    with pytest.raises(TorchImportError, match=r"aten\.cumprod\.default at node 'cumprod' \(.*test_torch_frontend\.py:\d+\)"):
+        from_module(Cumprod(), (_randn(4, 8),))
 
 
 def test_unsupported_dtype_is_named():
@@ -405,3 +405,97 @@ def test_two_dynamic_dims_in_one_reshape_are_refused():
     dims = {"x": {0: torch.export.Dim("batch", min=2, max=8), 1: torch.export.Dim("seq", min=2, max=64)}}
     with pytest.raises(TorchImportError, match=r"aten\.view\.default at node 'view'.*more than one run-time"):
         from_module(GPT2Block(), (_randn(2, 16, 64),), dynamic_shapes=dims)
+
+
+# --- indexing: what Hugging Face models do with token ids and masks ---------------------------------------
+
+class Embeddings(nn.Module):
+    """GPT-2's embeddings with HF's position ids from the attention mask (cumsum - 1, padding filled with 1)."""
+
+    def __init__(self, vocab: int = 120, positions: int = 32, d: int = 64):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(positions, d)
+
+    def forward(self, ids, mask):
+        pos = mask.long().cumsum(-1) - 1
+        pos = pos.masked_fill(mask == 0, 1)
+        return self.wte(ids) + self.wpe(pos), pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_embedding_and_position_ids_from_the_mask_match_torch(dtype):
+    model = _perturb(Embeddings()).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 120, (2, 16), generator=gen)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    fast = compile(model, (ids, mask))
+    assert {"ge.gather", "ge.cumsum"} <= set(ops_of(fast.module.graphs[0]))
+    h, pos = fast(ids, mask)
+    want_h, want_pos = model(ids, mask)
+    assert torch.equal(pos, want_pos)
+    assert h.dtype == dtype and torch.equal(h, want_h)  # a lookup and one add: the same bits as torch
+
+
+def test_index_select_cumsum_and_float_tests_match_torch():
+    class Assorted(nn.Module):
+        def forward(self, x, y, i):
+            flags = torch.where(torch.isinf(x), 1.0, 0.0) + torch.where(torch.isnan(x), 2.0, 0.0)
+            return (torch.index_select(x, 1, i), torch.index_select(x, 0, i[0]), flags, torch.cumsum(y, dim=0),
+                    torch.arange(3, 40, 5) + i[:1])
+
+    x, y = _randn(6, 50), _randn(40, 3, seed=1)
+    x[0, 3], x[2, 7], x[4, 1] = float("inf"), float("-inf"), float("nan")
+    i = torch.tensor([4, 0, 4, 49, 7])
+    fast = compile(Assorted(), (x, y, i))
+    got, want = fast(x, y, i), Assorted()(x, y, i)
+    for k in (0, 1, 2, 4):  # moved or tested elements, and integers: exactly torch's (NaN where torch has NaN)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True)
+    class Cumsum(nn.Module):
+        def forward(self, y):
+            return torch.cumsum(y, dim=0)
+
+    assert_matches(got[3], *_reference(Cumsum(), (y,)))
+    ops = set(ops_of(fast.module.graphs[0]))
+    assert {"ge.gather", "ge.isinf", "ge.isnan", "ge.cumsum"} <= ops and "ge.arange" not in ops  # a static arange folds
+
+
+def test_isnan_of_an_integer_tensor_is_all_false_like_torch():
+    class IntNan(nn.Module):
+        def forward(self, i):
+            return torch.isnan(i)
+
+    i = torch.tensor([[1, 2], [3, 4]])
+    fast = compile(IntNan(), (i,))
+    assert torch.equal(fast(i), torch.isnan(i))
+
+
+
+def test_indexing_with_one_integer_tensor_is_a_gather_like_torch():
+    class Index(nn.Module):
+        def forward(self, x, i, j):
+            return x[:, i], x[j], x[..., i]
+
+    x = _randn(5, 7, 9)
+    i, j = torch.tensor([[0, 3], [-1, 2]]), torch.tensor([4, -5, 0])
+    fast = compile(Index(), (x, i, j))
+    assert ops_of(fast.module.graphs[0]).count("ge.gather") == 3
+    for got, want in zip(fast(x, i, j), Index()(x, i, j)):
+        assert torch.equal(got, want)
+
+
+def test_indexing_with_a_boolean_mask_or_two_index_tensors_is_refused_with_the_reason():
+    class Masked(nn.Module):
+        def forward(self, x, m):
+            return x[m]
+
+    class Pairs(nn.Module):
+        def forward(self, x, i, j):
+            return x[i, j]
+
+    x, j = _randn(5, 7), torch.tensor([4, 0])
+    with pytest.raises(TorchImportError, match=r"aten\.index\.Tensor at node .*boolean mask: its result's size depends"):
+        from_module(Masked(), (x, x > 0))
+    with pytest.raises(TorchImportError, match="2 index tensors at once is not supported"):
+        from_module(Pairs(), (x, j, j))

@@ -32,17 +32,18 @@ TRAITS = [t for _, t in inspect.getmembers(traits, inspect.isclass) if issubclas
 # What each trait holds of today's ops, written out independently of the declarations.
 ELEMENTWISE = {f"ge.{n}" for n in (
     "add", "sub", "mul", "div", "max", "min", "pow", "greater", "less", "equal", "select",
-    "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast",
+    "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast", "isinf", "isnan",
 )}
 EXPECTED = {
     traits.Elementwise: ELEMENTWISE | {"ge.fused_elementwise"},
-    traits.InPlaceCapable: ELEMENTWISE | {"ge.fused_elementwise"},
+    # a float test's i1 result is never the size of its float operand
+    traits.InPlaceCapable: ELEMENTWISE - {"ge.isinf", "ge.isnan"} | {"ge.fused_elementwise"},
     traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention"},
     traits.CubeOp: {"ge.matmul", "ge.fused_matmul", "ge.flash_attention"},
     traits.RowWise: {"ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm"},
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
     traits.ShapeView: {"ge.reshape"},
-    traits.DataMovement: {"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data"},
+    traits.DataMovement: {"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data", "ge.gather"},
     traits.NoKernel: {"ge.const", "ge.return"},
     traits.Terminator: {"ge.return", "rt.return"},
 }
@@ -99,7 +100,8 @@ ATTRS: dict[str, list[dict[str, Any]]] = {
 }
 # ops whose values the oracle cannot judge: no operands, or values passed through unchanged (trans_data
 # changes the storage format only, so it would look elementwise, but it moves bytes and computes nothing)
-UNJUDGED = {"ge.const", "ge.return", "ge.trans_data"}
+# (arange has no operands either; gather's indices are integers, which the oracle's float operands are not)
+UNJUDGED = {"ge.const", "ge.return", "ge.trans_data", "ge.arange", "ge.gather"}
 # the ops that compute across elements, with operands (4x4 float32 unless given) and attributes
 ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.matmul": (2, {}),
@@ -116,6 +118,7 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.concat": (2, {"axis": 0}),
     "ge.split": (1, {"axis": 1, "sizes": [1, 3]}),
     "ge.slice": (1, {"axes": [0], "starts": [1], "ends": [3]}),
+    "ge.cumsum": (1, {"axis": 1}),
 }
 
 

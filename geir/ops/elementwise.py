@@ -119,6 +119,25 @@ for _name, (_fn, _float_only) in _UNARY.items():
     )
 
 
+class FloatTest(Operation):
+    """A test of each float element; the result is i1 (never the size of its operand: not InPlaceCapable)."""
+
+    OPERAND_NAMES = ("x",)
+    TRAITS = (Elementwise,)
+    fn: Callable[[np.ndarray], np.ndarray]
+
+    def infer(self, x: TensorType) -> TensorType:
+        require_float(x)
+        return TensorType(x.shape, DType.i1)
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        return type(self).fn(work(x))
+
+
+for _name, _fn in {"isinf": np.isinf, "isnan": np.isnan}.items():
+    op(f"ge.{_name}")(type(_name.capitalize(), (FloatTest,), {"fn": staticmethod(_fn), "__doc__": f"elementwise {_name}, i1"}))
+
+
 @op("ge.gelu")
 class Gelu(Unary):
     """GELU, exact (`approximate = "none"`) or with the tanh approximation."""
