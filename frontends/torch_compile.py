@@ -64,6 +64,8 @@ class GeirGraph:
         self.compiled: dict[tuple, Any] = {}
         # why the whole graph runs eagerly (an op GEIR has no mapping for), once known
         self.eager_reason: str | None = None
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self._returns_list = isinstance(output.args[0], list)
         if all(_concrete(x) for x in example_inputs) and not _needs_autograd(example_inputs):
             # compile now, as other backends do, so that an unsupported op is reported at torch.compile time;
             # with symbolic shapes (Dynamo's automatic dynamic) it waits for the real inputs of a call
@@ -87,11 +89,6 @@ class GeirGraph:
             return self.gm(*args)
         # Dynamo's graphs return a tuple or a list of outputs; give back the kind the graph does
         return list(outs) if isinstance(outs, (tuple, list)) and self._returns_list else outs
-
-    @property
-    def _returns_list(self) -> bool:
-        out = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
-        return isinstance(out.args[0], list)
 
     def _compiled_for(self, args: list[Any]) -> Any:
         """The CompiledModule for these inputs' signature, compiling it on first sight; None to run eagerly."""
