@@ -538,6 +538,66 @@ def _gather_known(b: GraphBuilder, node: Node, data: Tensor, indices: Tensor) ->
     return [reshape_to(b, picked, shape)]
 
 
+# GatherElements is spelled as a one-hot selection summed over the gathered axis; past this many elements
+# in that selection the spelling costs more than it is worth (constant inputs then go to ONNX's evaluator)
+MAX_GATHER_ELEMENTS_SELECTION = 1 << 24
+
+
+@converter("GatherElements")
+def _gather_elements(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """GatherElements as GEIR ops: out[.., t, ..] = sum over s of select(index[.., t, ..] == s, data[.., s, ..], -0).
+
+    The builder folds it with GEIR's own semantics when the inputs are constants (ONNX's reference
+    evaluator gathers with np.choose, which takes at most 64 choices, so BERT's 64 positions broke it),
+    and keeps it in the graph when they are not. The sum of one picked element and -0.0s is that element
+    exactly (NaN and inf included); only a picked -0.0 comes out as 0.0, as numpy's sum starts from +0.0.
+    """
+    data = required(xs, 0, "data")
+    index = required(xs, 1, "indices")
+    if index.rank != data.rank:
+        raise ImportProblem(f"indices have rank {index.rank}, but the data has rank {data.rank}", unsupported=False)
+    axis = normalize_axis(node.attr("axis", 0), data.rank)
+    if None in data.shape or None in index.shape:
+        raise ImportProblem("GatherElements on a shape known only at run time")
+    n = data.shape[axis]
+    for d, (have, want) in enumerate(zip(data.shape, index.shape)):
+        if d != axis and want > have:
+            raise ImportProblem(f"indices have {want} elements along axis {d}, but the data only {have}",
+                                unsupported=False)
+    if multiply_dims(index.shape) * n > MAX_GATHER_ELEMENTS_SELECTION:
+        raise ImportProblem(f"GatherElements selecting from {n} elements for each of {multiply_dims(index.shape)} "
+                            f"indices (GEIR spells it as a selection of at most {MAX_GATHER_ELEMENTS_SELECTION})")
+    if index.type.dtype not in (DType.i32, DType.i64):
+        raise ImportProblem(f"indices must be integers, not {index.type.dtype}", unsupported=False)
+    # the data's elements each output element may read: the index's extent on the other axes
+    ends = [n if d == axis else want for d, want in enumerate(index.shape)]
+    if any(e != have for e, have in zip(ends, data.shape)):
+        data = b.emit1("ge.slice", [data], {"axes": list(range(data.rank)), "starts": [0] * data.rank, "ends": ends})
+    # dims: [before axis] + [t: the index's position] + [s: the data's position] + [after axis]
+    picked_shape = tuple(index.shape[:axis]) + (index.shape[axis], n) + tuple(index.shape[axis + 1:])
+    iota = np.arange(n, dtype=index.type.dtype.np).reshape((n,) + (1,) * (data.rank - axis - 1))
+    if index.is_const:
+        flat = np.asarray(index.array)
+        bad = (flat < -n) | (flat >= n)
+        if bad.any():
+            raise ImportProblem(f"index {int(flat[bad].reshape(-1)[0])} is out of range for axis {axis} of size {n}",
+                                unsupported=False)
+        normalized = np.where(flat < 0, flat + n, flat)
+        mask = b.const(np.expand_dims(normalized, axis + 1) == iota)
+    else:  # indices computed at run time: the same arithmetic in the graph (negative ones count from the end)
+        negative = b.emit1("ge.less", [index, scalar(b, 0, index)])
+        normalized = b.emit1("ge.select", [negative, b.emit1("ge.add", [index, scalar(b, n, index)]), index])
+        expanded = reshape_to(b, normalized, tuple(index.shape[:axis + 1]) + (1,) + tuple(index.shape[axis + 1:]))
+        mask = b.emit1("ge.equal", [expanded, b.const(iota)])
+    boolean = data.type.dtype is DType.i1
+    values = b.emit1("ge.cast", [data], {"to": DType.i8}) if boolean else data
+    values = reshape_to(b, values, tuple(data.shape[:axis]) + (1, n) + tuple(data.shape[axis + 1:]))
+    neutral = scalar(b, -0.0 if values.type.dtype.is_float else 0, values)
+    chosen = b.emit1("ge.select", [mask, values, neutral])  # values broadcast along t
+    out = b.emit1("ge.reduce_sum", [chosen], {"axes": [axis + 1], "keepdims": False})
+    return [b.emit1("ge.cast", [out], {"to": DType.i1}) if boolean else out]
+
+
 @converter("Pad")
 def _pad(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     """Pad with a constant: slabs concatenated on either side (negative pads cut)."""

@@ -8,6 +8,11 @@
     y = fast(x)                                  # torch tensors in and out, computed on the simulated NPU
     fast.profile()                               # the last run's figures (simulated time, pipes, kernels)
 
+    fast = torch.compile(model.eval(), backend="geir")   # TorchDynamo's way in: registered by this import
+    with torch.no_grad():
+        y = fast(x)                              # each captured graph on the simulated NPU; what GEIR cannot
+                                                 # run, eagerly with a GeirFallbackWarning naming the op
+
 Only this module and its `torch_*` siblings import torch, so `import geir` works without it.
 """
 
@@ -23,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from geir.builder import clone_graph
 from geir.frontends.torch_builder import TorchImportError, from_numpy, geir_dtype, to_numpy
+from geir.frontends.torch_compile import GeirFallbackWarning, geir_backend, register
 from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.ir import Graph, Module
 from geir.printer import print_module
@@ -31,7 +37,8 @@ from geir.session import DEFAULT_PIPELINE, Session, run_program
 from geir.target_npu.target import DEFAULT_TARGET
 
 
-__all__ = ["CompiledModule", "TorchImportError", "compile", "export", "from_exported", "from_module", "save"]
+__all__ = ["CompiledModule", "GeirFallbackWarning", "TorchImportError", "compile", "export", "from_exported",
+           "from_module", "geir_backend", "save"]
 
 
 def export(module: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: Any = None) -> ImportedProgram:
@@ -141,3 +148,8 @@ def save(module: Module, path: str | Path) -> tuple[Path, Path | None]:
 
 def _storable(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+
+
+# torch.compile(model, backend="geir") works once this module is imported (the entry point in
+# pyproject.toml does the same for an installed GEIR without the import)
+register()

@@ -130,6 +130,12 @@ class Operation:
             except ValueError:
                 pass
 
+    def __str__(self) -> str:
+        """The op's IR text, as MLIR's bindings print an operation."""
+        from geir.printer import print_op  # the printer imports this module
+
+        return print_op(self)
+
     def __repr__(self) -> str:
         return f"<{self.name} at {self.loc}>"
 
@@ -201,6 +207,16 @@ class Graph:
             if not op.erased and (name is None or op.name == name):
                 yield op
 
+    def __str__(self) -> str:
+        """The graph's IR text (what `print_graph` writes), as MLIR's and xDSL's bindings print IR."""
+        from geir.printer import print_graph  # the printer imports this module
+
+        return print_graph(self)
+
+    def __repr__(self) -> str:
+        # short on purpose: attrs' generated repr would dump every op and every weight array
+        return f"<{self.kind} @{self.name}: {_count(len(self.args), 'arg')}, {_count(len(self.ops), 'op')}>"
+
     @property
     def terminator(self) -> Operation:
         return self.ops[-1]
@@ -229,4 +245,24 @@ class Module:
         if len(self.graphs) == 1:
             return self.graphs[0]
         raise KeyError("main")
+
+    def __str__(self) -> str:
+        """The module's IR text (what `print_module` writes), as MLIR's and xDSL's bindings print IR."""
+        from geir.printer import print_module  # the printer imports this module
+
+        return print_module(self)
+
+    def __repr__(self) -> str:
+        # names and counts only, never the weight arrays in `resources`
+        names = ", ".join(f"@{g.name}" for g in self.graphs[:4]) + (", ..." if len(self.graphs) > 4 else "")
+        parts = [_count(sum(len(g.ops) for g in self.graphs), "op")]
+        if len(self.graphs) != 1:
+            parts.insert(0, _count(len(self.graphs), "graph"))
+        if self.resources:
+            parts.append(_count(len(self.resources), "resource"))
+        return f"<Module {names or '(empty)'}: {', '.join(parts)}>"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 

@@ -546,3 +546,67 @@ def test_inputs_a_dynamic_graph_cannot_take_are_an_error(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", x=np.zeros((3, 5), np.float32))
     rc, _, err = gerun([f, "--inputs", tmp_path / "bad.npz"], capsys)
     assert rc == 1 and "has shape [3, 5]" in err and "Traceback" not in err
+
+
+# --- bf16 inputs as numpy stores them -------------------------------------------------------------------
+
+BF16_GRAPH = """
+ge.graph @main(%x: tensor<4x8xbf16>, %y: tensor<4x8xbf16>) -> (tensor<4x8xbf16>, tensor<4x8xbf16>) {
+  %s = ge.add %x, %y
+  %p = ge.mul %x, %y
+  ge.return %s, %p
+}
+"""
+
+
+def test_bf16_inputs_saved_by_np_savez_run_as_bf16(tmp_path, capsys):
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((4, 8)).astype(np.float32).astype(bf16) for _ in range(2))
+    np.savez(tmp_path / "raw.npz", x=x, y=y)
+    assert np.load(tmp_path / "raw.npz")["x"].dtype == np.dtype("V2")  # what np.savez makes of bf16
+    np.savez(tmp_path / "f32.npz", x=x.astype(np.float32), y=y.astype(np.float32))
+    f = write(tmp_path, "m.geir", BF16_GRAPH)
+    results = {}
+    for name in ("raw", "f32"):
+        rc, out, err = gerun([f, "--inputs", tmp_path / f"{name}.npz", "--check", "-o", tmp_path / f"{name}_out.npz"],
+                             capsys)
+        assert rc == 0 and err == "" and "check: PASS" in out
+        with np.load(tmp_path / f"{name}_out.npz") as z:
+            results[name] = [z["result0"], z["result1"]]
+    # numpy on the same values: one op each, exact in f32 and rounded once to bf16
+    xf, yf = x.astype(np.float32), y.astype(np.float32)
+    want = [(xf + yf).astype(bf16).astype(np.float32), (xf * yf).astype(bf16).astype(np.float32)]
+    for got in results.values():
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("graph, array, message", [
+    # 2-byte void stands for bf16 only
+    ("ge.graph @main(%x: tensor<4x8xf16>) -> tensor<4x8xf16> {\n  ge.return %x\n}\n", np.zeros((4, 8), "V2"),
+     "input 'x' in '{npz}' holds |V2 data, which no GEIR dtype stands for"),
+    # and bf16 is 2 bytes wide: other void widths are no bf16
+    ("ge.graph @main(%x: tensor<4x8xbf16>) -> tensor<4x8xbf16> {\n  ge.return %x\n}\n", np.zeros((4, 8), "V4"),
+     "input 'x' in '{npz}' holds |V4 data, which no GEIR dtype stands for"),
+])
+def test_void_inputs_that_are_not_bf16_are_errors(tmp_path, capsys, graph, array, message):
+    f = write(tmp_path, "m.geir", graph)
+    npz = tmp_path / "in.npz"
+    np.savez(npz, x=array)
+    rc, out, err = gerun([f, "--inputs", npz], capsys)
+    assert rc == 1 and err == f"gerun: error: {message.format(npz=npz)}\n"
+
+
+def test_gedoctor_takes_bf16_inputs_as_numpy_stores_them(tmp_path, capsys):
+    import ml_dtypes
+
+    from geir.tools.gedoctor import main as gedoctor_main
+
+    f = write(tmp_path, "m.geir", BF16_GRAPH)
+    x = np.ones((4, 8), ml_dtypes.bfloat16)
+    np.savez(tmp_path / "raw.npz", x=x, y=x)
+    assert gedoctor_main([str(f), "--inputs", str(tmp_path / "raw.npz"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["culprit"] and "error" not in err

@@ -580,3 +580,78 @@ def test_the_dynamo_exporters_softmax_isnan_where_runs():
     x = randn(2, 4)
     x[1] = -np.inf
     check_against_onnx(m, {"x": x})
+
+
+# --- GatherElements: GEIR's ops, not ONNX's reference evaluator ---------------------------------------------
+# (ONNX's reference gathers with np.choose, which takes at most 64 choices: BERT's 64 positions broke the import)
+
+def gather_elements_model(data_shape, index_shape, axis, data=None, index=None, dtype=F32):
+    """GatherElements(data, index) + 0 (so the output is a graph op); data and index are initializers when given."""
+    nodes = [helper.make_node("GatherElements", ["data", "index"], ["g"], axis=axis)]
+    inputs, inits = [], []
+    for name, shape, value, t in (("data", data_shape, data, dtype), ("index", index_shape, index, TensorProto.INT64)):
+        if value is None:
+            inputs.append(vi(name, shape, t))
+        else:
+            inits.append(numpy_helper.from_array(value, name))
+    out_t = dtype
+    if not inputs:  # all constant: an argument keeps the graph from folding to nothing
+        inputs.append(vi("x", index_shape, dtype))
+        nodes.append(helper.make_node("Add" if dtype != TensorProto.BOOL else "Or", ["g", "x"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["g"], ["y"]))
+    return model(nodes, inputs, [vi("y", index_shape, out_t)], inits, opset=17)
+
+
+@pytest.mark.parametrize("n, axis", [(64, 1), (100, 1), (512, 0), (65, -1)])
+def test_gather_elements_on_constants_with_64_or_more_positions(n, axis):
+    r = np.random.default_rng(n)
+    data_shape = (n, 3) if axis == 0 else (3, n)
+    index_shape = (7, 3) if axis == 0 else (3, 7)
+    data = r.standard_normal(data_shape).astype(np.float32)
+    data.flat[0], data.flat[1] = np.inf, np.nan  # picked as they are
+    index = r.integers(-n, n, size=index_shape).astype(np.int64)
+    index.flat[0], index.flat[1] = 0, 1 - n if axis else 0
+    module, weights = import_onnx(gather_elements_model(data_shape, index_shape, axis, data, index))
+    assert ops(module) == ["ge.const", "ge.add", "ge.return"]  # folded at import
+    x = np.zeros(index_shape, np.float32)
+    (got,) = run_graph(module.graph(), {"x": x}, resources=weights)
+    want = np.take_along_axis(data, np.where(index < 0, index + n, index), axis=axis)
+    assert np.isnan(want).any() and np.isinf(want).any()
+    assert np.array_equal(got, want + x, equal_nan=True)
+
+
+def test_gather_elements_on_run_time_values_stays_in_the_graph():
+    n = 80
+    r = np.random.default_rng(1)
+    module, _ = import_onnx(gather_elements_model((4, n, 2), (4, 9, 2), 1))
+    assert "ge.select" in ops(module) and "ge.reduce_sum" in ops(module)
+    data = r.standard_normal((4, n, 2)).astype(np.float32)
+    index = r.integers(-n, n, size=(4, 9, 2)).astype(np.int64)
+    (got,) = run_graph(module.graph(), {"data": data, "index": index})
+    assert np.array_equal(got, np.take_along_axis(data, np.where(index < 0, index + n, index), axis=1))
+
+
+def test_gather_elements_of_booleans_and_a_smaller_index_extent():
+    r = np.random.default_rng(2)
+    data = r.random((5, 70)) < 0.5
+    index = r.integers(0, 70, size=(3, 4)).astype(np.int64)  # 3 of the 5 rows: the data is read where index reaches
+    module, weights = import_onnx(gather_elements_model((5, 70), (3, 4), 1, data, index, dtype=TensorProto.BOOL))
+    (got,) = run_graph(module.graph(), {"x": np.zeros((3, 4), bool)}, resources=weights)
+    assert got.dtype == np.bool_ and np.array_equal(got, np.take_along_axis(data[:3], index, axis=1))
+
+
+def test_gather_elements_index_out_of_range_is_a_diagnostic():
+    data = randn(3, 70)
+    index = np.array([[0, 70]] * 3, dtype=np.int64)
+    with pytest.raises(OnnxImportError, match=r"\(GatherElements\): index 70 is out of range for axis 1 of size 70"):
+        import_onnx(gather_elements_model((3, 70), (3, 2), 1, data, index))
+
+
+def test_a_failing_reference_evaluation_is_a_diagnostic(tmp_path, capsys):
+    # an op GEIR has no converter for, on constants, that ONNX's reference evaluator rejects: one line, exit 1
+    # (the determinant of a 2x3 matrix: numpy's det refuses a matrix that is not square)
+    nodes = [helper.make_node("Det", ["m"], ["d"]), helper.make_node("Add", ["x", "d"], ["y"])]
+    inits = [numpy_helper.from_array(np.ones((2, 3), np.float32), "m")]
+    err = geimport_error(model(nodes, [vi("x", [1])], [vi("y", [1])], inits, opset=17), tmp_path, capsys)
+    assert "(Det): evaluating it at import time failed" in err and "Traceback" not in err

@@ -283,3 +283,41 @@ def test_empty_constants_of_any_rank_round_trip():
     assert verify_module(m)
     back = m.graphs[0].ops[0]
     assert back.value.to_array(back.result.type).shape == (0, 3)
+
+
+STR_TEXT = (
+    "ge.graph @main(%x: tensor<4x64xf32>) -> tensor<4x64xf32> {\n"
+    "  %w = ge.const dense_resource<\"w\"> : tensor<64x64xf32>\n"
+    "  %b = ge.const dense<[1.0, 2.0, 3.0, 4.0]> : tensor<4x1xf32>\n"
+    "  %y = ge.matmul %x, %w : tensor<4x64xf32>\n"
+    "  %z = ge.add %y, %b : tensor<4x64xf32>\n"
+    "  ge.return %z\n"
+    "}\n"
+    "\n"
+    "ge.graph @other(%a: tensor<2xf16>) -> tensor<2xf16> {\n"
+    "  %n = ge.neg %a : tensor<2xf16>\n"
+    "  ge.return %n\n"
+    "}\n"
+)
+
+
+def test_str_of_a_module_or_graph_is_its_ir_text():
+    # as MLIR's and xDSL's Python bindings do: str() is the printer's text, and it parses back
+    m = parse(STR_TEXT)
+    assert str(m) == print_module(m) == STR_TEXT
+    assert str(parse(str(m))) == str(m)
+    assert [str(g) for g in m.graphs] == [print_graph(g) for g in m.graphs]
+    assert str(m.graph()) == STR_TEXT.split("\n\n")[0] + "\n"
+    assert str(m.graph().ops[2]) == "%y = ge.matmul %x, %w : tensor<4x64xf32>"
+    assert f"{m}" == STR_TEXT  # formatting uses it too
+
+
+def test_repr_of_a_module_is_short_and_never_dumps_weights():
+    m = parse(STR_TEXT)
+    m.resources["w"] = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    m.resources["big"] = np.zeros((1024, 1024), np.float32)
+    r = repr(m)
+    assert r == "<Module @main, @other: 2 graphs, 7 ops, 2 resources>"
+    assert repr(m.graph()) == "<ge.graph @main: 1 arg, 5 ops>"
+    assert repr(Graph("g", [], [])) == "<ge.graph @g: 0 args, 0 ops>"
+    assert len(repr(parse(STR_TEXT.split("\n\n")[0]))) < 40
