@@ -390,7 +390,8 @@ def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling
             continue
         refusal = kernel.refuses(_launch_signature(op), target)
         if refusal is not None:
-            problems.append(Diagnostic("error", f"{op.kernel} cannot run: {refusal}", op.loc))
+            problems.append(Diagnostic("error", f"{op.kernel} cannot run: {refusal} (GE places such an op on the AI "
+                                                f"CPU: a launch with engine = \"aicpu\")", op.loc))
             continue
         try:
             tilings[id(op)] = kernel.decode(op.tiling, f"the tiling of {op.kernel}") if op.tiling else None
