@@ -15,6 +15,7 @@ class DType(enum.Enum):
     f16 = "f16"
     bf16 = "bf16"
     f32 = "f32"
+    f64 = "f64"  # no AI Core kernel takes it: GE places ops on f64 on the AI CPU engine
     i8 = "i8"
     i32 = "i32"
     i64 = "i64"
@@ -37,7 +38,7 @@ class DType(enum.Enum):
 
     @property
     def is_float(self) -> bool:
-        return self in (DType.f16, DType.bf16, DType.f32)
+        return self in (DType.f16, DType.bf16, DType.f32, DType.f64)
 
     @property
     def is_int(self) -> bool:
@@ -61,6 +62,7 @@ def _load_bfloat16() -> None:
 _NUMPY = {
     DType.f16: np.dtype(np.float16),
     DType.f32: np.dtype(np.float32),
+    DType.f64: np.dtype(np.float64),
     DType.i8: np.dtype(np.int8),
     DType.i32: np.dtype(np.int32),
     DType.i64: np.dtype(np.int64),

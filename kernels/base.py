@@ -67,6 +67,9 @@ class KernelStats:
     flops: float
     # the pipes' idle time by cause, when the Runtime counted it
     waits: PipeWaits | None = None
+    # where it ran: "aicore" (a tiled kernel on the AI cores) or "aicpu" (the op's semantics on the AI CPU;
+    # `cores` are then AI CPU cores and `busy` is all zero: no AI Core pipe worked)
+    engine: str = "aicore"
 
     @property
     def cycles(self) -> float:
@@ -87,7 +90,12 @@ class Kernel:
     TILING: ClassVar[type[KernelTiling]] = KernelTiling
 
     def refuses(self, sig: OpSignature, target: Target) -> str | None:
-        """Why this kernel cannot compute the op on these operands at all (a dtype its units lack), or None."""
+        """Why this kernel cannot compute the op on these operands at all (a dtype its units lack), or None.
+
+        By default: an operand or result of an element type the AI Core does not compute (f64)."""
+        for t in sig.operands + sig.results:
+            if t is not None and t.dtype.value not in target.aicore_dtypes:
+                return f"the AI Core of {target.name} has no {t.dtype} unit"
         return None
 
     def needs_tiling(self, sig: OpSignature) -> bool:

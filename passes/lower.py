@@ -9,7 +9,9 @@ when the program is loaded (`rt.const`); every other value lives in the arena at
 `plan` pass chose. Kernels go on compute streams: an op continues the stream of the first op it
 depends on unless another op has already continued it (a fork), in which case it opens a new
 stream, so independent branches run on separate streams. Every dependency that crosses streams
-becomes an `rt.record` after the producer and an `rt.wait` before the consumer.
+becomes an `rt.record` after the producer and an `rt.wait` before the consumer. An op GE placed on
+the AI CPU becomes an `rt.launch` with `engine = "aicpu"` on a stream like any other: the streams
+order it with the AI Core's launches, and the Runtime runs it on the AI CPU engine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from geir.diagnostics import error
 from geir.ir import Graph, Module, Operation, Value
 from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.passes.placement import AICPU, ENGINE_ATTR, engine_of
 from geir.traits import Terminator
 
 ALIGN = 512
@@ -114,9 +117,12 @@ def lower_graph(graph: Graph) -> Graph:
             for user in pages.take(offset, r.type.nbytes, r, op):
                 if b.stream_of.get(id(user)) not in (None, stream):
                     b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
-        attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset")}
-        launch_attrs: dict[str, Any] = {"kernel": op.name, "offsets": [arena_base + o for o in op.attributes["mem_offset"]],
-                                        "stream": stream}
+        attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", ENGINE_ATTR)}
+        launch_attrs: dict[str, Any] = {"kernel": op.name}
+        if engine_of(op) == AICPU:
+            # GE placed it on the AI CPU: the Runtime runs the op's semantics there, ordered by the same streams
+            launch_attrs["engine"] = AICPU
+        launch_attrs.update(offsets=[arena_base + o for o in op.attributes["mem_offset"]], stream=stream)
         if attrs_:
             launch_attrs["attrs"] = attrs_
         if "tiling" in op.attributes:

@@ -1,4 +1,6 @@
-"""tile: ask each op's kernel for its tiling (the kernel's TilingInterface), checked against the target's buffers."""
+"""tile: place each op on an engine, then ask each AI Core op's kernel for its tiling (the kernel's
+TilingInterface), checked against the target's buffers. Ops the AI Core cannot take go to the AI CPU
+(geir.passes.placement) and need no tiling."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from geir.ir import Module, Operation
 from geir.kernels import KERNELS
 from geir.kernels.tiling import KernelTiling, Miss, OpSignature
 from geir.passes.pass_manager import Pass, PassContext, register_pass
+from geir.passes.placement import AICPU, ENGINE_ATTR, Unplaceable, place_op
 from geir.target_npu.target import Target, load_target
+from geir.traits import NoKernel
 
 
 @attrs.frozen
@@ -32,7 +36,9 @@ class TilingDecision:
 
 @register_pass("tile")
 class Tile(Pass):
-    """Put `tiling = {...}` on each kernel op: FlashAttention templates, matmul blocks, vector tiles."""
+    """Place each op on the AI Core or the AI CPU; put `tiling = {...}` on each AI Core op.
+
+    Tilings: FlashAttention templates, matmul blocks, vector tiles; ops placed on the AI CPU need none."""
 
     REQUIRES = ("infer-shapes",)
     target: str = ""  # empty: the context's --target
@@ -52,9 +58,21 @@ class Tile(Pass):
         chip = load_target(self.target or ctx.target)
         for graph in module.graphs:
             for op in graph.walk():
-                kernel = KERNELS.get(op.name)
-                if kernel is None:
-                    continue  # constants and the terminator become no kernel
+                if op.has_trait(NoKernel):
+                    continue  # constants and the terminator become no task
+                try:
+                    placement = place_op(op, chip)
+                except Unplaceable as e:
+                    ctx.error(str(e), op.loc)
+                    continue
+                ctx.record(placement)
+                if placement.engine == AICPU:
+                    op.attributes[ENGINE_ATTR] = AICPU
+                    op.attributes.pop("tiling", None)  # the AI CPU runs the op whole
+                    ctx.remark(placement.render(), op.loc)
+                    continue
+                op.attributes.pop(ENGINE_ATTR, None)
+                kernel = KERNELS[op.name]
                 sig = OpSignature.of(op)
                 if not kernel.needs_tiling(sig):
                     continue

@@ -3,7 +3,10 @@
 It is the only place tasks are ordered. Each stream is a queue; `rt.record` / `rt.wait` order
 streams against each other. Host-device copies run on the copy engine over the host link;
 kernels run on the AI cores, one launch at a time, and each kernel times its own tiles on the
-cores' pipes. Every task and (when asked) every pipe interval is recorded.
+cores' pipes. Launches GE placed on the AI CPU (`engine = "aicpu"`) run on the AI CPU engine, one
+task at a time beside the AI cores: the op's own numpy semantics on its operands in device memory,
+timed by the AI CPU cost model (geir.runtime.aicpu); the streams order them with the AI Core's
+launches. Every task and (when asked) every pipe interval is recorded.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from geir.diagnostics import Diagnostic
 from geir.ir import Graph, Operation, Value
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, flops_of, measure
+from geir.ops.rt import ENGINES
+from geir.reference import run_op
+from geir.runtime.aicpu import NoAicpu, aicpu_cost, has_semantics
 from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
 from geir.runtime.device import DeviceFault, DeviceMemory, memory_layout
 from geir.runtime.launch_memo import LaunchMemo
-from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
+from geir.target_npu.sim import PIPES, CapacityError, Cores, GlobalMemory
 from geir.target_npu.target import Target
 from geir.types import TensorType
 
@@ -45,6 +51,8 @@ class Task:
     label: str = ""
     inputs: tuple[TensorType, ...] = ()
     outputs: tuple[TensorType, ...] = ()
+    # a kernel's engine: "aicore" or "aicpu" (copies run on the copy engine and keep the default)
+    engine: str = "aicore"
 
 
 @attrs.define
@@ -116,6 +124,7 @@ class Runtime:
         streams: dict[int, float] = {}
         events: dict[int, float] = {}
         copy_free = 0.0
+        aicpu_free = 0.0  # when the AI CPU engine is done with the tasks given it so far
         submitted = 0.0  # the Runtime's host thread: when it has submitted the tasks so far
         tasks: list[Task] = []
         kernels: list[KernelStats] = []
@@ -167,6 +176,15 @@ class Runtime:
                     if op.event not in events:
                         raise RuntimeFailure(f"{op.loc}: wait for event {op.event}, which nothing recorded before")
                     streams[op.stream] = max(streams.get(op.stream, 0.0), events[op.event])
+                elif name == "rt.launch" and op.engine == AICPU:
+                    submitted += self.submit_us
+                    streams[op.stream] = max(streams.get(op.stream, 0.0), submitted)
+                    stats = self._aicpu_launch(op, device, where, gm, streams, aicpu_free, len(kernels), faults)
+                    aicpu_free = stats.end / self.cycles_per_us
+                    kernels.append(stats)
+                    tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
+                                      stats.end / self.cycles_per_us, submitted, op.results[0].name or "",
+                                      tuple(v.type for v in op.operands), tuple(r.type for r in op.results), AICPU))
                 elif name == "rt.launch":
                     submitted += self.submit_us
                     streams[op.stream] = max(streams.get(op.stream, 0.0), submitted)
@@ -256,6 +274,58 @@ class Runtime:
                                    f"remaining cores", "cost_us": (lost.end - lost.start) / self.cycles_per_us})
         return stats, survivors
 
+    def _aicpu_launch(self, op: Operation, device: DeviceMemory, where: dict[int, int], gm: GlobalMemory,
+                      streams: dict[int, float], aicpu_free: float, index: int, faults: list) -> KernelStats:
+        """Run one AI CPU task: after its stream and the AI CPU's previous task, the op's semantics on its
+        operands in device memory, timed by the AI CPU cost model; results stored when it completes.
+
+        Faults: an AI CPU task keeps no tile on chip (ub_overflow: nothing to re-tile); when an AI CPU core
+        stops (core), the lost attempt takes its time and the task runs again on the remaining cores.
+        """
+        kernel_op = detached_op(op)
+        read = sum(v.type.nbytes for v in op.operands)
+        written = sum(r.type.nbytes for r in op.results)
+        elements = sum(r.type.num_elements for r in op.results)
+        flops = flops_of(kernel_op)
+        try:
+            cost = aicpu_cost(elements, flops, read + written, self.target)
+        except NoAicpu as e:
+            raise RuntimeFailure(f"{op.loc}: {op.kernel}: {e}") from None
+        start_us = max(streams.get(op.stream, 0.0), aicpu_free)
+        time_us = cost.time_us
+        if ("ub_overflow", index) in self.faults:
+            faults.append({"kind": "ub_overflow", "task": index, "op": op.kernel, "loc": str(op.loc),
+                           "recovery": "the task runs on the AI CPU with no tile on chip: nothing to re-tile, "
+                                       "it ran as planned"})
+        if ("core", index) in self.faults:
+            spare = self.target.data["aicpu"]["cores"] - 1
+            if spare < 1:
+                raise RuntimeFailure(f"{op.loc}: the only AI CPU core stopped during kernel #{index} ({op.kernel})")
+            again = aicpu_cost(elements, flops, read + written, self.target, cores=spare)
+            faults.append({"kind": "core", "task": index, "op": op.kernel, "loc": str(op.loc), "core": 0,
+                           "recovery": f"AI CPU core 0 stopped; the task ran again on the {spare} remaining AI CPU "
+                                       f"cores", "cost_us": time_us})
+            time_us += again.time_us
+        outs: list = [None] * len(op.results)  # timing only: no values
+        if not self.timing_only:
+            args = [device.view(where[id(v)], v.type) for v in op.operands]
+            outs = run_op(kernel_op, args)  # the op's own semantics, each result rounded to its dtype
+        for r, offset, array in zip(op.results, op.offsets, outs):
+            if array is not None:
+                device.write(offset, r.type, array)
+            where[id(r)] = offset
+            gm.forget(_gm_name(offset))  # new data the AI cores have not read through L2
+        # the AI CPU reads and writes global memory past L2 (not modelled): every byte is an HBM byte
+        gm.gm_read_bytes += read
+        gm.gm_write_bytes += written
+        gm.hbm_read_bytes += read
+        gm.hbm_write_bytes += written
+        end_us = start_us + time_us
+        streams[op.stream] = end_us
+        cpu = self.cycles_per_us
+        return KernelStats(op.kernel, None, start_us * cpu, end_us * cpu, cost.cores, dict.fromkeys(PIPES, 0.0),
+                           read, written, read, written, flops, None, AICPU)
+
     def _launch(self, op: Operation, tiling: KernelTiling | None, device: DeviceMemory, where: dict[int, int],
                 cores: Cores, gm: GlobalMemory, streams: dict[int, float], fault: str | None = None,
                 commit: bool = True) -> KernelStats:
@@ -307,13 +377,21 @@ def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling
     for op in program.ops:
         if op.name != "rt.launch":
             continue
+        if op.engine == AICPU:
+            tilings[id(op)] = None  # the AI CPU runs the op whole, with its numpy semantics
+            if not has_semantics(detached_op(op)):
+                problems.append(Diagnostic("error", f"{op.kernel} (%{op.results[0].name if op.results else '?'}) "
+                                                    f"cannot run on the AI CPU: it has no numpy semantics",
+                                           op.attr_loc("kernel")))
+            continue
         kernel = KERNELS.get(op.kernel)
         if kernel is None:
             problems.append(Diagnostic("error", f"no kernel implements {op.kernel}", op.attr_loc("kernel")))
             continue
         refusal = kernel.refuses(_launch_signature(op), target)
         if refusal is not None:
-            problems.append(Diagnostic("error", f"{op.kernel} cannot run: {refusal}", op.loc))
+            problems.append(Diagnostic("error", f"{op.kernel} cannot run: {refusal} (GE places such an op on the AI "
+                                                f"CPU: a launch with engine = \"aicpu\")", op.loc))
             continue
         try:
             tilings[id(op)] = kernel.decode(op.tiling, f"the tiling of {op.kernel}") if op.tiling else None
@@ -324,6 +402,9 @@ def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling
             problems.append(Diagnostic("error", f"{op.kernel} has no tiling: run the tile pass before lowering",
                                        op.loc))
     return tilings, problems
+
+
+AICORE, AICPU = ENGINES
 
 
 def without_core(cores: Cores, dead: int) -> Cores:

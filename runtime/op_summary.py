@@ -40,7 +40,9 @@ kernel used is counted for the kernel's whole span (aic_total_cycles = kernel cy
 target whose AI cores hold both units (910A, 310P) every kernel is an AI_CORE task on its cores,
 and the `aic_` and `aiv_` columns split that one core's pipes by unit. A view (a reshape of ND
 data) keeps no core busy and takes no time: it is no device task and has no row, as msprof's table,
-built from the device's task records, has none.
+built from the device's task records, has none. An op GE placed on the AI CPU is an AI_CPU task, as
+msprof types AI CPU operators: Block Dim is the AI CPU cores its blocks ran on, and every AI Core
+column (aicore_time, the aic_ and aiv_ figures, cube_utilization) is 0, as no AI Core worked on it.
 
 Numbers are written as msprof writes them: microseconds and ratios to 3 decimals, cycles as integers.
 """
@@ -127,7 +129,7 @@ class OpSummaryRow:
     stream_id: int
     op_name: str
     op_type: str
-    task_type: str  # AI_CORE, AI_VECTOR_CORE or MIX_AIC
+    task_type: str  # AI_CORE, AI_VECTOR_CORE, MIX_AIC or AI_CPU
     task_start_us: float
     task_duration_us: float
     task_wait_us: float
@@ -163,7 +165,7 @@ class OpSummaryRow:
 
 
 def op_summary_rows(result: RunResult) -> list[OpSummaryRow]:
-    """The op_summary rows of one run, in start order (the launch order: kernels run one at a time)."""
+    """The op_summary rows of one run, in start order (AI Core kernels run one at a time; an AI CPU task may overlap them)."""
     return op_summary_rows_of_runs([result])
 
 
@@ -225,6 +227,8 @@ def _tensor_fields(task) -> dict:
 
 def _fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: Target) -> dict:
     """Every field of a kernel's row except the wait, which depends on the row before it."""
+    if k.engine == "aicpu":
+        return _aicpu_fields(k, task_id, stream, start_us, target)
     per_cube = int(target.data["cores"].get("vector_per_cube", 1))
     split = per_cube > 1  # cube and vector units are separate cores (Atlas A2)
     lanes = k.cores
@@ -274,6 +278,17 @@ def _fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: 
         aiv_vec_time_us=vec[0], aiv_vec_ratio=vec[1], aiv_mte2_time_us=aiv_mte2[0], aiv_mte2_ratio=aiv_mte2[1],
         aiv_mte3_time_us=mte3[0], aiv_mte3_ratio=mte3[1], cube_utilization_pct=cube_use,
     )
+
+
+def _aicpu_fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: Target) -> dict:
+    """An AI CPU task's row: its time and AI CPU cores; no AI Core pipe worked, so their columns are 0."""
+    zero = ("aicore_time_us", "aic_total_cycles", "aic_mac_time_us", "aic_mac_ratio", "aic_mte1_time_us",
+            "aic_mte1_ratio", "aic_mte2_time_us", "aic_mte2_ratio", "aic_fixpipe_time_us", "aic_fixpipe_ratio",
+            "aiv_time_us", "aiv_total_cycles", "aiv_vec_time_us", "aiv_vec_ratio", "aiv_mte2_time_us",
+            "aiv_mte2_ratio", "aiv_mte3_time_us", "aiv_mte3_ratio", "cube_utilization_pct")
+    return dict(device_id=0, task_id=task_id, stream_id=stream, op_name=k.name, op_type=k.name, task_type="AI_CPU",
+                task_start_us=start_us, task_duration_us=k.cycles * 1e6 / target.clock_hz, block_dim=k.cores,
+                mix_block_dim=0, **dict.fromkeys(zero, 0.0))
 
 
 def _cell(row: OpSummaryRow, field: str | None) -> str:

@@ -15,6 +15,11 @@ Definitions (per kernel, then over the run weighted by kernel time):
   clipped to [0, 1]; 0 when they ran one after the other, 1 when one was wholly hidden.
 - `memory_bound`: mte2 time / max(cube time, vector time), as msprof defines it.
 - `tflops` and `cube_peak_fraction`: FLOPs over kernel time, against the chip's f16 cube peak.
+
+A kernel runs on an engine (`engine` in its entry): `aicore`, a tiled kernel on the AI cores, or
+`aicpu`, an op GE placed on the AI CPU. An AI CPU task keeps no AI Core pipe busy: the run's pipe
+ratios, overlap_ratio and memory_bound are over the AI Core kernels; its time counts in
+`kernel_time_us` and its FLOPs in `tflops`.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def _figures(busy: dict[str, float], core_cycles: float, elapsed_per_core: float
 def kernel_profile(k: KernelStats, target: Target) -> dict[str, Any]:
     """One kernel's figures."""
     seconds = k.cycles / target.clock_hz
-    entry: dict[str, Any] = {"name": k.name, "tiling": k.tiling.to_attr() if k.tiling else {}, "time_us": seconds * 1e6, "cores": k.cores}
+    entry: dict[str, Any] = {"name": k.name, "engine": k.engine, "tiling": k.tiling.to_attr() if k.tiling else {},
+                             "time_us": seconds * 1e6, "cores": k.cores}
     entry.update(_figures(k.busy, k.cycles * k.cores, k.cycles, k.cores, k.flops, seconds, target))
     entry.update(gm_read_bytes=k.gm_read_bytes, gm_write_bytes=k.gm_write_bytes,
                  hbm_read_bytes=k.hbm_read_bytes, hbm_write_bytes=k.hbm_write_bytes)
@@ -83,12 +89,17 @@ def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,
     work that this run waited for (its compile or re-plan)."""
     target = result.target
     kernels = result.kernels
-    busy = {p: sum(k.busy[p] for k in kernels) for p in PIPE_INDEX}
-    core_cycles = sum(k.cycles * k.cores for k in kernels)
-    kernel_cycles = sum(k.cycles for k in kernels)
-    mean_cores = core_cycles / kernel_cycles if kernel_cycles else 0.0
+    # the pipes' figures are the AI cores': an AI CPU task's cores are ARM cores with no such pipes
+    aicore = [k for k in kernels if k.engine == "aicore"]
+    busy = {p: sum(k.busy[p] for k in aicore) for p in PIPE_INDEX}
+    core_cycles = sum(k.cycles * k.cores for k in aicore)
+    aicore_cycles = sum(k.cycles for k in aicore)
+    mean_cores = core_cycles / aicore_cycles if aicore_cycles else 0.0
+    figures = _figures(busy, core_cycles, aicore_cycles, mean_cores, 0.0, 0.0, target)
     flops = sum(k.flops for k in kernels)
-    figures = _figures(busy, core_cycles, kernel_cycles, mean_cores, flops, kernel_cycles / target.clock_hz, target)
+    seconds = sum(k.cycles for k in kernels) / target.clock_hz
+    figures["tflops"] = flops / seconds / 1e12 if seconds > 0 else 0.0
+    figures["cube_peak_fraction"] = flops / seconds / cube_peak_flops(target) if seconds > 0 else 0.0
     gm = result.gm
     out: dict[str, Any] = time_split(result, host_ge_us)
     out.update({key: figures[key] for key in (*_RATIO_PIPES,
@@ -146,15 +157,17 @@ def format_profile(p: dict[str, Any]) -> str:
         *(mib(key) for key in ("gm_read_bytes", "gm_write_bytes", "hbm_read_bytes", "hbm_write_bytes")),
         "",
         "per kernel: time_us its simulated time, cores the cores it ran on, then the figures above",
-        "(overlap = overlap_ratio, mem_bnd = memory_bound, TFLOP/s = tflops, peak% = 100 x cube_peak_fraction)",
+        "(overlap = overlap_ratio, mem_bnd = memory_bound, TFLOP/s = tflops, peak% = 100 x cube_peak_fraction;",
+        "engine: aicore, or aicpu for an op GE placed on the AI CPU, whose cores are AI CPU cores)",
         f"{'kernel':<24}{'time_us':>10}{'cores':>6}{'mte2':>7}{'mte1':>7}{'cube':>7}{'vec':>7}{'mte3':>7}{'fixp':>7}"
-        f"{'overlap':>8}{'mem_bnd':>8}{'TFLOP/s':>9}{'peak%':>7}",
+        f"{'overlap':>8}{'mem_bnd':>8}{'TFLOP/s':>9}{'peak%':>7}{'engine':>8}",
     ]
     for k in p["kernels"]:
         lines.append(f"{k['name']:<24}{k['time_us']:>10.2f}{k['cores']:>6}{k['mte2_ratio']:>7.2f}{k['mte1_ratio']:>7.2f}"
                      f"{k['cube_ratio']:>7.2f}"
                      f"{k['vec_ratio']:>7.2f}{k['mte3_ratio']:>7.2f}{k['fixp_ratio']:>7.2f}{k['overlap_ratio']:>8.2f}"
-                     f"{k['memory_bound']:>8.2f}{k['tflops']:>9.2f}{100 * k['cube_peak_fraction']:>7.1f}")
+                     f"{k['memory_bound']:>8.2f}{k['tflops']:>9.2f}{100 * k['cube_peak_fraction']:>7.1f}"
+                     f"{k.get('engine', 'aicore'):>8}")
     return "\n".join(lines)
 
 
@@ -164,7 +177,9 @@ def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | 
     - process "host": track "GE" (GE's host work before the run, from 0) and track "Runtime" (the
       submission of each task, one after another);
     - process "device": one track per Runtime stream (stream 0: the copies), each task on its stream;
-    - one process per core, one track per pipe.
+    - one process per core, one track per pipe;
+    - process "AI CPU" (when the run has AI CPU tasks): its one track holds each task GE placed on the
+      AI CPU engine, when it ran there (the task is on its stream's track as well, as every task is).
     GE's spans come first; the Runtime starts submitting when GE is done, and every device event sits
     on that axis after it. Events are in time order on every track.
     """
@@ -195,6 +210,12 @@ def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | 
         spans.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": DEVICE_PID, "tid": t.stream,
                       "ts": offset + t.start_us, "dur": max(t.end_us - t.start_us, 0.0),
                       "args": {"stream": t.stream, "submitted_us": offset + t.submitted_us}})
+        if t.engine == "aicpu":
+            if AICPU_PID not in named:
+                meta(AICPU_PID, AICPU_TID, "AI CPU", "AI CPU")
+            spans.append({"ph": "X", "name": t.name, "cat": "aicpu", "pid": AICPU_PID, "tid": AICPU_TID,
+                          "ts": offset + t.start_us, "dur": max(t.end_us - t.start_us, 0.0),
+                          "args": {"stream": t.stream, "node": t.label}})
     pipes = list(PIPE_INDEX)
     seen: set[tuple[int, int]] = set()
     for iv in result.cores.intervals:
@@ -213,3 +234,5 @@ def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | 
 HOST_PID, GE_TID, RUNTIME_TID = 0, 0, 1
 DEVICE_PID = 1
 CORE_PID0 = 2
+# the AI CPU engine's process: far above any core's (CORE_PID0 + core)
+AICPU_PID, AICPU_TID = 100_000, 0

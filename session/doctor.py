@@ -8,7 +8,9 @@ The seed article's three questions, asked in its order, each answered with simul
    ratio and memory_bound, and how long the compute pipes sat idle waiting on data flags or on a
    free buffer slot (the Runtime books every pipe's idle time when the doctor runs it).
 3. Kernels: is each near its limit? Achieved FLOP/s against the roofline for its arithmetic
-   intensity (geir.runtime.roofline), with its busiest pipe.
+   intensity (geir.runtime.roofline), with its busiest pipe. An op GE placed on the AI CPU (no AI
+   Core kernel takes it) has no AI Core kernel to judge: when it costs a large share of the time it
+   is the kernel layer's finding, named with GE's reason for the placement and its time.
 
 The culprit is the first layer, in that order, with a finding past its threshold; the finding
 that decided it carries the evidence. Before them, on the run's one timeline: GE's host work
@@ -48,7 +50,8 @@ from geir.session.fusion_probe import (
 from geir.runtime.interpreter import RunResult, Runtime, RuntimeFailure
 from geir.runtime.profile import kernel_profile
 from geir.runtime.roofline import Roofline, roofline
-from geir.session.pipeline import compile_module
+from geir.passes.placement import Placement
+from geir.session.pipeline import compile_module, lowering_pipeline, run_passes
 from geir.target_npu.sim import PIPES
 from geir.target_npu.target import Target, load_target
 from geir.types import TensorType
@@ -122,6 +125,12 @@ class KernelView:
     figures: dict[str, Any]
     roof: Roofline
     share: float  # of the device time
+    node: str = ""  # the launch's first result, as GE names a node
+
+    @property
+    def on_aicpu(self) -> bool:
+        """Whether GE placed it on the AI CPU (no AI Core kernel: no pipes, no roofline to judge)."""
+        return self.stats.engine == "aicpu"
 
     @property
     def time_us(self) -> float:
@@ -200,7 +209,9 @@ def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapp
     g = specialise(graph, {k: np.shape(v) for k, v in inputs.items()})
     probe = probe_fusion(g, pipeline, target, file, weights)
     start = time.perf_counter()
-    module, _ = compile_module(Module([clone_graph(g)], file, dict(weights)), pipeline, target, verify_each=False)
+    records: list = []  # the passes' typed outcomes: GE's engine placements among them
+    module = run_passes(Module([clone_graph(g)], file, dict(weights)), lowering_pipeline(pipeline), target,
+                        verify_each=False, records=records)
     compile_us = (time.perf_counter() - start) * 1e6
     program = module.graphs[0]
     result = run_counting_waits(program, inputs, weights, target)
@@ -212,7 +223,8 @@ def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapp
             cache[key] = fused_attention_us(q, k, v, pipeline, target)
         return cache[key]
 
-    return judge(program, result, probe, fused_equivalent, compile_us if cold else 0.0, compile_us)
+    placements = [r for r in records if isinstance(r, Placement)]
+    return judge(program, result, probe, fused_equivalent, compile_us if cold else 0.0, compile_us, placements)
 
 
 def diagnose_program(program: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
@@ -246,11 +258,13 @@ def fused_attention_us(q: TensorType, k: TensorType, v: TensorType, pipeline: st
 def kernel_views(program: Graph, result: RunResult) -> list[KernelView]:
     """Every launched kernel with its launch's location (launches and kernels run in program order)."""
     launches = [op for op in program.ops if op.name == "rt.launch"]
-    locs: list[Location | None] = [op.loc for op in launches] if len(launches) == len(result.kernels) \
-        else [None] * len(result.kernels)
+    matched = len(launches) == len(result.kernels)
+    locs: list[Location | None] = [op.loc for op in launches] if matched else [None] * len(result.kernels)
+    nodes = [op.results[0].name or "" if op.results else "" for op in launches] if matched else [""] * len(locs)
     device = sum(k.cycles for k in result.kernels)
     return [KernelView(k.name, loc, k, kernel_profile(k, result.target), roofline(k, result.target),
-                       k.cycles / device if device else 0.0) for k, loc in zip(result.kernels, locs, strict=True)]
+                       k.cycles / device if device else 0.0, node)
+            for k, loc, node in zip(result.kernels, locs, nodes, strict=True)]
 
 
 FusedEquivalent = Callable[[TensorType, TensorType, TensorType], "float | str"]
@@ -258,8 +272,9 @@ FusedEquivalent = Callable[[TensorType, TensorType, TensorType], "float | str"]
 
 def judge(program: Graph, result: RunResult, probe: Probe | None,
           fused_equivalent: FusedEquivalent | None, host_ge_us: float = 0.0,
-          compile_us: float | None = None) -> Diagnosis:
-    """The layers' findings for a run (which waited `host_ge_us` for GE), and the culprit."""
+          compile_us: float | None = None, placements: list[Placement] | None = None) -> Diagnosis:
+    """The layers' findings for a run (which waited `host_ge_us` for GE), and the culprit; `placements` are
+    GE's engine decisions (for the reason an op runs on the AI CPU)."""
     views = kernel_views(program, result)
     device_us = sum(v.time_us for v in views)
     copies_us = sum(t.end_us - t.start_us for t in result.tasks if t.kind in ("h2d", "d2h"))
@@ -277,7 +292,7 @@ def judge(program: Graph, result: RunResult, probe: Probe | None,
     ge_host = [f for f in timeline if f.layer == "ge-host"]
     submissions = [f for f in timeline if f.layer != "ge-host"]
     findings = ge_host + fusion + submissions + runtime_findings(views, result.target, device_us, copies_us, end_us, absorbed) + \
-        kernel_findings(views, result.target, absorbed)
+        kernel_findings(views, result.target, absorbed) + aicpu_findings(views, result.target, device_us, placements)
     culprit = decide(findings)
     return Diagnosis(culprit, findings, views, device_us, end_us, copies_us, result.target.name, probe is None)
 
@@ -495,8 +510,8 @@ def runtime_findings(views: list[KernelView], target: Target, device_us: float, 
     """Layer 2: for each kernel that matters, whether its data movement was hidden under compute."""
     out: list[Finding] = []
     for v in sorted(views, key=lambda v: -v.time_us):
-        if v.share < KERNEL_SHARE:
-            continue
+        if v.share < KERNEL_SHARE or v.on_aicpu:
+            continue  # an AI CPU task moves no data on the AI Core's pipes: nothing to overlap
         k, f = v.stats, v.figures
         compute = max(("CUBE", "VECTOR"), key=lambda p: k.busy[p])
         flag, slot = pipe_waits(k, compute)
@@ -556,8 +571,8 @@ def kernel_findings(views: list[KernelView], target: Target,
     """Layer 3: each kernel that matters against its roofline."""
     out: list[Finding] = []
     for v in sorted(views, key=lambda v: -v.time_us):
-        if v.share < KERNEL_SHARE:
-            continue
+        if v.share < KERNEL_SHARE or v.on_aicpu:
+            continue  # judged by aicpu_findings: it has no AI Core roofline
         k, r = v.stats, v.roof
         busiest = max((p for p in PIPES if p != "SCALAR"), key=lambda p: k.busy[p])
         busy = k.busy[busiest] / (k.cycles * k.cores) if k.cycles and k.cores else 0.0
@@ -586,6 +601,32 @@ def kernel_findings(views: list[KernelView], target: Target,
         out.append(Finding("kernel", "far_from_roofline", severity,
                            f"{v.name} reaches {100 * r.fraction:.0f} % of its roofline ({where}); {limit}{note}",
                            evidence, v.loc))
+    return out
+
+
+def aicpu_findings(views: list[KernelView], target: Target, device_us: float,
+                   placements: list[Placement] | None = None) -> list[Finding]:
+    """Each op GE placed on the AI CPU, with its time; one that costs KERNEL_SHARE of the kernel time or more
+    is a kernel-layer problem: the AI Core, far faster, has no kernel that takes it."""
+    reasons = {_key(p.loc): p.reason for p in placements or []}
+    overhead = target.data.get("aicpu", {}).get("task_overhead_us", 0.0)
+    out: list[Finding] = []
+    for v in sorted((v for v in views if v.on_aicpu), key=lambda v: -v.time_us):
+        reason = reasons.get(_key(v.loc)) or "GE placed it there"
+        node = f" (%{v.node})" if v.node else ""
+        evidence = {"kernel": v.name, "node": v.node, "engine": "aicpu", "reason": reason, "time_us": v.time_us,
+                    "device_share": v.share, "aicpu_cores": v.stats.cores, "task_overhead_us": overhead,
+                    "stake_us": v.time_us, "threshold_share": KERNEL_SHARE}
+        head = (f"{v.name}{node} runs on the AI CPU ({reason}): {v.time_us:.1f} us, {100 * v.share:.0f} % of the "
+                f"{device_us:.1f} us of kernel time, on {v.stats.cores} AI CPU cores with {overhead:g} us of dispatch "
+                f"per task")
+        if v.share >= KERNEL_SHARE:
+            out.append(Finding("kernel", "aicpu_op", "high",
+                               f"{head}: give it an element type the AI Core computes (f32 for f64 where its "
+                               f"precision suffices) or an AI Core kernel, so GE keeps it on the AI Core",
+                               evidence, v.loc))
+        else:
+            out.append(Finding("kernel", "aicpu_op", "info", head, evidence, v.loc))
     return out
 
 

@@ -33,6 +33,16 @@ class Target:
     def vector_cores(self) -> int:
         return self.data["cores"]["vector"]
 
+    @property
+    def aicore_dtypes(self) -> tuple[str, ...]:
+        """The element types the AI Core computes ([aicore] dtypes); without the table, every one but f64."""
+        return tuple(self.data.get("aicore", {}).get("dtypes", AICORE_DTYPES))
+
+    @property
+    def has_aicpu(self) -> bool:
+        """Whether the target has an AI CPU engine ([aicpu]) for the ops the AI Core cannot take."""
+        return "aicpu" in self.data
+
     def buffer_bytes(self, name: str) -> int:
         """Capacity of an on-chip buffer (ub, l1, l0a, l0b, l0c) in bytes."""
         return self.data["buffers_kib"][name] * 1024
@@ -63,6 +73,10 @@ _OPTIONAL = {
     "cores": (("vector_per_cube", 1),),
     "host": (("pcie_gb_per_s", 1e-9), ("copy_latency_us", 0), ("launch_latency_us", 0)),
 }
+# An [aicpu] table, when present, needs every one of these
+_AICPU = (("cores", 1), ("clock_ghz", 1e-9), ("cycles_per_op", 0), ("bytes_per_cycle", 1e-9), ("task_overhead_us", 0))
+# What the AI Core computes when a target file does not say: every element type but f64 (spec section 1)
+AICORE_DTYPES = ("f16", "bf16", "f32", "i8", "i32", "i64", "i1")
 _CUBE_MODES = ("f16", "bf16", "f32")
 
 
@@ -88,6 +102,17 @@ def _check_data(data: dict[str, Any], where: str) -> None:
         for key, least in keys:
             if key in section:
                 number(table, key, least, section[key])
+    if "aicpu" in data:
+        section = data["aicpu"]
+        if not isinstance(section, dict):
+            raise TargetError(f"{where}: [aicpu] must be a table")
+        for key, least in _AICPU:
+            if key not in section:
+                raise TargetError(f"{where}: [aicpu] has no {key}")
+            number("aicpu", key, least, section[key])
+    dtypes = data.get("aicore", {}).get("dtypes", AICORE_DTYPES) if isinstance(data.get("aicore", {}), dict) else None
+    if not (isinstance(dtypes, (list, tuple)) and all(isinstance(d, str) for d in dtypes)):
+        raise TargetError(f"{where}: [aicore] dtypes must be a list of element types, not {dtypes!r}")
     cube = data.get("cube")
     if not isinstance(cube, dict) or not any(m in cube for m in _CUBE_MODES):
         raise TargetError(f"{where}: [cube] needs an m x k x n fractal for at least one of {', '.join(_CUBE_MODES)}")

@@ -47,6 +47,18 @@ INDEXING = """ge.graph @main(%w: tensor<500x96xf16>, %ids: tensor<4x33xi64>, %lo
 }
 """
 
+# ops GE places on the AI CPU (f64, and an i32 matmul the cube has no mode for) between AI Core kernels
+AICPU = """ge.graph @main(%a: tensor<64x128xf16>, %b: tensor<128x64xf16>, %i: tensor<16x32xi32>, %j: tensor<32x8xi32>) -> (tensor<64x64xf16>, tensor<16x8xi32>) {
+  %m = ge.matmul %a, %b
+  %w = ge.cast %m {to = f64}
+  %e = ge.tanh %w
+  %n = ge.cast %e {to = f16}
+  %r = ge.add %n, %m
+  %k = ge.matmul %i, %j
+  ge.return %r, %k
+}
+"""
+
 PROGRAMS = [
     ("attention.geir", DEFAULT_PIPELINE), ("attention.geir", NO_FUSE_PIPELINE),
     ("gpt2_block.geir", DEFAULT_PIPELINE), ("gpt2_block.geir", NO_FUSE_PIPELINE),
@@ -54,6 +66,7 @@ PROGRAMS = [
     ("attention/causal.geir", DEFAULT_PIPELINE), ("attention/gqa.geir", DEFAULT_PIPELINE),
     ("doctor/single_buffer.geir", None), ("doctor/vector_bound.geir", DEFAULT_PIPELINE),
     ("tour/step4_tiling.geir", DEFAULT_PIPELINE), (ROWS, DEFAULT_PIPELINE), (INDEXING, DEFAULT_PIPELINE),
+    (AICPU, DEFAULT_PIPELINE),
 ]
 
 
@@ -67,7 +80,7 @@ def _program(source: str, pipeline: str | None):
 
 
 def _figures(result) -> str:
-    tasks = [(t.kind, t.name, t.stream, t.start_us, t.end_us) for t in result.tasks]
+    tasks = [(t.kind, t.name, t.stream, t.start_us, t.end_us, t.engine) for t in result.tasks]
     pipes = [(iv.name, iv.pipe, iv.cores.tolist(), np.asarray(iv.start).tolist(), np.asarray(iv.end).tolist())
              for iv in result.cores.intervals]
     return json.dumps([profile(result), tasks, pipes, result.load_us], sort_keys=True, default=str)

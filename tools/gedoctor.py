@@ -227,6 +227,10 @@ def _runtime_table(d: Diagnosis) -> list[str]:
     rows = [head]
     for v in _slowest(d):
         f, k = v.figures, v.stats
+        if v.on_aicpu:  # no AI Core pipes: nothing to overlap
+            rows.append(f"  {_short(v):<36}{v.time_us:>9.1f}{100 * v.share:>6.0f}%{'-':>5}{'-':>9}{'-':>9}{'-':>6}"
+                        f"{'-':>6}{'-':>6}  - (AI CPU)")
+            continue
         compute = max(("CUBE", "VECTOR"), key=lambda p: k.busy[p])
         flag, slot = pipe_waits(k, compute)
         buf = k.tiling.buffers if k.tiling else "-"
@@ -241,6 +245,9 @@ def _kernel_table(d: Diagnosis) -> list[str]:
     rows = [f"  {'kernel':<36}{'time_us':>9}{'TFLOP/s':>9}{'roof':>8}{'of roof':>9}  bound"]
     for v in _slowest(d):
         r = v.roof
+        if v.on_aicpu:  # no AI Core roofline: GE placed it on the AI CPU
+            rows.append(f"  {_short(v):<36}{v.time_us:>9.1f}{'-':>9}{'-':>8}{'-':>9}  AI CPU")
+            continue
         rows.append(f"  {_short(v):<36}{v.time_us:>9.1f}{r.achieved_tflops:>9.2f}{r.roof_tflops:>8.1f}"
                     f"{100 * r.fraction:>8.0f}%  {r.bound}")
     return rows + _more(d)

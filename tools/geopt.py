@@ -100,7 +100,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-ir-after", action="append", default=[], metavar="P",
                    help="print the IR after pass P (repeatable, or comma-separated)")
     p.add_argument("--timing", action="store_true", help="print a per-pass time table (parse and print included)")
-    p.add_argument("--explain", action="store_true", help="print a remark for every fusion candidate")
+    p.add_argument("--explain", action="store_true", help="print a remark for every fusion candidate, tiling choice and AI CPU placement")
     p.add_argument("--split-input-file", action="store_true", help="process each '// -----' chunk separately")
     p.add_argument("--verify-diagnostics", action="store_true",
                    help="check diagnostics against expected-error/warning/remark comments")

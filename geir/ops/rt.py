@@ -13,6 +13,10 @@ from geir.ops.core import Const
 from geir.traits import Terminator
 from geir.types import TensorType
 
+# The engines a launch runs on: the AI cores (a tiled kernel) or the AI CPU (the op's numpy semantics on
+# the device's ARM cores), as GE places each op
+ENGINES = ("aicore", "aicpu")
+
 
 class _Declared(Operation):
     """An rt op whose result types are the ones written (lowering chose them)."""
@@ -54,11 +58,12 @@ class DeviceConst(_Declared):
 
 @op("rt.launch")
 class Launch(_Declared):
-    """Run `kernel` (a ge op name) with its attributes and tiling on the cores; results at `offsets`."""
+    """Run `kernel` (a ge op name) with its attributes and tiling on `engine`; results at `offsets`."""
 
     OPERAND_NAMES = ("x*",)
     NUM_RESULTS = None
     kernel = Attr(str)
+    engine = Attr(str, default="aicore")
     attrs = Attr(dict, default={})
     tiling = Attr(dict, default={})
     offsets = Attr("ints")
@@ -69,6 +74,10 @@ class Launch(_Declared):
             return f"rt.launch of unknown kernel '{self.kernel}'"
         if len(self.offsets) != len(self.results):
             return f"rt.launch has {len(self.results)} results but {len(self.offsets)} offsets"
+        if self.engine not in ENGINES:
+            return f"rt.launch engine '{self.engine}' is not one of {', '.join(ENGINES)}"
+        if self.engine == "aicpu" and self.tiling:
+            return f"rt.launch of {self.kernel} on the AI CPU takes no tiling (tilings are for AI Core kernels)"
         # the kernel op's own checks, as its graph op passed them before `lower`: the Runtime runs it as one
         kernel = self.kernel_op()
         count = operand_count_error(type(kernel), len(self.operands))

@@ -2,6 +2,8 @@
 
 Rooted at the end of a chain (an elementwise op whose result does not feed exactly one other
 elementwise op); it takes in every producer that is elementwise and used only inside the chain.
+A step on an element type no AI Core unit computes (f64) is left out: the fused op is an AI Core
+vector kernel, and GE places such an op on the AI CPU on its own.
 """
 
 from __future__ import annotations
@@ -9,11 +11,21 @@ from __future__ import annotations
 from geir.ir import Operation, Value
 from geir.ops.fused import chainable, chainable_ops
 from geir.passes.pattern import Match, Pattern, Rewriter
+from geir.target_npu.target import AICORE_DTYPES
+
+
+def _on_aicore(op: Operation) -> bool:
+    """Whether every operand and result of `op` has an element type the AI Core computes."""
+    return all(v.type is None or v.type.dtype.value in AICORE_DTYPES for v in (*op.operands, *op.results))
+
+
+def _chainable(op: Operation) -> bool:
+    return chainable(op) and _on_aicore(op)
 
 
 def _feeds_one_elementwise(op: Operation) -> bool:
     users = op.result.users()
-    return len(users) == 1 and chainable(users[0]) and len(op.result.uses) == 1
+    return len(users) == 1 and _chainable(users[0]) and len(op.result.uses) == 1
 
 
 # The most steps one fused vector kernel takes: its tiling keeps an f32 working copy of the tile per
@@ -35,7 +47,7 @@ def _post_order(root: Operation) -> list[Operation]:
         if i < len(op.operands):
             stack.append((op, i + 1))
             p = op.operands[i].owner
-            if (p is not None and id(p) not in seen and len(seen) < MAX_STEPS and chainable(p)
+            if (p is not None and id(p) not in seen and len(seen) < MAX_STEPS and _chainable(p)
                     and _feeds_one_elementwise(p)):
                 seen.add(id(p))
                 stack.append((p, 0))
@@ -50,7 +62,7 @@ class FuseElementwiseChain(Pattern):
     NAME, ROOT, BENEFIT, EXPLAIN = "elementwise", chainable_ops(), 1, True
 
     def match(self, root: Operation) -> Match | None:
-        if _feeds_one_elementwise(root):
+        if not _on_aicore(root) or _feeds_one_elementwise(root):
             return None  # not the end of its chain; the op it feeds is the root
         steps = _post_order(root)
         if len(steps) < 2:
