@@ -100,7 +100,7 @@ class LastHidden:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _cast_model(model, dtype: str):
@@ -134,7 +134,7 @@ def run_case(kind: str, path: str, dtype: str, batch: int, seq: int) -> dict[str
         return row
     row["imports"] = True
     try:
-        actual, graph = _run(module, weights, names, args)
+        actual, graph, program = _run(module, weights, names, args)
     except Exception as e:  # noqa: BLE001
         row["stops"] = _first_line(e)
         return row
@@ -143,7 +143,7 @@ def run_case(kind: str, path: str, dtype: str, batch: int, seq: int) -> dict[str
     verdict = compare(actual.astype(np.float64), reference, t, eager)
     row.update(rms_err=verdict.rms_err, eager_rms_err=verdict.eager_rms_err, accurate=verdict.passed,
                attention_fused=sum(op.name == "ge.flash_attention" for op in graph.ops), attention_blocks=LAYERS,
-               aicpu_ops=sum(op.attributes.get("engine") == "aicpu" for op in graph.ops))
+               aicpu_ops=sum(op.name == "rt.launch" and op.attr("engine") == "aicpu" for op in program.ops))
     return row
 
 
@@ -168,7 +168,8 @@ def _import(model, args, path: str):
 
 
 def _run(module, weights, names, args):
-    """Compile with GE's default pipeline and run on the simulated 910B: the output and the fused graph."""
+    """Compile with GE's default pipeline and run on the simulated 910B: the output, the fused graph and the
+    lowered program."""
     from geir.ir import Module
     from geir.session import Session, run_program
 
@@ -179,7 +180,7 @@ def _run(module, weights, names, args):
     feed = {name: to_numpy(a) for name, a in zip(graph_args, args)}
     program = session.program({k: v.shape for k, v in feed.items()})
     result = run_program(program, feed, weights)
-    return np.asarray(result.outputs[0], dtype=np.float64), session.generic
+    return np.asarray(result.outputs[0], dtype=np.float64), session.generic, program
 
 
 def main(argv: list[str] | None = None) -> int:

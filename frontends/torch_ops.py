@@ -235,6 +235,53 @@ def _not(b: GraphBuilder, node: Any, a: dict) -> Value:
     return logical_not(b, b.cast(x, DType.i1), node.name)
 
 
+@converts("aten.__and__", "aten.bitwise_and", "aten.logical_and", "aten.__or__", "aten.bitwise_or", "aten.logical_or")
+def _and_or(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # booleans only (HF's mask code combines masks so): a and b = select(a, b, false), a or b = select(a, true, b)
+    name = str(node.target.overloadpacket)
+    x, y = (tensor(b, v, "an operand") for v in list(a.values())[:2])
+    if name.startswith("aten.bitwise") or name.startswith("aten.__"):
+        if x.type.dtype is not DType.i1 or y.type.dtype is not DType.i1:
+            raise b.error(f"bitwise {'and' if 'and' in name else 'or'} of {x.type.dtype} and {y.type.dtype} is not "
+                          f"supported (only of booleans)")
+    x, y = b.cast(x, DType.i1), b.cast(y, DType.i1)
+    if "and" in name:
+        return b.value("ge.select", [x, y, b.scalar(False, DType.i1, "false")])
+    return b.value("ge.select", [x, b.scalar(True, DType.i1, "true"), y])
+
+
+@converts("aten.clamp", "aten.clip", "aten.clamp_min", "aten.clamp_max")
+def _clamp(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # bounds are numbers or tensors (T5 clamps f16 activations to a bound it computes): max(x, lo), then min(., hi)
+    t = result_type(b, node)
+    x = operand(b, tensor(b, _input(a), "the input"), t.dtype)
+    name = str(node.target.overloadpacket)
+    lo = a.get("min") if name != "aten.clamp_max" else None
+    hi = a.get("max") if name != "aten.clamp_min" else None
+    if name == "aten.clamp_min":
+        lo = list(a.values())[1]
+    if name == "aten.clamp_max":
+        hi = list(a.values())[1]
+    if lo is not None:
+        x = b.value("ge.max", [x, operand(b, lo, t.dtype, "min")])
+    if hi is not None:
+        x = b.value("ge.min", [x, operand(b, hi, t.dtype, "max")])
+    return x
+
+
+@converts("aten.any")
+def _any(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # any(x) over dims: the max of x as 0/1, compared with 0 (GEIR reduces numbers, not booleans)
+    x = tensor(b, _input(a), "the input")
+    dims = a.get("dim")
+    axes = list(range(x.type.rank)) if dims is None else sorted(
+        {_axis(b, d, x.type.rank) for d in ([dims] if isinstance(dims, int) else dims)})
+    ones = b.cast(b.cast(x, DType.i1), DType.f32)
+    if axes:
+        ones = b.value("ge.reduce_max", [ones], {"axes": axes, "keepdims": bool(a.get("keepdim"))})
+    return b.value("ge.greater", [ones, b.scalar(0.0, DType.f32, "zero")])
+
+
 @converts("aten._to_copy", "aten.to", "aten.type_as")
 def _to(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.cast(tensor(b, _input(a), "the input"), result_dtype(b, node))
@@ -510,10 +557,45 @@ def _index(b: GraphBuilder, node: Any, a: dict) -> Value:
         if isinstance(given[k], Value) and given[k].type.dtype is DType.i1:
             raise b.error("indexing with a boolean mask: its result's size depends on the mask's values, and GEIR's "
                           "shapes are known when the graph is compiled (torch.where or masked_fill keep the shape)")
-    if len(at) != 1:
-        raise b.error(f"indexing with {len(at)} index tensors at once is not supported (GEIR gathers along one "
-                      f"dimension: index one dimension at a time)")
-    return b.value("ge.gather", [x, _indices(b, given[at[0]], "the index")], {"axis": _axis(b, at[0], x.type.rank)})
+    if len(at) == 1:
+        return b.value("ge.gather", [x, _indices(b, given[at[0]], "the index")], {"axis": _axis(b, at[0], x.type.rank)})
+    return _index_several(b, x, given, at)
+
+
+def _index_several(b: GraphBuilder, x: Value, given: list, at: list[int]) -> Value:
+    """x[i, j] with several index tensors on adjacent dimensions, all known at import (HF's mask code indexes
+    the padding mask with broadcast aranges): one gather of the merged dimensions at the flattened indices,
+    each index checked against its own dimension here, so no out-of-range pair can land on another element."""
+    if at != list(range(at[0], at[0] + len(at))):
+        raise b.error(f"indexing with {len(at)} index tensors on dimensions {at}, which are not adjacent, is not "
+                      f"supported (torch moves such results to the front)")
+    arrays = [constant_array(b, _indices(b, given[k], "the index")) for k in at]
+    if any(arr is None for arr in arrays):
+        raise b.error(f"indexing with {len(at)} index tensors computed at run time is not supported (GEIR gathers "
+                      f"along one dimension: index one dimension at a time)")
+    dims = x.type.shape[at[0]:at[-1] + 1]
+    if any(d is None for d in dims):
+        raise b.error("indexing several dimensions, one of which is known only at run time")
+    try:
+        index = np.broadcast_arrays(*[np.asarray(arr, dtype=np.int64) for arr in arrays])
+    except ValueError:
+        raise b.error("the index tensors do not broadcast together") from None
+    for k, (arr, d) in enumerate(zip(index, dims)):
+        if arr.size and (arr.min() < -d or arr.max() >= d):
+            raise b.error(f"index {int(arr.min() if arr.min() < -d else arr.max())} is out of range for dimension "
+                          f"{at[k]} of size {d}")
+    flat = np.ravel_multi_index(tuple(np.where(arr < 0, arr + d, arr) for arr, d in zip(index, dims)), dims)
+    shape = x.type.shape
+    merged = reshape_to(b, x, shape[:at[0]] + (int(np.prod(dims)),) + shape[at[-1] + 1:])
+    return b.value("ge.gather", [merged, b.const(flat.astype(np.int64), DType.i64, hint="index")], {"axis": at[0]})
+
+
+def constant_array(b: GraphBuilder, v: Value) -> np.ndarray | None:
+    """The value of `v` when a constant defines it (a dense literal, or a weight of the import), else None."""
+    arr = literal_array(v)
+    if arr is None and v.owner is not None and isinstance(v.owner.attributes.get("value"), DenseResourceAttr):
+        arr = b.weights.get(v.owner.attributes["value"].key)
+    return arr
 
 
 @converts("aten.cumsum")
@@ -596,9 +678,7 @@ class Unavailable:
 def _constant_mask(b: GraphBuilder, mask: Value, causal: bool) -> tuple[Value | None, bool]:
     """The mask and causal flag the kernel is given: a constant top-left causal mask (HF builds one for
     every prefill) is `causal = true` and no mask, one that keeps every key is no mask."""
-    arr = literal_array(mask)
-    if arr is None and mask.owner is not None and isinstance(mask.owner.attributes.get("value"), DenseResourceAttr):
-        arr = b.weights.get(mask.owner.attributes["value"].key)
+    arr = constant_array(b, mask)
     if arr is None:
         return mask, causal
     boolean = mask.type.dtype is DType.i1
