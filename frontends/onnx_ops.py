@@ -538,6 +538,32 @@ def _gather_known(b: GraphBuilder, node: Node, data: Tensor, indices: Tensor) ->
     return [reshape_to(b, picked, shape)]
 
 
+@converter("GatherND")
+def _gather_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """GatherND with indices known at import (the exporters' spelling of HF's mask[batch, kv]): one ge.gather of
+    the first K dimensions merged, at the flattened indices, each checked against its own dimension here."""
+    data, indices = required(xs, 0, "data"), required(xs, 1, "indices")
+    if node.attr("batch_dims", 0):
+        raise ImportProblem("GatherND with batch_dims is not supported")
+    if not indices.is_const:
+        raise ImportProblem("GatherND with indices computed at run time (GEIR gathers along one axis)")
+    index = np.asarray(constant(indices, "the indices")).astype(np.int64)
+    k = index.shape[-1] if index.ndim else 0
+    dims = tuple(data.shape[:k])
+    if index.ndim == 0 or k > data.rank:
+        raise ImportProblem(f"GatherND indices {list(index.shape)} do not index {data.type}", unsupported=False)
+    if any(d is None for d in dims):
+        raise ImportProblem("GatherND over a dimension known only at run time")
+    parts = [index[..., i] for i in range(k)]
+    for i, (p, d) in enumerate(zip(parts, dims)):
+        if p.size and (p.min() < -d or p.max() >= d):
+            raise ImportProblem(f"GatherND index {int(p.min() if p.min() < -d else p.max())} is out of range for "
+                                f"dimension {i} of size {d}", unsupported=False)
+    flat = np.ravel_multi_index(tuple(np.where(p < 0, p + d, p) for p, d in zip(parts, dims)), dims)
+    merged = reshape_to(b, data, (int(np.prod(dims)),) + tuple(data.shape[k:]))
+    return [b.emit1("ge.gather", [merged, b.const(flat.astype(np.int64))], {"axis": 0})]
+
+
 # GatherElements is spelled as a one-hot selection summed over the gathered axis; past this many elements
 # in that selection the spelling costs more than it is worth (constant inputs then go to ONNX's evaluator)
 MAX_GATHER_ELEMENTS_SELECTION = 1 << 24

@@ -10,7 +10,9 @@ grouped-query attention is written out (reshape to [B, Nkv, 1, S, D], a concat o
 axis 2, reshape to [B, Nkv * G, S, D]); the fused op takes the Nkv heads. The probabilities may
 pass through a guard that zeroes whole rows, `select(rows, 0, P)` with `rows` [..., Sq, 1] (ONNX
 zeroes the rows whose keys are all masked); the fused op is then followed by the same select on
-its result, which is what the guard gives whenever v is finite. Every other shape of graph is a
+its result, which is what the guard gives whenever v is finite. The dynamo ONNX exporter's SDPA
+guards with `select(isnan(P), 0, P)` instead (NaN comes in whole rows): the fused op's result is then
+zeroed where it is NaN. Every other shape of graph is a
 miss with the reason.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import attrs
 import numpy as np
 
 from geir.builder import create_op
@@ -63,14 +66,19 @@ class FuseFlashAttention(Pattern):
     def match(self, pv: Operation) -> Match | Miss | None:
         p_val = pv.operands[0]
         guard = defining(p_val, "ge.select")
+        nan_test = None  # the isnan of a NaN guard, select(isnan(P), 0, P)
         if guard is not None:
             if not _probabilities(guard.operands[2]):
                 return None  # an ordinary matmul of a select
-            why = _zero_rows_problem(guard, pv)
+            nan_test = defining(guard.operands[0], "ge.isnan")
+            if nan_test is not None and nan_test.operands[0] is not guard.operands[2]:
+                nan_test = None
+            why = _zero_rows_problem(guard, pv, nan_test)
             if why is not None:
                 return Miss(why)
             p_val = guard.operands[2]
         consumer = guard or pv  # the op that takes the probabilities
+        takers = [consumer] + ([nan_test] if nan_test is not None else [])
         cast_out = defining(p_val, "ge.cast")
         if cast_out is not None and defining(cast_out.operands[0], "ge.softmax"):
             p_val = cast_out.operands[0]
@@ -87,8 +95,8 @@ class FuseFlashAttention(Pattern):
         rank = sm.result.type.rank
         if sm.axis % max(rank, 1) != rank - 1:
             return Miss(f"softmax axis is {sm.axis}, not the last axis")
-        if not used_only_by(sm.result, cast_out or consumer) or (
-                cast_out and not used_only_by(cast_out.result, consumer)):
+        if not used_only_by(sm.result, *([cast_out] if cast_out else takers)) or (
+                cast_out and not used_only_by(cast_out.result, *takers)):
             return Miss("the attention probabilities are also used elsewhere; fusing would drop them")
 
         found = _walk_scores(sm.operands[0], self.resources)
@@ -103,17 +111,29 @@ class FuseFlashAttention(Pattern):
                     mask_type = create_op("ge.add", [], []).infer(mask_type, m.type)
             except ShapeError as e:
                 return Miss(f"the additive masks do not broadcast together: {e}")
-        k_perm = None
+        k_perm = k_shape = None
+        v = pv.operands[1]
         if isinstance(k, tuple):
             k, k_perm = k
-        v = pv.operands[1]
-        if k_perm is None:
+        if isinstance(k, _Reshaped):
+            # k reaches the scores flattened to [B*N, S, D]: its source, grouped heads and all, or k reshaped
+            x, k_group = _grouped_source(k.source, k.shape)
+            k, k_shape = (x, None) if k_group > 1 else (k.source, k.shape)
+            if k_shape is not None and k.type.shape == k_shape:
+                k_shape = None
+            v, v_group = _repeated_heads(v)
+            if k_group != v_group:
+                return Miss(f"k and v are repeated for grouped-query heads differently ({k_group} and {v_group} "
+                            f"copies of each head)")
+        elif k_perm is None:
             k, k_group = _repeated_heads(k)
             v, v_group = _repeated_heads(v)
             if k_group != v_group:
                 return Miss(f"k and v are repeated for grouped-query heads differently ({k_group} and {v_group} "
                             f"copies of each head)")
         k_type = k.type if k_perm is None else k.type.with_shape(tuple(k.type.shape[p] for p in k_perm))
+        if k_shape is not None:
+            k_type = k.type.with_shape(k_shape)
         if not (q.type.dtype == k_type.dtype == v.type.dtype):
             return Miss(f"q, k and v dtypes differ: {q.type.dtype}, {k_type.dtype}, {v.type.dtype}")
         if q.type.rank != 4 or k_type.rank != 4 or v.type.rank != 4:
@@ -130,7 +150,8 @@ class FuseFlashAttention(Pattern):
         why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", load_target(self.target))
         if why is not None:
             return Miss(why)
-        return Match(pv, operands=operands, masks=masks, attrs=attrs, k_perm=k_perm, guard=guard)
+        return Match(pv, operands=operands, masks=masks, attrs=attrs, k_perm=k_perm, k_shape=k_shape, guard=guard,
+                     nan_guard=nan_test is not None)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         operands = list(m.operands)
@@ -141,8 +162,16 @@ class FuseFlashAttention(Pattern):
             operands.append(mask)
         if m.k_perm is not None:
             operands[1] = rw.create("ge.transpose", [operands[1]], {"perm": m.k_perm}, before=m.root).result
+        if m.k_shape is not None:
+            operands[1] = rw.create("ge.reshape", [operands[1]], {"shape": list(m.k_shape)}, before=m.root).result
         op = rw.create("ge.flash_attention", operands, m.attrs, [m.root.result.type], before=m.root)
-        if m.guard is not None:  # the rows the guard zeroes in P are zero rows of P @ V
+        if m.guard is not None and m.nan_guard:
+            # P is NaN only in whole rows (a row whose keys are all masked, or a NaN score): those are the
+            # rows of P @ V that are NaN, and the guard's zeros there are zero rows of the result
+            zero = m.guard.operands[1]
+            nan = rw.create("ge.isnan", [op.result], before=m.root)
+            op = rw.create("ge.select", [nan.result, zero, op.result], before=m.root)
+        elif m.guard is not None:  # the rows the guard zeroes in P are zero rows of P @ V
             rows, zero = m.guard.operands[:2]
             op = rw.create("ge.select", [rows, zero, op.result], before=m.root)
         rw.replace(m.root, op)
@@ -197,6 +226,14 @@ class NativeAttentionInputs(Pattern):
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         op = rw.create("ge.flash_attention", m.operands, m.attrs, [m.root.result.type], before=m.root)
         rw.replace(m.root, op)
+
+
+@attrs.frozen
+class _Reshaped:
+    """k as a reshape of `source` to `shape` [B, N, S, D] (which the rewrite builds when needed)."""
+
+    source: Value
+    shape: tuple
 
 
 def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
@@ -293,6 +330,10 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
         k = kt
     else:
         t = defining(kt, "ge.transpose")
+        flat = _flat_heads_transpose(kt) if t is None or t.result.type.rank != kt.type.rank else None
+        if flat is not None:
+            b, n, d, s = kt.type.shape
+            return q, _Reshaped(flat, (b, n, s, d)), float(scale), masks, causal
         if t is None:
             return Miss("the first matmul's right operand is not k transposed (no ge.transpose, transpose_b = false)")
         rank = len(t.perm)
@@ -326,12 +367,16 @@ def _probabilities(v: Value) -> bool:
     return defining(cast.operands[0] if cast is not None else v, "ge.softmax") is not None
 
 
-def _zero_rows_problem(guard: Operation, pv: Operation) -> str | None:
-    """Why `select(rows, 0, P)` before P @ V is not a guard that zeroes whole rows of P, or None."""
+def _zero_rows_problem(guard: Operation, pv: Operation, nan_test: Operation | None = None) -> str | None:
+    """Why `select(rows, 0, P)` (or `select(isnan(P), 0, P)`, the dynamo exporter's) before P @ V is not a guard
+    that zeroes whole rows of P, or None."""
     rows, zero, p = guard.operands
     if scalar_constant(zero) != 0:
         return "the probabilities go through a select whose other value is not 0"
-    if rows.type.rank == 0 or rows.type.shape[-1] != 1:
+    if nan_test is not None:
+        if not used_only_by(nan_test.result, guard):
+            return "the NaN test of the probabilities is also used elsewhere; fusing would drop it"
+    elif rows.type.rank == 0 or rows.type.shape[-1] != 1:
         return f"the select on the probabilities picks single elements ({rows.type}), not whole rows"
     if guard.result.type != p.type:
         return f"the select on the probabilities broadcasts them from {p.type} to {guard.result.type}"
@@ -350,13 +395,22 @@ def _repeated_heads(v: Value) -> tuple[Value, int]:
     brings it in: HF's `repeat_kv`). Anything else is (v, 1).
     """
     outer = defining(v, "ge.reshape")
-    copies = defining(outer.operands[0], "ge.concat", "ge.mul") if outer is not None else None
-    if copies is None or copies.result.type.rank != 5:
+    if outer is None or v.type.rank != 4:
         return v, 1
+    x, group = _grouped_source(outer.operands[0], v.type.shape)
+    return (x, group) if group > 1 else (v, 1)
+
+
+def _grouped_source(copies_val: Value, heads_shape: tuple) -> tuple[Value, int]:
+    """For G copies of each kv head ([B, Nkv, G, S, D], see _repeated_heads) that a reshape makes
+    `heads_shape` [B, Nkv * G, S, D]: the [B, Nkv, S, D] tensor copied and G; else (copies_val, 1)."""
+    copies = defining(copies_val, "ge.concat", "ge.mul")
+    if copies is None or copies.result.type.rank != 5:
+        return copies_val, 1
     if copies.name == "ge.concat":
         one = copies.operands[0]
         if copies.axis % 5 != 2 or any(x is not one for x in copies.operands):
-            return v, 1
+            return copies_val, 1
         group = len(copies.operands)
     else:
         a, b = copies.operands
@@ -366,17 +420,33 @@ def _repeated_heads(v: Value) -> tuple[Value, int]:
         elif _all_ones(a) and a.type.shape == full:
             one = b
         else:
-            return v, 1
+            return copies_val, 1
         group = copies.result.type.shape[2]
     inner = defining(one, "ge.reshape")
     if inner is None:
-        return v, 1
+        return copies_val, 1
     x = inner.operands[0]
     b, nkv, g, s, d = one.type.shape
-    if g != 1 or group is None or x.type.shape != (b, nkv, s, d) or v.type.shape != (
+    if g != 1 or group is None or x.type.shape != (b, nkv, s, d) or tuple(heads_shape) != (
             b, None if nkv is None else nkv * group, s, d):
-        return v, 1
+        return copies_val, 1
     return x, group
+
+
+def _flat_heads_transpose(kt: Value) -> Value | None:
+    """k^T as the dynamo ONNX exporter writes SDPA's: reshape(transpose(reshape(k, [B*N, S, D]), [0, 2, 1]),
+    [B, N, D, S]); the value reshaped (k, or the copies of grouped heads that make k), else None."""
+    outer = defining(kt, "ge.reshape")
+    t = defining(outer.operands[0], "ge.transpose") if outer is not None else None
+    inner = defining(t.operands[0], "ge.reshape") if t is not None else None
+    if inner is None or list(t.perm) != [0, 2, 1] or kt.type.rank != 4 or None in kt.type.shape:
+        return None
+    if len(t.result.users()) != 1 or len(inner.result.users()) != 1:
+        return None
+    b, n, d, s = kt.type.shape
+    if inner.result.type.shape != (b * n, s, d):
+        return None
+    return inner.operands[0]
 
 
 def _all_ones(v: Value) -> bool:
