@@ -344,6 +344,37 @@ def _gemm(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     return [y]
 
 
+@converter("Conv")
+def _conv(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """2-D Conv as one ge.conv2d (GE lowers it to the cube); auto_pad SAME_* becomes explicit pads."""
+    x, w, bias = required(xs, 0, "X"), required(xs, 1, "W"), optional(xs, 2)
+    if x.rank != 4 or w.rank != 4:
+        raise ImportProblem(f"a {x.rank - 2}-D Conv (X of rank {x.rank}, W of rank {w.rank}): GEIR has ge.conv2d "
+                            f"(NCHW input, OIHW weight) only")
+    kernel = list(node.attr("kernel_shape", list(w.shape[2:])))
+    if kernel != list(w.shape[2:]):
+        raise ImportProblem(f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}", unsupported=False)
+    strides = list(node.attr("strides", [1, 1]))
+    dilations = list(node.attr("dilations", [1, 1]))
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if None in x.shape[2:] or None in kernel:
+            raise ImportProblem(f"Conv with auto_pad {auto_pad} on a spatial size known only at run time")
+        # the result is ceil(size / stride); SAME_UPPER puts the odd row or column of padding at the end
+        totals = [max(0, (-(-n // s) - 1) * s + (k - 1) * d + 1 - n)
+                  for n, k, s, d in zip(x.shape[2:], kernel, strides, dilations)]
+        first = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals]
+        pads = first + [t - f for t, f in zip(totals, first)]
+    elif auto_pad in ("NOTSET", "VALID"):
+        pads = list(node.attr("pads", [0, 0, 0, 0])) if auto_pad == "NOTSET" else [0, 0, 0, 0]
+    else:
+        raise ImportProblem(f"Conv auto_pad '{auto_pad}' (NOTSET, SAME_UPPER, SAME_LOWER or VALID)", unsupported=False)
+    operands = [x, w] + ([bias] if bias is not None else [])
+    return [b.emit1("ge.conv2d", operands, {"strides": strides, "pads": pads, "dilations": dilations,
+                                            "groups": int(node.attr("group", 1))})]
+
+
 # --- data movement -------------------------------------------------------------------------------------
 
 @converter("Transpose")

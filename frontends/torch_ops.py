@@ -370,6 +370,54 @@ def _addmm(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.add", [out, bias])
 
 
+# --- convolution --------------------------------------------------------------------------------------
+
+def _pair(v: Any, what: str) -> list[int]:
+    """A 2-D convolution's stride, padding or dilation as two ints (torch accepts one for both)."""
+    v = [v] if isinstance(v, int) else list(v)
+    if len(v) == 1:
+        v = v * 2
+    if len(v) != 2 or not all(isinstance(d, int) for d in v):
+        raise TypeError(f"{what} {v}")
+    return [int(d) for d in v]
+
+
+@converts("aten.conv2d", "aten.convolution")
+def _conv2d(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """2-D convolution as one ge.conv2d (GE lowers it to the cube); torch's symmetric padding is ONNX's pads."""
+    dtype = result_dtype(b, node)
+    x = operand(b, tensor(b, _input(a), "the input"), dtype)
+    w = operand(b, tensor(b, a["weight"], "the weight"), dtype)
+    if a.get("transposed", False):
+        raise b.error("a transposed convolution (conv_transpose) is not supported: GEIR has ge.conv2d only")
+    unbatched = str(node.target.overloadpacket) == "aten.conv2d" and x.type.rank == 3
+    if unbatched:  # conv2d takes [C, H, W] as a batch of one
+        x = reshape_to(b, x, (1,) + x.type.shape, hint=f"{node.name}_batch")
+    if x.type.rank != 4 or w.type.rank != 4:
+        raise b.error(f"a {x.type.rank - 2}-D convolution (input {x.type}, weight {w.type}): GEIR has ge.conv2d "
+                      f"(NCHW input, OIHW weight) only")
+    try:
+        stride, dilation = _pair(a.get("stride", 1), "stride"), _pair(a.get("dilation", 1), "dilation")
+        padding = a.get("padding", 0)
+        if padding == "same":  # the extra row or column of an odd total goes after, as torch pads it
+            totals = [d * (k - 1) for d, k in zip(dilation, w.type.shape[2:])]
+            pads = [t // 2 for t in totals] + [t - t // 2 for t in totals]
+        elif padding == "valid":
+            pads = [0, 0, 0, 0]
+        else:  # [top, left] on both sides: ONNX's [top, left, bottom, right]
+            pads = _pair(padding, "padding") * 2
+    except TypeError as e:
+        raise b.error(f"convolution with a {e} that is not two integers known at export") from None
+    if a.get("output_padding") and any(a["output_padding"]):
+        raise b.error(f"output_padding {list(a['output_padding'])} without a transposed convolution")
+    operands = [x, w]
+    if a.get("bias") is not None:
+        operands.append(operand(b, tensor(b, a["bias"], "the bias"), dtype))
+    attributes = {"strides": stride, "pads": pads, "dilations": dilation, "groups": int(a.get("groups", 1))}
+    out = b.value("ge.conv2d", operands, attributes, hint=f"{node.name}_nchw" if unbatched else node.name)
+    return reshape_to(b, out, out.type.shape[1:], hint=node.name) if unbatched else out
+
+
 # --- shapes -------------------------------------------------------------------------------------------
 
 def _transpose(b: GraphBuilder, x: Value, perm: list[int], hint: str | None = None) -> Value:

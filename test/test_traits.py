@@ -119,6 +119,7 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.split": (1, {"axis": 1, "sizes": [1, 3]}),
     "ge.slice": (1, {"axes": [0], "starts": [1], "ends": [3]}),
     "ge.cumsum": (1, {"axis": 1}),
+    "ge.conv2d": (2, {"pads": [1, 1, 2, 2]}),  # a 4x4 kernel over a 4x4 image, padded to keep its shape
 }
 
 
@@ -188,7 +189,7 @@ def test_an_op_without_the_trait_computes_across_elements(name):
     count, attrs = ACROSS[name]
     rng = np.random.default_rng(3)
     arrays = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(count)]
-    if name == "ge.flash_attention":
+    if name in ("ge.flash_attention", "ge.conv2d"):
         arrays = [a.reshape(1, 1, 4, 4) for a in arrays]
     assert not OPS[name].has_trait(Elementwise)
     assert not behaves_elementwise(name, attrs, arrays)
