@@ -161,9 +161,12 @@ def _import(model, args, path: str):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "model.onnx")
         kw = {"opset_version": 23} if path == "onnx23" else {}
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            program = torch.onnx.export(model, args, dynamo=True, **kw)
-            program.save(out)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                program = torch.onnx.export(model, args, dynamo=True, **kw)
+                program.save(out)
+        except Exception as e:  # noqa: BLE001 - torch's exporter, before GEIR sees anything
+            raise RuntimeError(f"torch.onnx.export failed, before geimport: {_first_line(e)}") from e
         return import_onnx(out)
 
 
