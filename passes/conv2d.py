@@ -1,4 +1,4 @@
-"""conv2d-to-matmul: ge.conv2d becomes im2col + ge.matmul, so that convolutions run on the cube.
+"""conv2d-im2col: ge.conv2d becomes im2col + ge.matmul, so that convolutions run on the cube.
 
 What is lowered (`--explain` says which way, or why not, for every ge.conv2d):
 
@@ -152,7 +152,7 @@ def _windows(op: Operation, rw: Rewriter) -> Value:
     return y
 
 
-@register_pass("conv2d-to-matmul")
+@register_pass("conv2d-im2col")
 class Conv2dToMatmulPass(Pass):
     """Lower every ge.conv2d it can to im2col + ge.matmul on the cube; --explain says how, or why not."""
 

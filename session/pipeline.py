@@ -18,8 +18,8 @@ from geir.runtime.interpreter import RunResult, Runtime
 from geir.runtime.launch_memo import LaunchMemo
 from geir.target_npu.target import DEFAULT_TARGET, load_target
 
-DEFAULT_PIPELINE = "conv2d-to-matmul,canonicalize,fuse,layout,tile,plan,lower"
-NO_FUSE_PIPELINE = "conv2d-to-matmul,canonicalize,layout,tile,plan,lower"
+DEFAULT_PIPELINE = "conv2d-im2col,canonicalize,fuse,layout,tile,plan,lower"
+NO_FUSE_PIPELINE = "conv2d-im2col,canonicalize,layout,tile,plan,lower"
 
 
 def lowering_pipeline(pipeline: str) -> list:
