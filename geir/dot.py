@@ -25,6 +25,9 @@ FUSED_KINDS: dict[str, str] = {
     "ge.fused_matmul": "matmul_epilogue",
     "ge.fused_elementwise": "elementwise",
 }
+# Rules of `fuse` that rewrite an op into one of the same kind (attention_native gives an imported
+# ge.flash_attention its native operands): they make no kind of their own, so they have no colour.
+REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention"}
 # Fill colour of the ops each rule made (ColorBrewer's Set3 pastels: black text stays readable on them).
 RULE_COLOURS: dict[str, str] = {
     "flash_attention": "#fdb462",

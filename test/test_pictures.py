@@ -299,7 +299,10 @@ def test_dot_bad_input_writes_no_file(tmp_path, capsys):
 def test_fused_kinds_name_the_fuse_pass_rules():
     from geir.passes.fuse import FUSION_RULES
 
-    assert sorted(FUSED_KINDS.values()) == sorted(FUSION_RULES)
+    from geir.dot import REFINING_RULES
+
+    assert sorted(list(FUSED_KINDS.values()) + list(REFINING_RULES)) == sorted(FUSION_RULES)
+    assert all(kind in FUSED_KINDS for kind in REFINING_RULES.values())
 
 
 # --- gerun --timeline ----------------------------------------------------------------------------------------
