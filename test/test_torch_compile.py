@@ -43,7 +43,7 @@ class Attention(nn.Module):
 
 
 class Cumulative(nn.Module):
-    """A supported part, a graph break, then cumsum, which GEIR has no mapping for."""
+    """A supported part, a graph break, then cumprod, which GEIR has no mapping for."""
 
     def __init__(self, d: int = 32):
         super().__init__()
@@ -52,7 +52,7 @@ class Cumulative(nn.Module):
     def forward(self, x):
         h = F.gelu(self.lin(x))
         torch._dynamo.graph_break()
-        return torch.cumsum(h, dim=-1) * 0.5
+        return torch.cumprod(h, dim=-1) * 0.5
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +136,7 @@ def test_an_unsupported_op_runs_eagerly_with_a_warning_naming_it(graphs):
     model = _model(Cumulative)
     fast = torch.compile(model, backend="geir")
     x = _x(4, 32)
-    with pytest.warns(GeirFallbackWarning, match=r"aten\.cumsum\.default .*unsupported op"):
+    with pytest.warns(GeirFallbackWarning, match=r"aten\.cumprod\.default .*unsupported op"):
         with torch.no_grad():
             out = fast(x)
     assert_matches_torch(out, model, x)
@@ -166,12 +166,12 @@ def test_unknown_options_are_an_error():
 
 def test_a_graph_geir_cannot_import_gives_eager_results_exactly(graphs):
     def scan(x):
-        return torch.cumsum(x * 2.0, dim=0) + 1.0
+        return torch.cumprod(x * 2.0, dim=0) + 1.0
 
     fast = torch.compile(scan, backend="geir")
     x = _x(8, 4)
-    with pytest.warns(GeirFallbackWarning, match=r"aten\.cumsum\.default"):
+    with pytest.warns(GeirFallbackWarning, match=r"aten\.cumprod\.default"):
         out = fast(x)
-    assert torch.equal(out, torch.cumsum(x * 2.0, dim=0) + 1.0)
+    assert torch.equal(out, torch.cumprod(x * 2.0, dim=0) + 1.0)
     assert torch.equal(fast(x + 1), scan(x + 1))  # later calls run eagerly too, without recompiling
     assert len(graphs) == 1 and graphs[0].compiled == {}

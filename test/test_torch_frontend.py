@@ -497,5 +497,5 @@ def test_indexing_with_a_boolean_mask_or_two_index_tensors_is_refused_with_the_r
     x, j = _randn(5, 7), torch.tensor([4, 0])
     with pytest.raises(TorchImportError, match=r"aten\.index\.Tensor at node .*boolean mask: its result's size depends"):
         from_module(Masked(), (x, x > 0))
-    with pytest.raises(TorchImportError, match="2 index tensors at once is not supported"):
+    with pytest.raises(TorchImportError, match="2 index tensors computed at run time is not supported"):
         from_module(Pairs(), (x, j, j))
