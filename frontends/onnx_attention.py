@@ -23,7 +23,7 @@ from geir.frontends.onnx_node import Node, UseFunctionBody, converter, optional,
 from geir.frontends.onnx_shapes import reshape_to
 from geir.frontends.onnx_values import GraphBuilder, ImportProblem, Tensor
 from geir.ops.linalg import bnsd
-from geir.passes.fusion.attention import causal_pattern
+from geir.passes.fusion.attention import constant_mask_meaning
 from geir.types import DType
 
 
@@ -59,12 +59,8 @@ def attention(b: GraphBuilder, node: Node, xs: list[Tensor | None]) -> list[Tens
     if bias is not None and bias.is_const and not past:
         # the exporters spell a causal SDPA as a constant top-left causal mask: the kernel's causal = true
         # (it skips the blocks above the diagonal); a mask that keeps every key is no mask
-        a = bias.array
-        boolean = a.dtype == np.bool_
-        if not causal and causal_pattern(a, boolean):
-            bias, causal = None, True
-        elif a.size and (bool(np.all(a)) if boolean else not np.any(a)):
-            bias = None
+        needed, causal = constant_mask_meaning(bias.array, bias.array.dtype == np.bool_, causal)
+        bias = bias if needed else None
     if causal and past:
         # bottom-right alignment: an explicit mask, since causal = true means top-left
         keep = _causal_keep(sq, skv, past)

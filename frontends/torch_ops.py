@@ -24,7 +24,7 @@ from geir.frontends.torch_builder import GraphBuilder, dims_of, geir_dtype, lite
 from geir.attributes import DenseResourceAttr
 from geir.ir import Value
 from geir.ops.numerics import normalize_axis
-from geir.passes.fusion.attention import causal_pattern
+from geir.passes.fusion.attention import constant_mask_meaning
 from geir.types import Dim, DType, TensorType
 
 
@@ -729,12 +729,8 @@ def _constant_mask(b: GraphBuilder, mask: Value, causal: bool) -> tuple[Value | 
     arr = constant_array(b, mask)
     if arr is None:
         return mask, causal
-    boolean = mask.type.dtype is DType.i1
-    if not causal and causal_pattern(arr, boolean):
-        return None, True
-    if arr.size and (bool(np.all(arr)) if boolean else not np.any(arr)):
-        return None, causal
-    return mask, causal
+    needed, causal = constant_mask_meaning(arr, mask.type.dtype is DType.i1, causal)
+    return (mask if needed else None), causal
 
 
 @converts("aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention_for_cpu")

@@ -54,6 +54,16 @@ def causal_pattern(arr: np.ndarray, boolean: bool) -> bool:
         return bool(np.all(m[keep] == 0) and np.all(m[~keep] <= _MASKED))
 
 
+def constant_mask_meaning(arr: np.ndarray, boolean: bool, causal: bool) -> tuple[bool, bool]:
+    """What a constant attention mask does, as (still needed, causal): the top-left causal mask is the
+    kernel's `causal = true`, one that keeps every key is no mask, anything else stays a mask."""
+    if not causal and causal_pattern(arr, boolean):
+        return False, True
+    if arr.size and (bool(np.all(arr)) if boolean else not np.any(arr)):
+        return False, causal
+    return True, causal
+
+
 class FuseFlashAttention(Pattern):
     """softmax(scale * q @ k^T + mask) @ v -> ge.flash_attention."""
 
@@ -207,12 +217,10 @@ class NativeAttentionInputs(Pattern):
                             f"copies of each head)")
             if k_group > 1:
                 k, v, changed = k2, v2, True
-        if mask is not None:
-            arr = const_array(mask, self.resources)
-            boolean = mask.type.dtype == DType.i1
-            if arr is not None and not causal and causal_pattern(arr, boolean=boolean):
-                mask, causal, changed = None, True, True
-            elif arr is not None and arr.size and (bool(np.all(arr)) if boolean else not np.any(arr)):
+        arr = const_array(mask, self.resources) if mask is not None else None
+        if arr is not None:
+            needed, causal = constant_mask_meaning(arr, mask.type.dtype == DType.i1, causal)
+            if not needed:
                 mask, changed = None, True
         if not changed:
             return None  # nothing spelled out that the kernel does itself
