@@ -133,7 +133,7 @@ def _where(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 
 _UNARY = {"Sqrt": "ge.sqrt", "Exp": "ge.exp", "Log": "ge.log", "Erf": "ge.erf", "Tanh": "ge.tanh",
-          "Sigmoid": "ge.sigmoid", "Relu": "ge.relu", "Abs": "ge.abs", "Neg": "ge.neg"}
+          "Sigmoid": "ge.sigmoid", "Relu": "ge.relu", "Abs": "ge.abs", "Neg": "ge.neg", "Sin": "ge.sin", "Cos": "ge.cos"}
 
 
 @converter(*_UNARY)

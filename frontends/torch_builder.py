@@ -11,6 +11,7 @@ import os
 import re
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
@@ -113,6 +114,13 @@ def from_numpy(a: np.ndarray, dtype: DType) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a.astype(dtype.np, copy=False)))
 
 
+@attrs.frozen
+class RunTimeSize:
+    """A size known only at run time (a SymInt of a dynamic-shape export): the rank-0 i64 value computing it."""
+
+    value: Value
+
+
 class GraphBuilder(Builder):
     """geir.builder's Builder for the PyTorch importer: torch's value names, the weights, TorchImportError.
 
@@ -180,14 +188,6 @@ class GraphBuilder(Builder):
             key = f"{hint}_{i}"
             i += 1
         return key
-
-
-def literal_array(v: Value) -> np.ndarray | None:
-    """The elements of `v` when a dense literal defines it (splats broadcast), else None."""
-    op = v.owner
-    if op is not None and op.name == "ge.const" and isinstance(op.attributes.get("value"), DenseAttr):
-        return op.attributes["value"].to_array(v.type)
-    return None
 
 
 def _is_splat(array: np.ndarray) -> bool:

@@ -18,11 +18,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from geir.diagnostics import UNKNOWN, DiagnosticError
-from geir.frontends.torch_builder import (COMPUTED_LITERAL_LIMIT, LITERAL_LIMIT, GraphBuilder, TorchImportError,
-                                          dims_of, geir_dtype, node_description, source_location, to_numpy)
+from geir.frontends.torch_builder import (COMPUTED_LITERAL_LIMIT, LITERAL_LIMIT, GraphBuilder, RunTimeSize,
+                                          TorchImportError, dims_of, geir_dtype, node_description, source_location,
+                                          to_numpy)
 from geir.frontends.torch_ops import CONVERTERS, TAKES_RUNTIME_SIZES, Unavailable
 from geir.ir import Module, Value
-from geir.types import TensorType
+from geir.types import DType, TensorType
 from geir.verifier import verify_graph
 
 
@@ -32,10 +33,6 @@ class ConstTensor:
 
     tensor: torch.Tensor
     key: str | None = None
-
-
-class Symbolic:
-    """A size known only at run time (a SymInt of a dynamic-shape export)."""
 
 
 @attrs.define
@@ -151,9 +148,9 @@ class _Importer:
         target = node.target
         if target is operator.getitem:
             return self.env[node.args[0]][node.args[1]]
-        if isinstance(node.meta.get("val"), torch.SymInt) or not isinstance(target, torch._ops.OpOverload):
-            if _is_size(node):
-                return Symbolic()
+        if _is_size(node):
+            return self.size(node)
+        if not isinstance(target, torch._ops.OpOverload):
             raise self.b.error("only aten operators are supported")
         if _is_check(target):
             return None  # a run-time assertion torch.export left in (metadata, value ranges): nothing to compute
@@ -165,7 +162,8 @@ class _Importer:
         kwargs = _schema_arguments(node)
         mapped = {k: self.value_of(v) for k, v in kwargs.items()}
         if str(target.overloadpacket) not in TAKES_RUNTIME_SIZES and _has_symbolic(mapped):
-            raise self.b.error("takes a run-time size as an argument; GEIR imports run-time sizes only in reshapes")
+            raise self.b.error("takes a run-time size as an argument, which GEIR does not map for this op (it does for "
+                               "reshapes, arange, slice and expand)")
         try:
             out = converter(self.b, node, mapped)
         except TorchImportError:
@@ -174,6 +172,22 @@ class _Importer:
             raise self.b.error(f"cannot import: {type(e).__name__}: {e}") from None
         self.check(node, out)
         return out
+
+    def size(self, node: Any) -> RunTimeSize:
+        """A SymInt node: the rank-0 i64 value computing it (ge.dim of an input, arithmetic on those)."""
+        if node.target is torch.ops.aten.sym_size.int:
+            x = self.value_of(node.args[0])
+            axis = node.args[1] % x.type.rank
+            return RunTimeSize(self.b.value("ge.dim", [x], {"axis": axis}, hint=node.name))
+        name = _SIZE_ARITHMETIC.get(node.target)
+        if name is None:
+            raise self.b.error(f"computes a run-time size with {getattr(node.target, '__name__', node.target)}, which "
+                               f"GEIR does not map (it maps sym_size, +, - and *)")
+        operands = []
+        for x in node.args:
+            v = self.value_of(x)
+            operands.append(v.value if isinstance(v, RunTimeSize) else self.b.scalar(int(v), DType.i64, "size"))
+        return RunTimeSize(self.b.value(name, operands, hint=node.name))
 
     def foldable(self, node: Any) -> bool:
         """Every tensor input is a constant and the op is deterministic: torch can evaluate it now."""
@@ -239,7 +253,11 @@ def _has_symbolic(x: Any) -> bool:
         return any(_has_symbolic(v) for v in x.values())
     if isinstance(x, (list, tuple)):
         return any(_has_symbolic(v) for v in x)
-    return isinstance(x, Symbolic)
+    return isinstance(x, RunTimeSize)
+
+
+# SymInt arithmetic torch.export records, as ops on rank-0 i64 tensors
+_SIZE_ARITHMETIC = {operator.add: "ge.add", operator.sub: "ge.sub", operator.mul: "ge.mul"}
 
 
 def _is_size(node: Any) -> bool:

@@ -20,9 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from geir.frontends.torch_builder import GraphBuilder, dims_of, geir_dtype, literal_array
+from geir.frontends.torch_builder import GraphBuilder, RunTimeSize, dims_of, geir_dtype
+from geir.ops.core import literal_array
 from geir.attributes import DenseResourceAttr
 from geir.ir import Value
+from geir.opdef import ShapeError
+from geir.ops.indexing import flat_indices
 from geir.ops.numerics import normalize_axis
 from geir.passes.fusion.attention import constant_mask_meaning
 from geir.types import Dim, DType, TensorType
@@ -126,6 +129,16 @@ def _simple_binary(b: GraphBuilder, node: Any, a: dict) -> Value:
     return _binary(b, node, _SIMPLE_BINARY[str(node.target.overloadpacket)], x, y, result_dtype(b, node))
 
 
+@converts("aten.min", "aten.max")
+def _min_max(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # only the elementwise overload (min.other); torch.min over a dimension returns values and indices
+    if node.target._overloadname != "other":
+        raise b.error("min/max over dimensions is not supported (GEIR maps the elementwise min.other and max.other, "
+                      "and amax)")
+    name = "ge.min" if str(node.target.overloadpacket) == "aten.min" else "ge.max"
+    return _binary(b, node, name, _input(a), a["other"], result_dtype(b, node))
+
+
 @converts("aten.div")
 def _div(b: GraphBuilder, node: Any, a: dict) -> Value:
     dtype = result_dtype(b, node)
@@ -162,7 +175,7 @@ def _compare(b: GraphBuilder, node: Any, a: dict) -> Value:
 _UNARY = {
     "aten.relu": "ge.relu", "aten.silu": "ge.silu", "aten.sigmoid": "ge.sigmoid", "aten.tanh": "ge.tanh",
     "aten.exp": "ge.exp", "aten.log": "ge.log", "aten.sqrt": "ge.sqrt", "aten.rsqrt": "ge.rsqrt",
-    "aten.neg": "ge.neg", "aten.abs": "ge.abs", "aten.erf": "ge.erf",
+    "aten.neg": "ge.neg", "aten.abs": "ge.abs", "aten.erf": "ge.erf", "aten.sin": "ge.sin", "aten.cos": "ge.cos",
 }
 
 
@@ -300,11 +313,36 @@ def _dropout(b: GraphBuilder, node: Any, a: dict) -> Value:
     return tensor(b, _input(a), "the input")
 
 
+_FILLS = {"aten.zeros_like": 0, "aten.ones_like": 1, "aten.new_zeros": 0, "aten.new_ones": 1, "aten.new_empty": 0,
+          "aten.zeros": 0, "aten.ones": 1, "aten.empty": 0}
+
+
 @converts("aten.full_like", "aten.zeros_like", "aten.ones_like")
 def _full_like(b: GraphBuilder, node: Any, a: dict) -> Value:
     t = result_type(b, node)
-    fill = {"aten.zeros_like": 0, "aten.ones_like": 1}.get(str(node.target.overloadpacket), a.get("fill_value"))
-    return _splat(b, fill, t, node.name)
+    fill = _FILLS.get(str(node.target.overloadpacket), a.get("fill_value"))
+    if t.is_static:
+        return _splat(b, fill, t, node.name)
+    x = tensor(b, _input(a), "the input")
+    return _filled(b, fill, t, b.value("ge.shape_of", [x], hint=f"{node.name}_shape"))
+
+
+# new_* read only their input's dtype and device; full/zeros/ones get here only with a run-time size
+# (with known sizes they are evaluated at import); empty is filled with zeros, one of the values it may hold
+@converts("aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.full", "aten.zeros", "aten.ones",
+          "aten.empty")
+def _new_filled(b: GraphBuilder, node: Any, a: dict) -> Value:
+    t = result_type(b, node)
+    fill = _FILLS.get(str(node.target.overloadpacket), a.get("fill_value"))
+    if t.is_static:
+        return _splat(b, fill, t, node.name)
+    return _filled(b, fill, t, size_tensor(b, list(a["size"])))
+
+
+def _filled(b: GraphBuilder, fill: Any, t: TensorType, shape: Value) -> Value:
+    """A tensor of type `t` (with run-time dims) whose elements are all `fill`: a scalar broadcast to `shape`."""
+    scalar = b.scalar(fill, t.dtype, "fill")
+    return b.value("ge.dynamic_broadcast", [scalar, shape])
 
 
 def _splat(b: GraphBuilder, fill: Any, t: TensorType, hint: str) -> Value:
@@ -460,31 +498,90 @@ def reshape_to(b: GraphBuilder, x: Value, shape: tuple[Dim, ...], hint: str | No
 
 
 # reshapes take their target shape from what torch traced, so run-time sizes among their arguments are fine
-TAKES_RUNTIME_SIZES = frozenset({
+RESHAPES = frozenset({
     "aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.squeeze", "aten.flatten",
     "aten.unflatten", "aten.view_copy", "aten._reshape_alias", "aten.expand_dims",
 })
+# the converters that take run-time sizes (RunTimeSize) among their arguments
+TAKES_RUNTIME_SIZES = RESHAPES | {"aten.arange", "aten.slice", "aten.expand", "aten.expand_copy", "aten.broadcast_to",
+                                  "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.full",
+                                  "aten.zeros", "aten.ones", "aten.empty"}
 
 
-@converts(*TAKES_RUNTIME_SIZES)
+def size_tensor(b: GraphBuilder, sizes: list) -> Value:
+    """A 1-D i64 tensor of sizes, numbers and run-time sizes mixed (a constant when all are numbers)."""
+    if not any(isinstance(s, RunTimeSize) for s in sizes):
+        return b.const(np.array(sizes, dtype=np.int64), DType.i64, hint="sizes")
+    pieces = [reshape_to(b, s.value, (1,), hint="size") if isinstance(s, RunTimeSize)
+              else b.const(np.array([s], dtype=np.int64), DType.i64, hint="size") for s in sizes]
+    return pieces[0] if len(pieces) == 1 else b.value("ge.concat", pieces, {"axis": 0}, hint="sizes")
+
+
+def scalar_operand(b: GraphBuilder, x: Any, dtype: DType, hint: str) -> Value:
+    """A rank-0 operand of `dtype` from a number or a run-time size."""
+    if isinstance(x, RunTimeSize):
+        return b.cast(x.value, dtype)
+    return b.scalar(x, dtype, hint)
+
+
+@converts("aten.arange")
+def _arange(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # only an arange to a run-time size gets here: one of known numbers is evaluated at import
+    dtype = result_dtype(b, node)
+    bounds = [a.get("start", 0), a["end"], a.get("step", 1)]
+    return b.value("ge.range", [scalar_operand(b, v, dtype, n) for v, n in zip(bounds, ("start", "end", "step"))])
+
+
+@converts(*RESHAPES)
 def _reshape(b: GraphBuilder, node: Any, a: dict) -> Value:
     x = tensor(b, _input(a), "the input")
     if "dtype" in a and not isinstance(a.get("size"), (list, tuple)):
         raise b.error("view as another dtype (a bit cast) is not supported")
-    return reshape_to(b, x, result_type(b, node).shape)
+    shape = result_type(b, node).shape
+    if sum(d is None for d in shape) <= 1:
+        return reshape_to(b, x, shape)
+    # several run-time dims: the sizes torch passed (run-time ones computed in the graph), or else each one the
+    # input has (the same symbol) read from it and one other inferred
+    given = a.get("size", a.get("shape"))
+    if isinstance(given, (list, tuple)) and len(given) == len(shape):
+        return b.value("ge.dynamic_reshape", [x, size_tensor(b, list(given))], {"allowzero": True})
+    before = [str(d) for d in result_meta(node.args[0]).shape]
+    sizes: list = []
+    for d in result_meta(node).shape:
+        if isinstance(d, int):
+            sizes.append(d)
+        elif str(d) in before:
+            axis = before.index(str(d))
+            sizes.append(RunTimeSize(b.value("ge.dim", [x], {"axis": axis}, hint=f"{node.name}_dim{axis}")))
+        else:
+            sizes.append(-1)
+    if sizes.count(-1) > 1:
+        raise b.error(f"reshape to {'x'.join('?' if d is None else str(d) for d in shape)}: more than one of its "
+                      f"run-time dimensions is new (a product of the input's), and a reshape infers only one")
+    return b.value("ge.dynamic_reshape", [x, size_tensor(b, sizes)], {"allowzero": True})
 
 
 @converts("aten.expand", "aten.broadcast_to", "aten.expand_copy")
 def _expand(b: GraphBuilder, node: Any, a: dict) -> Value:
     x = tensor(b, _input(a), "the input")
     t = result_type(b, node)
-    if x.type.shape == t.shape:
+    before = tuple(result_meta(node.args[0]).shape)
+    after = tuple(result_meta(node).shape)
+    before = (1,) * (len(after) - len(before)) + before
+    if before == after:
         return x
+    # an axis torch leaves at its own size (the same symbol before and after) needs no broadcast: the splat
+    # has 1 there, so a run-time dimension kept as it is costs nothing
+    grow = [1 if d == e else (e if isinstance(e, int) else None) for d, e in zip(before, after)]
+    if None in grow:  # broadcast to a run-time size: sized when the shape signature binds
+        sizes = [1 if s == -1 else s for s in a["size"]]
+        return b.value("ge.dynamic_broadcast", [x, size_tensor(b, sizes)])
     # GEIR has no broadcast op: multiplying by a splat of ones (or selecting, for i1) of the expanded
     # shape broadcasts exactly, and canonicalize keeps it because the result shape differs
+    ones = TensorType(tuple(grow), t.dtype)
     if t.dtype is DType.i1:
-        return b.value("ge.select", [x, _splat(b, True, t, "true"), _splat(b, False, t, "false")])
-    return b.value("ge.mul", [x, _splat(b, 1, t, f"{node.name}_ones")])
+        return b.value("ge.select", [x, _splat(b, True, ones, "true"), _splat(b, False, ones, "false")])
+    return b.value("ge.mul", [x, _splat(b, 1, ones, f"{node.name}_ones")])
 
 
 @converts("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.tensor_split", "aten.unsafe_split")
@@ -544,6 +641,12 @@ def _slice(b: GraphBuilder, x: Value, axis: int, start: int, end: int, hint: str
 def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
     x = tensor(b, _input(a), "the input")
     axis = _axis(b, a.get("dim", 0), x.type.rank)
+    if isinstance(a.get("start"), RunTimeSize) or isinstance(a.get("end"), RunTimeSize):
+        if a.get("step", 1) != 1:
+            raise b.error(f"slicing with step {a['step']} is not supported (ge.dynamic_slice takes step 1)")
+        start = 0 if a.get("start") is None else a["start"]
+        end = (1 << 62) if a.get("end") is None else a["end"]
+        return b.value("ge.dynamic_slice", [x, size_tensor(b, [start]), size_tensor(b, [end])], {"axes": [axis]})
     if "length" in a:  # narrow
         start = a["start"] % x.type.shape[axis] if a["start"] < 0 else a["start"]
         return _slice(b, x, axis, start, start + a["length"])
@@ -581,6 +684,13 @@ def _embedding(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.gather", [weight, _indices(b, a["indices"], "the indices")], {"axis": 0})
 
 
+@converts("aten.gather")
+def _gather_elements(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    index = _indices(b, a["index"], "the index")
+    return b.value("ge.gather_elements", [x, index], {"axis": _axis(b, a["dim"], max(x.type.rank, 1))})
+
+
 @converts("aten.index_select")
 def _index_select(b: GraphBuilder, node: Any, a: dict) -> Value:
     x = tensor(b, _input(a), "the input")
@@ -611,28 +721,22 @@ def _index(b: GraphBuilder, node: Any, a: dict) -> Value:
 
 
 def _index_several(b: GraphBuilder, x: Value, given: list, at: list[int]) -> Value:
-    """x[i, j] with several index tensors on adjacent dimensions, all known at import (HF's mask code indexes
-    the padding mask with broadcast aranges): one gather of the merged dimensions at the flattened indices,
-    each index checked against its own dimension here, so no out-of-range pair can land on another element."""
+    """x[i, j] with several index tensors on adjacent dimensions (HF's mask code indexes the padding mask with
+    broadcast aranges): ge.index, which becomes one gather of the merged dimensions at the flattened indices
+    once the indices are constants (here, or when a dynamic-shape program's sizes are bound); indices computed
+    from data stay a ge.index, which GE places on the AI CPU."""
     if at != list(range(at[0], at[0] + len(at))):
         raise b.error(f"indexing with {len(at)} index tensors on dimensions {at}, which are not adjacent, is not "
                       f"supported (torch moves such results to the front)")
-    arrays = [constant_array(b, _indices(b, given[k], "the index")) for k in at]
-    if any(arr is None for arr in arrays):
-        raise b.error(f"indexing with {len(at)} index tensors computed at run time is not supported (GEIR gathers "
-                      f"along one dimension: index one dimension at a time)")
+    indices = [_indices(b, given[k], "the index") for k in at]
+    arrays = [constant_array(b, v) for v in indices]
     dims = x.type.shape[at[0]:at[-1] + 1]
-    if any(d is None for d in dims):
-        raise b.error("indexing several dimensions, one of which is known only at run time")
+    if any(arr is None for arr in arrays) or any(d is None for d in dims):
+        return b.value("ge.index", [x] + indices, {"axis": at[0]})
     try:
-        index = np.broadcast_arrays(*[np.asarray(arr, dtype=np.int64) for arr in arrays])
-    except ValueError:
-        raise b.error("the index tensors do not broadcast together") from None
-    for k, (arr, d) in enumerate(zip(index, dims)):
-        if arr.size and (arr.min() < -d or arr.max() >= d):
-            raise b.error(f"index {int(arr.min() if arr.min() < -d else arr.max())} is out of range for dimension "
-                          f"{at[k]} of size {d}")
-    flat = np.ravel_multi_index(tuple(np.where(arr < 0, arr + d, arr) for arr, d in zip(index, dims)), dims)
+        flat = flat_indices([np.asarray(arr, dtype=np.int64) for arr in arrays], dims, at[0])
+    except ShapeError as e:  # torch would raise at run time; GEIR says so here
+        raise b.error(str(e)) from None
     shape = x.type.shape
     merged = reshape_to(b, x, shape[:at[0]] + (int(np.prod(dims)),) + shape[at[-1] + 1:])
     return b.value("ge.gather", [merged, b.const(flat.astype(np.int64), DType.i64, hint="index")], {"axis": at[0]})

@@ -51,9 +51,27 @@ class DataMovement(Trait):
     """Moves or reorders bytes and computes nothing."""
 
 
+class ShapeOnly(Trait):
+    """Reads only its operands' shapes, never their elements: it folds to a constant once the shapes are static."""
+
+
+class TakesSizes(Trait):
+    """Takes sizes from tensor operands (a run-time length): it becomes a static op once they are constants."""
+
+
 class NoKernel(Trait):
     """Never launched as a kernel: the Runtime or the graph's bookkeeping provides it."""
 
 
 class Terminator(Trait):
     """Ends its graph: its operands are the graph's results."""
+
+
+class StaticForm:
+    """Interface of an op that takes sizes (or indices) from tensors and has an equivalent op with static
+    attributes once they are constants; const-fold rewrites it so when GE binds a shape signature."""
+
+    def static_form(self, b) -> "object | None":
+        """The equivalent static ops' result, built with builder `b` (set before this op); None while a size
+        is not known."""
+        raise NotImplementedError

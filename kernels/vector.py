@@ -57,9 +57,10 @@ UB_BLOCK = 32
 
 # Vector instructions per element of the working tile: the obvious Ascend C sequence of each op
 # (Exp, Ln, Sqrt, Div ... are single instructions; pow = exp(b * ln a); tanh, sigmoid, silu, erf
-# and gelu are short exp/div or polynomial sequences). Every other op is one instruction.
+# and gelu are short exp/div or polynomial sequences; sin and cos, as Ascend C's math library computes
+# them, a range reduction and a polynomial, counted as erf's). Every other op is one instruction.
 ELEMENTWISE_PASSES = {"ge.pow": 3, "ge.rsqrt": 2, "ge.tanh": 4, "ge.sigmoid": 3, "ge.silu": 4, "ge.erf": 6,
-                      "ge.gelu": 8}
+                      "ge.gelu": 8, "ge.sin": 6, "ge.cos": 6}
 # Per element of a row tile: softmax = max, sub, exp, sum, div; layer_norm = sum, sub, square, sum,
 # scale, mul gamma, add beta; rms_norm = square, sum, scale, mul gamma; reduce_mean = sum, scale.
 ROW_PASSES = {"ge.softmax": 5, "ge.layer_norm": 7, "ge.rms_norm": 4, "ge.reduce_sum": 1, "ge.reduce_max": 1,

@@ -12,6 +12,7 @@ from geir.diagnostics import Location
 from geir.ir import Graph, Module
 from geir.kernels.tiling import KernelTiling
 from geir.ops.core import Const
+from geir.passes.const_fold import fold_sizes
 from geir.passes.fusion_guards import FusionGuards, Unfusion
 from geir.passes.tile import TilingDecision
 from geir.session.pipeline import DEFAULT_PIPELINE, lowering_pipeline, run_passes
@@ -21,7 +22,8 @@ from geir.verifier import verify_graph
 
 
 def bind_shapes(graph: Graph, shapes: tuple[tuple[int, ...], ...]) -> Graph:
-    """A copy of `graph` whose arguments have these shapes and every result its inferred type."""
+    """A copy of `graph` whose arguments have these shapes, its size arithmetic evaluated, and every result its
+    inferred (static) type."""
     g = clone_graph(graph)
     for a, shape in zip(g.args, shapes):
         a.type = TensorType(shape, a.type.dtype, a.type.format)
@@ -30,6 +32,7 @@ def bind_shapes(graph: Graph, shapes: tuple[tuple[int, ...], ...]) -> Graph:
             for r in op.results:
                 r.type = None  # inferred again from the concrete shapes
     verify_graph(g, None, fill_types=True)
+    fold_sizes(g)  # the size arithmetic of a dynamic-shape program, now that its shapes are known
     g.result_types = [v.type for v in g.terminator.operands]
     return g
 

@@ -401,10 +401,29 @@ def test_training_mode_dropout_is_refused_with_the_fix():
     check_module(_perturb(model), (_randn(2, 8),))  # _perturb puts it in eval mode
 
 
-def test_two_dynamic_dims_in_one_reshape_are_refused():
+def test_dynamic_batch_and_length_in_one_reshape_are_read_from_the_input():
+    block = _perturb(GPT2Block())
     dims = {"x": {0: torch.export.Dim("batch", min=2, max=8), 1: torch.export.Dim("seq", min=2, max=64)}}
-    with pytest.raises(TorchImportError, match=r"aten\.view\.default at node 'view'.*more than one run-time"):
-        from_module(GPT2Block(), (_randn(2, 16, 64),), dynamic_shapes=dims)
+    fast = compile(block, (_randn(2, 16, 64),), dynamic_shapes=dims)
+    assert fast.module.graph().args[0].type.shape == (None, None, 64)
+    assert "ge.dynamic_reshape" in ops_of(fast.module.graph())  # [B, S, 64] -> [B, S, 4, 16] needs both sizes
+    for b, s in ((2, 16), (3, 8), (5, 24)):
+        x = _randn(b, s, 64, seed=b * s)
+        assert_matches(fast(x), *_reference(block, (x,)))
+    assert fast.session.plan_cache["misses"] == 3
+
+
+def test_a_reshape_to_products_of_run_time_sizes_computes_them_in_the_graph():
+    class Merge(nn.Module):
+        def forward(self, x):
+            return x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3]) - 1
+
+    dims = {"x": {k: torch.export.Dim(f"d{k}", min=2, max=8) for k in range(4)}}
+    fast = compile(Merge(), (_randn(2, 3, 4, 5),), dynamic_shapes=dims)
+    assert {"ge.dim", "ge.mul", "ge.dynamic_reshape"} <= set(ops_of(fast.module.graph()))
+    for shape in ((2, 3, 4, 5), (7, 2, 3, 8)):
+        x = _randn(*shape)
+        assert torch.equal(fast(x), Merge()(x))
 
 
 # --- indexing: what Hugging Face models do with token ids and masks ---------------------------------------
@@ -485,17 +504,24 @@ def test_indexing_with_one_integer_tensor_is_a_gather_like_torch():
         assert torch.equal(got, want)
 
 
-def test_indexing_with_a_boolean_mask_or_two_index_tensors_is_refused_with_the_reason():
+def test_indexing_with_a_boolean_mask_is_refused_with_the_reason():
     class Masked(nn.Module):
         def forward(self, x, m):
             return x[m]
 
-    class Pairs(nn.Module):
-        def forward(self, x, i, j):
-            return x[i, j]
-
-    x, j = _randn(5, 7), torch.tensor([4, 0])
+    x = _randn(5, 7)
     with pytest.raises(TorchImportError, match=r"aten\.index\.Tensor at node .*boolean mask: its result's size depends"):
         from_module(Masked(), (x, x > 0))
-    with pytest.raises(TorchImportError, match="2 index tensors computed at run time is not supported"):
-        from_module(Pairs(), (x, j, j))
+
+
+def test_indexing_with_two_run_time_index_tensors_is_a_ge_index_like_torch():
+    class Pairs(nn.Module):
+        def forward(self, x, i, j):
+            return x[i, j], x[:, i, j]
+
+    x = _randn(5, 6, 7)
+    i, j = torch.tensor([[4], [-5], [0]]), torch.tensor([3, -1])  # broadcast to 3x2, negatives count from the end
+    fast = compile(Pairs(), (x, i, j))
+    assert ops_of(fast.module.graphs[0]).count("ge.index") == 2
+    for got, want in zip(fast(x, i, j), Pairs()(x, i, j)):
+        assert torch.equal(got, want)

@@ -32,7 +32,7 @@ TRAITS = [t for _, t in inspect.getmembers(traits, inspect.isclass) if issubclas
 # What each trait holds of today's ops, written out independently of the declarations.
 ELEMENTWISE = {f"ge.{n}" for n in (
     "add", "sub", "mul", "div", "max", "min", "pow", "greater", "less", "equal", "select",
-    "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast", "isinf", "isnan",
+    "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast", "isinf", "isnan", "sin", "cos",
 )}
 EXPECTED = {
     traits.Elementwise: ELEMENTWISE | {"ge.fused_elementwise"},
@@ -43,7 +43,12 @@ EXPECTED = {
     traits.RowWise: {"ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm"},
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
     traits.ShapeView: {"ge.reshape"},
-    traits.DataMovement: {"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data", "ge.gather"},
+    traits.DataMovement: {"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data", "ge.gather",
+                          "ge.index", "ge.gather_elements", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"},
+    # read only shapes: folded once the shapes are bound
+    traits.ShapeOnly: {"ge.dim", "ge.shape_of"},
+    # take sizes from tensors: static ops once the sizes are constants
+    traits.TakesSizes: {"ge.range", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"},
     traits.NoKernel: {"ge.const", "ge.return"},
     traits.Terminator: {"ge.return", "rt.return"},
 }
@@ -100,8 +105,11 @@ ATTRS: dict[str, list[dict[str, Any]]] = {
 }
 # ops whose values the oracle cannot judge: no operands, or values passed through unchanged (trans_data
 # changes the storage format only, so it would look elementwise, but it moves bytes and computes nothing)
-# (arange has no operands either; gather's indices are integers, which the oracle's float operands are not)
-UNJUDGED = {"ge.const", "ge.return", "ge.trans_data", "ge.arange", "ge.gather"}
+# (arange has no operands either; gather's and index's indices are integers, which the oracle's float
+# operands are not, and so are the sizes the size ops read and take: test_sizes judges those against numpy)
+UNJUDGED = {"ge.const", "ge.return", "ge.trans_data", "ge.arange", "ge.gather", "ge.index", "ge.gather_elements",
+            "ge.dim", "ge.shape_of",
+            "ge.range", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"}
 # the ops that compute across elements, with operands (4x4 float32 unless given) and attributes
 ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.matmul": (2, {}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from geir.attributes import DenseAttr, DenseResourceAttr
-from geir.ir import Operation
+from geir.ir import Operation, Value
 from geir.opdef import Attr, op
 from geir.traits import NoKernel, Terminator
 
@@ -36,6 +36,14 @@ class Const(Operation):
                 raise KeyError(self.value.key)
             return np.asarray(resources[self.value.key]).astype(t.dtype.np, copy=False)
         return self.value.to_array(t)
+
+
+def literal_array(v: Value) -> np.ndarray | None:
+    """The elements of `v` when a dense literal defines it (splats broadcast), else None."""
+    producer = v.owner
+    if isinstance(producer, Const) and isinstance(producer.value, DenseAttr):
+        return producer.value.to_array(v.type)
+    return None
 
 
 @op("ge.return")

@@ -112,6 +112,8 @@ _UNARY = {
     "relu": (lambda x: np.maximum(x, 0).astype(x.dtype), False),
     "silu": (lambda x: x * _sigmoid(x), True),
     "erf": (erf, True),
+    "sin": (np.sin, True),
+    "cos": (np.cos, True),
 }
 for _name, (_fn, _float_only) in _UNARY.items():
     op(f"ge.{_name}")(

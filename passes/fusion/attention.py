@@ -423,13 +423,17 @@ def _grouped_source(copies_val: Value, heads_shape: tuple) -> tuple[Value, int]:
     else:
         a, b = copies.operands
         full = copies.result.type.shape
-        if _all_ones(b) and b.type.shape == full:
+        # ones of any shape that broadcasts the copies out along the group axis only (torch's expand keeps the
+        # other axes, a run-time S among them, at 1)
+        if _all_ones(b) and b.type.rank <= 5:
             one = a
-        elif _all_ones(a) and a.type.shape == full:
+        elif _all_ones(a) and a.type.rank <= 5:
             one = b
         else:
             return copies_val, 1
-        group = copies.result.type.shape[2]
+        if one.type.rank != 5 or any(one.type.shape[i] != full[i] for i in (0, 1, 3, 4)):
+            return copies_val, 1
+        group = full[2]
     inner = defining(one, "ge.reshape")
     if inner is None:
         return copies_val, 1
