@@ -164,8 +164,14 @@ def _isinf(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 @converter("Range")
 def _range(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
-    """Range with inputs known at import as ge.arange (a constant: the builder evaluates it now)."""
-    bounds = [np.asarray(constant(required(xs, i, what), f"the {what}")) for i, what in enumerate(("start", "limit", "delta"))]
+    """Range with inputs known at import as ge.arange (a constant: the builder evaluates it now); with one
+    computed in the graph (a length read by Shape), ge.range, evaluated when the shape signature is bound."""
+    given = [required(xs, i, what) for i, what in enumerate(("start", "limit", "delta"))]
+    if not all(t.is_const for t in given):
+        if any(t.type.num_elements != 1 for t in given):
+            raise ImportProblem("Range takes three scalars", unsupported=False)
+        return [b.emit1("ge.range", [t if t.rank == 0 else reshape_to(b, t, ()) for t in given])]
+    bounds = [np.asarray(constant(t, f"the {what}")) for t, what in zip(given, ("start", "limit", "delta"))]
     dtype = dtype_of(bounds[0].dtype)
     if dtype is DType.i1 or any(a.size != 1 for a in bounds):
         raise ImportProblem("Range takes three numeric scalars", unsupported=False)
@@ -391,11 +397,14 @@ def _transpose(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 def _reshape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     """Reshape to a shape known at import (0 copies a dimension unless allowzero)."""
     x = required(xs, 0, "data")
+    allow_zero = bool(node.attr("allowzero", 0))
     if node.opset < 5:
         shape = list(node.attr("shape", []))
     else:
-        shape = int_list(required(xs, 1, "shape"), "the shape")
-    allow_zero = bool(node.attr("allowzero", 0))
+        given = required(xs, 1, "shape")
+        if not given.is_const:  # a shape computed in the graph: sized when the shape signature is bound
+            return [b.emit1("ge.dynamic_reshape", [x, given], {"allowzero": allow_zero})]
+        shape = int_list(given, "the shape")
     dims: list[int | None] = []
     for i, d in enumerate(shape):
         if d == 0 and not allow_zero:  # 0 copies the input's dimension
@@ -411,6 +420,9 @@ def _reshape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
             if known == 0 or total % known:
                 raise ImportProblem(f"cannot reshape {x.type} into {shape}", unsupported=False)
             dims[dims.index(-1)] = total // known
+    if sum(1 for d in dims if d is None) + dims.count(-1) > 1:  # several run-time dims: read from the input
+        return [b.emit1("ge.dynamic_reshape", [x, b.const(np.array(shape, dtype=np.int64))],
+                        {"allowzero": allow_zero})]
     return [reshape_to(b, x, dims)]
 
 
@@ -512,8 +524,16 @@ def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
         axes = list(node.attr("axes", range(len(starts))))
         steps = [1] * len(starts)
     else:
-        starts = int_list(required(xs, 1, "starts"), "starts")
-        ends = int_list(required(xs, 2, "ends"), "ends")
+        given = [required(xs, 1, "starts"), required(xs, 2, "ends")]
+        if not all(t.is_const for t in given):  # bounds computed in the graph (torch's slice to a length S)
+            count = given[0].type.num_elements
+            axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(count or 0))
+            steps = int_list(xs[4], "steps") if optional(xs, 4) is not None else [1] * len(axes)
+            if any(s != 1 for s in steps):
+                raise ImportProblem(f"Slice with steps {steps} (GEIR slices take every element)")
+            return [b.emit1("ge.dynamic_slice", [x] + given, {"axes": [normalize_axis(a, x.rank) for a in axes]})]
+        starts = int_list(given[0], "starts")
+        ends = int_list(given[1], "ends")
         axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(len(starts)))
         steps = int_list(xs[4], "steps") if optional(xs, 4) is not None else [1] * len(starts)
     if any(s != 1 for s in steps):
@@ -576,8 +596,14 @@ def _gather_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     data, indices = required(xs, 0, "data"), required(xs, 1, "indices")
     if node.attr("batch_dims", 0):
         raise ImportProblem("GatherND with batch_dims is not supported")
-    if not indices.is_const:
-        raise ImportProblem("GatherND with indices computed at run time (GEIR gathers along one axis)")
+    if not indices.is_const:  # ge.index with the last axis of the indices split into one index per dimension
+        k = indices.shape[-1] if indices.rank else None
+        if k is None or k > data.rank:
+            raise ImportProblem(f"GatherND indices {indices.type} do not index {data.type} (their last dimension "
+                                f"must be static, at most the data's rank)", unsupported=k is None and indices.rank > 0)
+        parts = b.emit("ge.split", [indices], {"axis": -1, "sizes": [1] * k}, results=k) if k > 1 else [indices]
+        parts = [reshape_to(b, p, indices.shape[:-1]) for p in parts]
+        return [b.emit1("ge.index", [data] + parts, {"axis": 0})]
     index = np.asarray(constant(indices, "the indices")).astype(np.int64)
     k = index.shape[-1] if index.ndim else 0
     dims = tuple(data.shape[:k])
@@ -614,8 +640,8 @@ def _gather_elements(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     if index.rank != data.rank:
         raise ImportProblem(f"indices have rank {index.rank}, but the data has rank {data.rank}", unsupported=False)
     axis = normalize_axis(node.attr("axis", 0), data.rank)
-    if None in data.shape or None in index.shape:
-        raise ImportProblem("GatherElements on a shape known only at run time")
+    if None in data.shape or None in index.shape:  # GEIR's own op, on the AI CPU unless it folds
+        return [b.emit1("ge.gather_elements", [data, index], {"axis": axis})]
     n = data.shape[axis]
     for d, (have, want) in enumerate(zip(data.shape, index.shape)):
         if d != axis and want > have:
@@ -702,21 +728,30 @@ def _pad(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 @converter("Expand")
 def _expand(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
-    """Expand: numpy broadcasting to a shape known at import."""
+    """Expand: numpy broadcasting to a shape known at import, or to one computed in the graph
+    (ge.dynamic_broadcast, sized when the shape signature is bound)."""
     x = required(xs, 0, "input")
-    shape = int_list(required(xs, 1, "shape"), "the shape")
+    given = required(xs, 1, "shape")
+    if not given.is_const:
+        return [b.emit1("ge.dynamic_broadcast", [x, given])]
+    shape = int_list(given, "the shape")
     return [broadcast_to(b, x, broadcast_shape(x.shape, shape))]
 
 
 @converter("Shape")
 def _shape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
-    """Shape of a tensor whose dims are static: a constant."""
+    """Shape: a constant where the dims read are static, else ge.shape_of (sliced to start:end), evaluated
+    when the shape signature is bound."""
     x = required(xs, 0, "data")
     start, end = node.attr("start", 0), node.attr("end", None)
     dims = list(x.shape)[slice(start, end)]
-    if None in dims:
-        raise ImportProblem(f"Shape of {x.type} reads a dimension known only at run time ('?')")
-    return [b.const(np.array(dims, dtype=np.int64))]
+    if None not in dims:
+        return [b.const(np.array(dims, dtype=np.int64))]
+    shape = b.emit1("ge.shape_of", [x])
+    begin, stop, _ = slice(start, end).indices(x.rank)
+    if (begin, stop) == (0, x.rank):
+        return [shape]
+    return [b.emit1("ge.slice", [shape], {"axes": [0], "starts": [begin], "ends": [max(stop, begin)]})]
 
 
 @converter("Size")

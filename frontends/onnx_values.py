@@ -18,7 +18,7 @@ from geir.builder import Builder, create_op, infer_result_types
 from geir.ir import Graph, Value
 from geir.opdef import ShapeError
 from geir.reference import run_op
-from geir.traits import Terminator
+from geir.traits import TakesSizes, Terminator
 from geir.types import DType, TensorType
 from geir.verifier import size_problem
 
@@ -154,6 +154,12 @@ class GraphBuilder(Builder):
             why = size_problem(t) if t is not None else None
             if why is not None:
                 raise ImportProblem(f"{name}: {why}", unsupported=True)
+        if probe.has_trait(TakesSizes):  # its result type reads the size operands themselves, not only their types
+            try:
+                op = self.create(name, [self.value_of(t) for t in operands], attrs)
+            except ShapeError as e:
+                raise ImportProblem(str(e), unsupported=False) from None
+            return [Tensor(value=r) for r in op.results]
         if all(t.is_const for t in operands):
             arrays = run_op(probe, [t.array for t in operands], result_types=inferred)
             weight = any(t.initializer for t in operands)

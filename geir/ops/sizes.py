@@ -112,6 +112,11 @@ def _require_sizes(t: TensorType, what: str) -> None:
         raise ShapeError(f"{what} must have a static length (the result's rank), not {t}")
 
 
+def _attached(op: Operation) -> bool:
+    """The op has its operands (an importer may infer types on a detached probe first: sizes are unknown then)."""
+    return len(op.operands) == len(op.OPERAND_NAMES)
+
+
 @op("ge.dim")
 class DimOf(Operation):
     """Dimension `axis` of `x` as a rank-0 i64 tensor (torch's sym_size): known when the shape is bound."""
@@ -151,6 +156,8 @@ class Range(Operation, StaticForm):
     TRAITS = (TakesSizes,)
 
     def _bounds(self) -> list | None:
+        if not _attached(self):
+            return None
         values = [literal_array(v) for v in self.operands]
         if any(a is None for a in values):
             return None
@@ -242,6 +249,8 @@ class DynamicReshape(Operation, StaticForm):
 
     def infer(self, x: TensorType, shape: TensorType) -> TensorType:
         _require_sizes(shape, "the reshape's shape")
+        if not _attached(self):
+            return TensorType((None,) * shape.shape[0], x.dtype)
         dims = [s if isinstance(s, int) else None for s in self.target()]
         return TensorType(tuple(dims), x.dtype)
 
@@ -266,6 +275,8 @@ class DynamicSlice(Operation, StaticForm):
     axes = Attr("ints")
 
     def bounds(self) -> tuple[list[Size], list[Size]]:
+        if not _attached(self):
+            return [None] * len(self.axes), [None] * len(self.axes)
         starts = partial_sizes(self.operands[1]) or [None] * len(self.axes)
         ends = partial_sizes(self.operands[2]) or [None] * len(self.axes)
         return starts, ends
@@ -284,7 +295,7 @@ class DynamicSlice(Operation, StaticForm):
                 raise ShapeError(f"slice names axis {a} twice")
             seen.add(axis)
             dim = x.shape[axis]
-            if isinstance(e, SameDim) and e == SameDim(self.operands[0], axis) and s == 0:
+            if isinstance(e, SameDim) and _attached(self) and e == SameDim(self.operands[0], axis) and s == 0:
                 continue  # x[0:dim(x)] keeps the whole axis, whatever its size
             known = dim is not None and isinstance(s, int) and isinstance(e, int)
             shape[axis] = len(range(*slice(s, e).indices(dim))) if known else None
@@ -315,7 +326,7 @@ class DynamicBroadcast(Operation, StaticForm):
 
     def infer(self, x: TensorType, shape: TensorType) -> TensorType:
         _require_sizes(shape, "the broadcast's shape")
-        sizes = partial_sizes(self.operands[1]) or [None] * shape.shape[0]
+        sizes = (partial_sizes(self.operands[1]) if _attached(self) else None) or [None] * shape.shape[0]
         n = max(x.rank, len(sizes))
         xs = (1,) * (n - x.rank) + tuple(x.shape)
         ss = [1] * (n - len(sizes)) + list(sizes)

@@ -128,6 +128,8 @@ class FuseFlashAttention(Pattern):
         if isinstance(k, _Reshaped):
             # k reaches the scores flattened to [B*N, S, D]: its source, grouped heads and all, or k reshaped
             x, k_group = _grouped_source(k.source, k.shape)
+            if k_group == 1 and k.source.type.rank == 4:  # the flat view of heads already repeated as [B, N, S, D]
+                x, k_group = _repeated_heads(k.source)
             k, k_shape = (x, None) if k_group > 1 else (k.source, k.shape)
             if k_shape is not None and k.type.shape == k_shape:
                 k_shape = None
@@ -412,10 +414,16 @@ def _repeated_heads(v: Value) -> tuple[Value, int]:
 def _grouped_source(copies_val: Value, heads_shape: tuple) -> tuple[Value, int]:
     """For G copies of each kv head ([B, Nkv, G, S, D], see _repeated_heads) that a reshape makes
     `heads_shape` [B, Nkv * G, S, D]: the [B, Nkv, S, D] tensor copied and G; else (copies_val, 1)."""
-    copies = defining(copies_val, "ge.concat", "ge.mul")
+    copies = defining(copies_val, "ge.concat", "ge.mul", "ge.dynamic_broadcast")
     if copies is None or copies.result.type.rank != 5:
         return copies_val, 1
-    if copies.name == "ge.concat":
+    if copies.name == "ge.dynamic_broadcast":  # Expand to a shape read at run time (the ONNX spelling at a run-time S)
+        one = copies.operands[0]
+        full = copies.result.type.shape
+        if one.type.rank != 5 or any(one.type.shape[i] != full[i] for i in (0, 1, 3, 4)):
+            return copies_val, 1
+        group = full[2]
+    elif copies.name == "ge.concat":
         one = copies.operands[0]
         if copies.axis % 5 != 2 or any(x is not one for x in copies.operands):
             return copies_val, 1
@@ -447,11 +455,13 @@ def _grouped_source(copies_val: Value, heads_shape: tuple) -> tuple[Value, int]:
 
 def _flat_heads_transpose(kt: Value) -> Value | None:
     """k^T as the dynamo ONNX exporter writes SDPA's: reshape(transpose(reshape(k, [B*N, S, D]), [0, 2, 1]),
-    [B, N, D, S]); the value reshaped (k, or the copies of grouped heads that make k), else None."""
-    outer = defining(kt, "ge.reshape")
+    [B, N, D, S]); the value reshaped (k, or the copies of grouped heads that make k), else None. With a
+    run-time S the reshapes take their shapes from Shape(k) (ge.dynamic_reshape); B, N and D are static."""
+    reshapes = ("ge.reshape", "ge.dynamic_reshape")
+    outer = defining(kt, *reshapes)
     t = defining(outer.operands[0], "ge.transpose") if outer is not None else None
-    inner = defining(t.operands[0], "ge.reshape") if t is not None else None
-    if inner is None or list(t.perm) != [0, 2, 1] or kt.type.rank != 4 or None in kt.type.shape:
+    inner = defining(t.operands[0], *reshapes) if t is not None else None
+    if inner is None or list(t.perm) != [0, 2, 1] or kt.type.rank != 4 or None in kt.type.shape[:3]:
         return None
     if len(t.result.users()) != 1 or len(inner.result.users()) != 1:
         return None
