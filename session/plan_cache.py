@@ -8,7 +8,7 @@ from typing import Mapping
 import attrs
 
 from geir.builder import clone_graph
-from geir.diagnostics import Location
+from geir.diagnostics import DiagnosticError, Location
 from geir.ir import Graph, Module
 from geir.kernels.tiling import KernelTiling
 from geir.ops.core import Const
@@ -163,7 +163,12 @@ class Session:
             self.last_ge_us = 0.0
             return cached
         start = time.perf_counter()
-        g = bind_shapes(self.generic, sig)
+        try:
+            g = bind_shapes(self.generic, sig)
+        except DiagnosticError as e:  # a size the signature does not settle: said at its op, as a pass would
+            for d in e.diagnostics if self.emit is not None else ():
+                self.emit(d)
+            raise
         self._records = []
         # the generic graph was verified after every pass; its specialisations are on the hot path of a run
         label = "specialise [" + ", ".join("x".join(map(str, s)) for s in sig) + "]"

@@ -11,6 +11,7 @@ import contextlib
 import io
 import logging
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,17 +49,17 @@ class _Hidden(torch.nn.Module):
         return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
-def _feed() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 100, (BATCH, SEQ), generator=g)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[-1, SEQ - SEQ // 4:] = 0  # the second row ends in padding
+def _feed(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(1, 100, (BATCH, seq), generator=g)
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    mask[-1, seq - seq // 4:] = 0  # the second row ends in padding
     return ids, mask
 
 
-def _import(model: torch.nn.Module, args: tuple, path: str, tmp_path) -> tuple[Module, dict]:
+def _import(model: torch.nn.Module, args: tuple, path: str, tmp_path, dynamic: Any = None) -> tuple[Module, dict]:
     if path == "torch":
-        module = from_module(model, args)
+        module = from_module(model, args, dynamic_shapes=dynamic)
         return module, module.resources
     pytest.importorskip("onnxscript")
     from geir.frontends.onnx import import_onnx
@@ -66,8 +67,17 @@ def _import(model: torch.nn.Module, args: tuple, path: str, tmp_path) -> tuple[M
     out = tmp_path / "model.onnx"
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        torch.onnx.export(model, args, dynamo=True).save(str(out))
+        torch.onnx.export(model, args, dynamo=True, dynamic_shapes=dynamic).save(str(out))
     return import_onnx(str(out))
+
+
+def _judge(model: torch.nn.Module, kind: str, args: tuple, actual: np.ndarray) -> None:
+    """GEIR's output against torch in float64, no worse than torch's own float32 (the torch.compile rule)."""
+    with torch.no_grad():
+        eager = model(*args).numpy()
+        reference = _Hidden(_model(kind).double())(*args).numpy()
+    verdict = compare(actual, reference, TensorType(tuple(actual.shape), DType.f32), eager)
+    assert verdict.passed, verdict.render("last_hidden_state")
 
 
 @pytest.mark.parametrize("path", ["torch", "onnx"])
@@ -84,9 +94,31 @@ def test_language_model_from_token_ids_with_padding(kind, path, tmp_path):
     feed = {a.name: to_numpy(x) for a, x in zip(session.generic.args, args)}
     program = session.program({k: v.shape for k, v in feed.items()})
     actual = np.asarray(run_program(program, feed, weights).outputs[0])
-    with torch.no_grad():
-        eager = model(*args).numpy()
-        reference = _Hidden(_model(kind).double())(*args).numpy()
-    verdict = compare(actual, reference, TensorType(tuple(actual.shape), DType.f32), eager)
-    assert verdict.passed, verdict.render("last_hidden_state")
+    _judge(model, kind, args, actual)
     assert np.isfinite(actual).all(), "no row is NaN: the padded row's queries still see their real keys"
+
+
+@pytest.mark.parametrize("path", ["torch", "onnx"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_dynamic_length_export_compiles_once_and_serves_three_lengths(kind, path, tmp_path):
+    model = _Hidden(_model(kind))
+    seq = torch.export.Dim("seq", min=2, max=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, weights = _import(model, _feed(), path, tmp_path, dynamic=({1: seq}, {1: seq}))
+    assert [a.type.shape for a in module.graph().args] == [(BATCH, None)] * 2, "the length is `?`"
+    session = Session(Module([module.graph()], module.file, weights))  # GE compiles once
+    attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
+    assert len(attention) == LAYERS, "every attention block fuses with the length unknown"
+    if kind == "llama":  # grouped-query heads stay grouped: 2 kv heads for 4 query heads, not repeated
+        assert all(op.operands[1].type.shape[1] == 2 for op in attention)
+    for n in (8, 16, 24, 16):
+        args = _feed(n)
+        feed = {a.name: to_numpy(x) for a, x in zip(session.generic.args, args)}
+        program = session.program({k: v.shape for k, v in feed.items()})
+        assert not any(op.name in ("ge.dim", "ge.shape_of", "ge.range", "ge.dynamic_reshape")
+                       for op in program.ops), "the size arithmetic is evaluated when the shapes bind"
+        actual = np.asarray(run_program(program, feed, weights).outputs[0])
+        assert actual.shape == (BATCH, n, HIDDEN)
+        _judge(model, kind, args, actual)
+    assert session.plan_cache["misses"] == 3 and session.plan_cache["hits"] == 1

@@ -48,7 +48,7 @@ Size = int | SameDim | None
 
 def dim_size(x: Value, axis: int) -> Size:
     """Dimension `axis` of `x`: its number when static, else the run-time dimension itself."""
-    d = x.type.shape[axis]
+    d = x.type.shape[axis] if x.type is not None else None
     return SameDim(x, axis) if d is None else d
 
 
@@ -68,6 +68,8 @@ def partial_sizes(v: Value) -> list[Size] | None:
         return [int(e) for e in array.reshape(-1)]
     producer = v.owner
     if producer is None:
+        return unknown
+    if any(u.type is None for u in producer.operands):  # types not inferred yet (a verifier's first walk)
         return unknown
     if producer.name == "ge.dim":
         x = producer.operands[0]
@@ -230,11 +232,11 @@ class DynamicReshape(Operation, StaticForm):
     TRAITS = (DataMovement, TakesSizes)
     allowzero = Attr(bool, default=False)
 
-    def target(self) -> list[Size]:
+    def target(self, x_type: TensorType, shape_type: TensorType) -> list[Size]:
         """The result's dimensions as far as they are known before the run (-1 resolved where it can be)."""
         x = self.operands[0]
-        x_dims = [dim_size(x, i) for i in range(x.type.rank)]
-        sizes = partial_sizes(self.operands[1]) or [None] * (self.operands[1].type.shape[0] or 0)
+        x_dims = [SameDim(x, i) if d is None else d for i, d in enumerate(x_type.shape)]
+        sizes = partial_sizes(self.operands[1]) or [None] * shape_type.shape[0]
         out = _resolved_shape(tuple(x_dims), sizes, self.allowzero)
         if sum(1 for s in out if s == -1) > 1:
             raise ShapeError(f"reshape shape has more than one -1: {out}")
@@ -242,16 +244,16 @@ class DynamicReshape(Operation, StaticForm):
             raise ShapeError(f"reshape shape has a negative dimension other than -1: {out}")
         if -1 in out:
             out[out.index(-1)] = _inferred_entry(x_dims, out)
-        elif all(isinstance(s, int) for s in out) and x.type.num_elements is not None \
-                and math.prod(out) != x.type.num_elements:
-            raise ShapeError(f"cannot reshape {x.type} ({x.type.num_elements} elements) into {out}")
+        elif all(isinstance(s, int) for s in out) and x_type.num_elements is not None \
+                and math.prod(out) != x_type.num_elements:
+            raise ShapeError(f"cannot reshape {x_type} ({x_type.num_elements} elements) into {out}")
         return out
 
     def infer(self, x: TensorType, shape: TensorType) -> TensorType:
         _require_sizes(shape, "the reshape's shape")
         if not _attached(self):
             return TensorType((None,) * shape.shape[0], x.dtype)
-        dims = [s if isinstance(s, int) else None for s in self.target()]
+        dims = [s if isinstance(s, int) else None for s in self.target(x, shape)]
         return TensorType(tuple(dims), x.dtype)
 
     def compute(self, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
