@@ -1,7 +1,8 @@
 """Real models in: Hugging Face transformers from token ids, through both frontends, on the simulated NPU.
 
     python bench/hf_models.py [--models gpt2,llama,bert,t5,vit] [--paths torch,onnx,onnx23]
-                              [--dtypes f32,f16,bf16] [--batch 2] [--seq 16] [--json OUT.json]
+                              [--dtypes f32,f16,bf16] [--batch 2] [--seq 16] [--lengths 8,16,24]
+                              [--json OUT.json]
 
 Each model is built from a small random-init config (no downloads: 2 layers, hidden 64, 4 heads;
 LLaMA with 2 kv heads), fed as a user feeds it: `input_ids` with a padded `attention_mask` at batch
@@ -15,7 +16,9 @@ For each model x path x dtype it prints whether the model imports, whether it ru
 against the same model run by torch in float64 next to torch's own error in that dtype (the
 torch.compile rule of geir.accuracy decides PASS), how many of the model's attention blocks fused
 (k of n), and how many ops GE placed on the AI CPU. A model that stops says where (the first line
-of the error). Needs the `hf` extra (transformers, onnxscript) and torch.
+of the error). A second table exports each text model with a dynamic length (torch.export's
+dynamic_shapes; ONNX dynamic axes): GE compiles it once, and each length is a re-plan of the
+plan cache, judged by the same rule. Needs the `hf` extra (transformers, onnxscript) and torch.
 """
 
 from __future__ import annotations
@@ -147,14 +150,14 @@ def run_case(kind: str, path: str, dtype: str, batch: int, seq: int) -> dict[str
     return row
 
 
-def _import(model, args, path: str):
-    """The GEIR module (and weights) of the model through one frontend path."""
+def _import(model, args, path: str, dynamic=None):
+    """The GEIR module (and weights) of the model through one frontend path (`dynamic`: torch's dynamic_shapes)."""
     import torch
 
     if path == "torch":
         from geir.frontends.torch import from_module
 
-        module = from_module(model, args)
+        module = from_module(model, args, dynamic_shapes=dynamic)
         return module, module.resources
     from geir.frontends.onnx import import_onnx
 
@@ -163,7 +166,7 @@ def _import(model, args, path: str):
         kw = {"opset_version": 23} if path == "onnx23" else {}
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                program = torch.onnx.export(model, args, dynamo=True, **kw)
+                program = torch.onnx.export(model, args, dynamo=True, dynamic_shapes=dynamic, **kw)
                 program.save(out)
         except Exception as e:  # noqa: BLE001 - torch's exporter, before GEIR sees anything
             raise RuntimeError(f"torch.onnx.export failed, before geimport: {_first_line(e)}") from e
@@ -186,6 +189,52 @@ def _run(module, weights, names, args):
     return np.asarray(result.outputs[0], dtype=np.float64), session.generic, program
 
 
+def run_dynamic(kind: str, path: str, batch: int, lengths: list[int]) -> dict[str, Any]:
+    """One text model x path exported with a dynamic length: GE compiles once, then each length is a re-plan."""
+    import time
+
+    import torch
+
+    from geir.accuracy import compare
+    from geir.frontends.torch_builder import to_numpy
+    from geir.ir import Module
+    from geir.session import Session, run_program
+    from geir.types import DType, TensorType
+
+    row: dict[str, Any] = {"model": kind, "path": path, "imports": False, "lengths": {}}
+    feed = inputs(kind, batch, lengths[0])
+    names = list(feed)
+    model = LastHidden(build(kind), names)
+    length = torch.export.Dim("S", min=2, max=64)
+    try:
+        module, weights = _import(model, tuple(feed.values()), path, dynamic=(tuple({1: length} for _ in names),))
+    except Exception as e:  # noqa: BLE001
+        row["stops"] = _first_line(e)
+        return row
+    row["imports"] = True
+    start = time.perf_counter()
+    session = Session(Module([module.graph()], module.file, weights))
+    row["compile_ms"] = (time.perf_counter() - start) * 1e3
+    row["attention_fused"] = sum(op.name == "ge.flash_attention" for op in session.generic.ops)
+    reference_model = LastHidden(build(kind).double(), names)
+    for n in lengths:
+        args = tuple(inputs(kind, batch, n).values())
+        with torch.no_grad():
+            eager = model(*args).numpy()
+            reference = reference_model(*args).numpy()
+        try:
+            data = {a.name: to_numpy(x) for a, x in zip(session.generic.args, args)}
+            program = session.program({k: v.shape for k, v in data.items()})
+            actual = np.asarray(run_program(program, data, weights).outputs[0], dtype=np.float64)
+        except Exception as e:  # noqa: BLE001
+            row["stops"] = f"length {n}: {_first_line(e)}"
+            return row
+        verdict = compare(actual, reference, TensorType(tuple(actual.shape), DType.f32), eager)
+        row["lengths"][n] = {"accurate": verdict.passed, "replan_ms": session.replans[-1].ms}
+    row["plan_cache"] = session.plan_cache
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2,llama,bert,t5,vit")
@@ -193,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="f32,f16,bf16")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--lengths", default="8,16,24",
+                    help="the lengths a dynamic-length export serves from one compile (empty: skip that table)")
     ap.add_argument("--json", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     try:
@@ -218,9 +269,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{kind:<7}{path:<8}{dtype:<6}{'yes' if row['imports'] else 'no':<9}"
                       f"{'yes' if row['runs'] else 'no':<6}{err}  {ok:<5}{attn:<6}{aicpu:<6}{row.get('stops', '')}",
                       flush=True)
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    dynamic_rows = []
+    if lengths:
+        print(f"\ndynamic length (f32): one compile, then lengths {', '.join(map(str, lengths))} each re-planned")
+        print(f"{'model':<7}{'path':<8}{'imports':<9}{'compile':>9}  {'attn':<6}{'lengths ok':<12}{'re-plans':<22}"
+              f"stops at")
+        for kind in args.models.split(","):
+            if kind == "vit":
+                continue  # an image model: its size is the image's, not a length
+            for path in args.paths.split(","):
+                row = run_dynamic(kind, path, args.batch, lengths)
+                dynamic_rows.append(row)
+                done = row["lengths"]
+                ok = f"{sum(v['accurate'] for v in done.values())}/{len(lengths)}" if row["imports"] else ""
+                replans = " ".join(f"{v['replan_ms']:.0f}" for v in done.values())
+                compile_ms = f"{row['compile_ms']:>7.0f}ms" if "compile_ms" in row else f"{'':>9}"
+                attn = f"{row['attention_fused']}/{LAYERS}" if "attention_fused" in row else ""
+                print(f"{kind:<7}{path:<8}{'yes' if row['imports'] else 'no':<9}{compile_ms}  {attn:<6}{ok:<12}"
+                      f"{(replans + ' ms') if replans else '':<22}{row.get('stops', '')}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"static": rows, "dynamic": dynamic_rows}, f, indent=1, default=str)
     return 0
 
 

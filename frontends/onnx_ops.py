@@ -621,6 +621,35 @@ def _gather_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     return [b.emit1("ge.gather", [merged, b.const(flat.astype(np.int64))], {"axis": 0})]
 
 
+def _reduction(node: Node) -> str:
+    """A scatter's reduction: none or add (mul, max and min are not supported)."""
+    reduction = node.attr("reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction not in ("none", "add"):
+        raise ImportProblem(f"{node.op_type} with reduction '{reduction}' (GEIR scatters or adds)")
+    return reduction
+
+
+@converter("ScatterND")
+def _scatter_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """ScatterND as ge.index_put: the indices' last axis split into one index per leading dimension."""
+    data, indices, updates = required(xs, 0, "data"), required(xs, 1, "indices"), required(xs, 2, "updates")
+    k = indices.shape[-1] if indices.rank else None
+    if k is None or k > data.rank or k == 0:
+        raise ImportProblem(f"ScatterND indices {indices.type} do not index {data.type}", unsupported=False)
+    parts = b.emit("ge.split", [indices], {"axis": -1, "sizes": [1] * k}, results=k) if k > 1 else [indices]
+    parts = [reshape_to(b, p, indices.shape[:-1]) for p in parts]
+    return [b.emit1("ge.index_put", [data, updates] + parts, {"axis": 0, "accumulate": _reduction(node) == "add"})]
+
+
+@converter("ScatterElements", "Scatter")
+def _scatter_elements(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """ScatterElements (and opset 9's Scatter) as ge.scatter_elements."""
+    data, indices, updates = required(xs, 0, "data"), required(xs, 1, "indices"), required(xs, 2, "updates")
+    axis = normalize_axis(node.attr("axis", 0), data.rank)
+    return [b.emit1("ge.scatter_elements", [data, indices, updates], {"axis": axis, "reduction": _reduction(node)})]
+
+
 # GatherElements is spelled as a one-hot selection summed over the gathered axis; past this many elements
 # in that selection the spelling costs more than it is worth (constant inputs then go to ONNX's evaluator)
 MAX_GATHER_ELEMENTS_SELECTION = 1 << 24

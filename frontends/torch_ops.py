@@ -691,6 +691,50 @@ def _gather_elements(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.gather_elements", [x, index], {"axis": _axis(b, a["dim"], max(x.type.rank, 1))})
 
 
+@converts("aten.index_put")
+def _index_put(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # x[i, j] = v (x[i, j] += v with accumulate): the elements aten.index reads, written; KV-cache updates
+    x = tensor(b, _input(a), "the input")
+    given = list(a["indices"])
+    while given and given[-1] is None:
+        given.pop()
+    at = [k for k, t in enumerate(given) if t is not None]
+    if not at or at != list(range(at[0], at[0] + len(at))):
+        raise b.error(f"index_put with index tensors on dimensions {at}: GEIR writes through adjacent index tensors")
+    if any(isinstance(given[k], Value) and given[k].type.dtype is DType.i1 for k in at):
+        raise b.error("index_put through a boolean mask (torch.where keeps the shape: x = torch.where(m, v, x))")
+    values = operand(b, a["values"], x.type.dtype, "values")
+    indices = [_indices(b, given[k], "the index") for k in at]
+    return b.value("ge.index_put", [x, values] + indices, {"axis": at[0], "accumulate": bool(a.get("accumulate"))})
+
+
+@converts("aten.index_copy")
+def _index_copy(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a["dim"], max(x.type.rank, 1))
+    source = operand(b, a["source"], x.type.dtype, "source")
+    return b.value("ge.index_put", [x, source, _indices(b, a["index"], "the index")], {"axis": axis})
+
+
+@converts("aten.scatter", "aten.scatter_add")
+def _scatter(b: GraphBuilder, node: Any, a: dict) -> Value:
+    x = tensor(b, _input(a), "the input")
+    index = _indices(b, a["index"], "the index")
+    add = str(node.target.overloadpacket) == "aten.scatter_add" or a.get("reduce") == "add"
+    if a.get("reduce") not in (None, "add"):
+        raise b.error(f"scatter with reduce='{a['reduce']}' is not supported (GEIR scatters or adds)")
+    if "src" in a:
+        updates = operand(b, a["src"], x.type.dtype, "src")
+        if updates.type.shape != index.type.shape:  # torch reads only the index's extent of src
+            updates = b.value("ge.slice", [updates], {"axes": list(range(index.type.rank)),
+                                                      "starts": [0] * index.type.rank,
+                                                      "ends": list(index.type.shape)})
+    else:  # scatter.value: one number written at every index
+        updates = _splat(b, a["value"], TensorType(index.type.shape, x.type.dtype), "value")
+    return b.value("ge.scatter_elements", [x, index, updates],
+                   {"axis": _axis(b, a["dim"], max(x.type.rank, 1)), "reduction": "add" if add else "none"})
+
+
 @converts("aten.index_select")
 def _index_select(b: GraphBuilder, node: Any, a: dict) -> Value:
     x = tensor(b, _input(a), "the input")

@@ -132,6 +132,53 @@ def test_constant_node_and_shape_arithmetic_fold_away():
     assert weights == {}
 
 
+def test_shape_arithmetic_on_dynamic_axes_stays_in_the_graph_and_serves_every_length():
+    # what the dynamo exporter writes for positions and a head split at a run-time length S:
+    # Shape -> Gather -> Range -> Gather(table), and Reshape(x, Concat(Shape(x)[:2], [2, 4]))
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Constant", [], ["i1"], value=numpy_helper.from_array(np.array(1))),
+        helper.make_node("Gather", ["s", "i1"], ["n"], axis=0),
+        helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array(0))),
+        helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array(1))),
+        helper.make_node("Range", ["zero", "n", "one"], ["pos"]),
+        helper.make_node("Gather", ["table", "pos"], ["emb"], axis=0),
+        helper.make_node("Add", ["x", "emb"], ["h"]),
+        helper.make_node("Shape", ["h"], ["lead"], end=2),
+        helper.make_node("Constant", [], ["heads"], value_ints=[2, 4]),
+        helper.make_node("Concat", ["lead", "heads"], ["target"], axis=0),
+        helper.make_node("Reshape", ["h", "target"], ["y"]),
+    ]
+    table = numpy_helper.from_array(randn(32, 8), "table")
+    m = model(nodes, [vi("x", ["B", "S", 8])], [vi("y", ["B", "S", 2, 4])], [table])
+    module, weights = import_onnx(m)
+    assert module.graph().args[0].type.shape == (None, None, 8)
+    assert {"ge.shape_of", "ge.range", "ge.dynamic_reshape"} <= set(ops(module))
+    # the head split is typed [?, ?, 2, 4] before any length is known
+    assert module.graph().terminator.operands[0].type.shape == (None, None, 2, 4)
+    from geir.session import Session, run_program
+
+    session = Session(module)
+    evaluator = ReferenceEvaluator(m)
+    for shape in ((2, 5, 8), (3, 12, 8), (2, 5, 8)):
+        x = randn(*shape)
+        program = session.program({"x": x.shape})
+        (got,) = run_program(program, {"x": x}, weights).outputs
+        np.testing.assert_allclose(got, evaluator.run(None, {"x": x})[0], rtol=1e-6)
+    assert session.plan_cache["misses"] == 2 and session.plan_cache["hits"] == 1
+
+
+def test_scatter_nd_and_scatter_elements_match_onnx():
+    nodes = [helper.make_node("ScatterND", ["x", "idx", "upd"], ["y"], reduction="add"),
+             helper.make_node("ScatterElements", ["x", "eidx", "eupd"], ["z"], axis=1)]
+    idx = numpy_helper.from_array(np.array([[0, 1], [2, 3], [0, 1]]), "idx")  # a repeated pair: both add
+    eidx = numpy_helper.from_array(np.array([[3, 0], [1, 2], [0, 3]]), "eidx")
+    m = model(nodes, [vi("x", [3, 4]), vi("upd", [3]), vi("eupd", [3, 2])], [vi("y", [3, 4]), vi("z", [3, 4])],
+              [idx, eidx], opset=18)
+    module, _ = check_against_onnx(m, {"x": randn(3, 4), "upd": randn(3), "eupd": randn(3, 2)})
+    assert ops(module).count("ge.index_put") == 1 and ops(module).count("ge.scatter_elements") == 1
+
+
 @pytest.mark.parametrize("opset", [11, 13, 18])
 def test_axes_as_attributes_or_inputs_by_opset(opset):
     # Unsqueeze/Squeeze/ReduceSum took axes as attributes before opset 13, Split its sizes before 13,

@@ -525,3 +525,25 @@ def test_indexing_with_two_run_time_index_tensors_is_a_ge_index_like_torch():
     assert ops_of(fast.module.graphs[0]).count("ge.index") == 2
     for got, want in zip(fast(x, i, j), Pairs()(x, i, j)):
         assert torch.equal(got, want)
+
+
+def test_writes_through_indices_match_torch_index_put_index_copy_and_scatter():
+    class Writes(nn.Module):
+        def forward(self, cache, k, pos, x, i, v, src, index):
+            updated = cache.index_copy(2, pos, k)  # a KV cache written at the new positions
+            added = x.index_put((i,), v, accumulate=True)  # duplicates in i add up
+            put = x.index_put((i[:2], i[:2]), v[:2, 0])  # distinct pairs: torch leaves duplicates undefined
+            return updated, added, put, x.scatter(1, index, src), x.scatter_add(0, index, src), x.scatter(1, index, 2.5)
+
+    cache, k = _randn(1, 2, 8, 4), _randn(1, 2, 3, 4, seed=1)
+    pos = torch.tensor([5, 0, 7])
+    x, v = _randn(4, 4, seed=2), _randn(3, 4, seed=3)
+    i = torch.tensor([1, 3, 1])
+    # each row a permutation: scatter writes every element once (torch leaves duplicates undefined)
+    src, index = _randn(3, 4, seed=4), torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]])
+    args = (cache, k, pos, x, i, v, src, index)
+    fast = compile(Writes(), args)
+    ops = ops_of(fast.module.graphs[0])
+    assert ops.count("ge.index_put") == 3 and ops.count("ge.scatter_elements") == 3
+    for got, want in zip(fast(*args), Writes()(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

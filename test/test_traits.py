@@ -44,7 +44,8 @@ EXPECTED = {
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
     traits.ShapeView: {"ge.reshape"},
     traits.DataMovement: {"ge.transpose", "ge.reshape", "ge.concat", "ge.split", "ge.slice", "ge.trans_data", "ge.gather",
-                          "ge.index", "ge.gather_elements", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"},
+                          "ge.index", "ge.gather_elements", "ge.index_put", "ge.scatter_elements",
+                          "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"},
     # read only shapes: folded once the shapes are bound
     traits.ShapeOnly: {"ge.dim", "ge.shape_of"},
     # take sizes from tensors: static ops once the sizes are constants
@@ -108,6 +109,7 @@ ATTRS: dict[str, list[dict[str, Any]]] = {
 # (arange has no operands either; gather's and index's indices are integers, which the oracle's float
 # operands are not, and so are the sizes the size ops read and take: test_sizes judges those against numpy)
 UNJUDGED = {"ge.const", "ge.return", "ge.trans_data", "ge.arange", "ge.gather", "ge.index", "ge.gather_elements",
+            "ge.index_put", "ge.scatter_elements",
             "ge.dim", "ge.shape_of",
             "ge.range", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"}
 # the ops that compute across elements, with operands (4x4 float32 unless given) and attributes

@@ -44,6 +44,29 @@ class Gather(Operation):
         return np.take(table, indices, axis=axis)
 
 
+def indexed_type(x: TensorType, indices: tuple[TensorType, ...], axis: int) -> TensorType:
+    """The type of x[..., i0, i1, ...] with the index tensors on the dimensions from `axis` on."""
+    for t in indices:
+        require_indices(t)
+    if not 0 <= axis <= x.rank - len(indices):
+        raise ShapeError(f"{len(indices)} index tensor(s) from axis {axis} do not fit {x}")
+    shape: tuple = ()
+    for t in indices:
+        shape = broadcast_dims(shape, t.shape)
+    return TensorType(x.shape[:axis] + shape + x.shape[axis + len(indices):], x.dtype)
+
+
+def check_element_indices(x: TensorType, indices: TensorType, axis: int) -> None:
+    """Indices of gather_elements and scatter_elements: integers of x's rank, no longer than x off the axis."""
+    require_indices(indices)
+    if indices.rank != x.rank:
+        raise ShapeError(f"indices {indices} must have the rank of {x}")
+    axis = normalize_axis(axis, x.rank)
+    for d, (have, want) in enumerate(zip(x.shape, indices.shape)):
+        if d != axis and have is not None and want is not None and want > have:
+            raise ShapeError(f"indices have {want} elements along axis {d}, but the input only {have}")
+
+
 @op("ge.index")
 class Index(Operation, StaticForm):
     """`x[..., i0, i1, ...]`: advanced indexing of the dimensions from `axis` on by integer tensors that
@@ -55,15 +78,7 @@ class Index(Operation, StaticForm):
     axis = Attr(int, default=0)
 
     def infer(self, x: TensorType, *indices: TensorType) -> TensorType:
-        for t in indices:
-            require_indices(t)
-        if not 0 <= self.axis <= x.rank - len(indices):
-            raise ShapeError(f"{len(indices)} index tensor(s) from axis {self.axis} do not fit {x}")
-        shape: tuple = ()
-        for t in indices:
-            shape = broadcast_dims(shape, t.shape)
-        end = self.axis + len(indices)
-        return TensorType(x.shape[:self.axis] + shape + x.shape[end:], x.dtype)
+        return indexed_type(x, indices, self.axis)
 
     def compute(self, x: np.ndarray, *indices: np.ndarray) -> np.ndarray:
         for k, arr in enumerate(indices):
@@ -100,13 +115,7 @@ class GatherElements(Operation):
     axis = Attr(int, default=0)
 
     def infer(self, x: TensorType, indices: TensorType) -> TensorType:
-        require_indices(indices)
-        if indices.rank != x.rank:
-            raise ShapeError(f"gather_elements indices {indices} must have the rank of {x}")
-        axis = normalize_axis(self.axis, x.rank)
-        for d, (have, want) in enumerate(zip(x.shape, indices.shape)):
-            if d != axis and have is not None and want is not None and want > have:
-                raise ShapeError(f"indices have {want} elements along axis {d}, but the input only {have}")
+        check_element_indices(x, indices, self.axis)
         return TensorType(indices.shape, x.dtype)
 
     def compute(self, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -117,6 +126,77 @@ class GatherElements(Operation):
         grid = list(np.indices(indices.shape, sparse=True))
         grid[axis] = np.where(indices < 0, indices + x.shape[axis], indices)
         return x[tuple(grid)]
+
+
+@op("ge.index_put")
+class IndexPut(Operation):
+    """`x` with `x[..., i0, i1, ...] = values` (the elements ge.index with the same indices reads), or `+=`
+    with `accumulate` (every duplicate index adds, as np.add.at): torch's index_put and index_copy, ONNX's
+    ScatterND. `values` broadcasts to the indexed shape; a duplicate index without accumulate keeps the
+    last value written, as numpy does (torch leaves it undefined)."""
+
+    OPERAND_NAMES = ("x", "values", "indices+")
+    TRAITS = (DataMovement,)
+    axis = Attr(int, default=0)
+    accumulate = Attr(bool, default=False)
+
+    def infer(self, x: TensorType, values: TensorType, *indices: TensorType) -> TensorType:
+        indexed = indexed_type(x, indices, self.axis)
+        if values.dtype != x.dtype:
+            raise ShapeError(f"index_put values {values} must have the dtype of {x}")
+        try:
+            fits = broadcast_dims(values.shape, indexed.shape) == indexed.shape
+        except ShapeError:
+            fits = False
+        if not fits:
+            raise ShapeError(f"index_put values {values} do not broadcast to the indexed shape {indexed}")
+        return TensorType(x.shape, x.dtype)
+
+    def compute(self, x: np.ndarray, values: np.ndarray, *indices: np.ndarray) -> np.ndarray:
+        for k, arr in enumerate(indices):
+            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k)
+            if problem is not None:
+                raise IndexError(problem)
+        out = x.copy()
+        at = (slice(None),) * self.axis + tuple(indices)
+        if self.accumulate:
+            np.add.at(out, at, values)
+        else:
+            out[at] = values
+        return out
+
+
+@op("ge.scatter_elements")
+class ScatterElements(Operation):
+    """`x` with out[.., indices[.., i, ..], ..] = updates[.., i, ..] along `axis`, every other coordinate taken
+    as it is (torch's scatter, ONNX's ScatterElements); `reduction` "add" sums into the element instead.
+    `indices` and `updates` have one shape, of x's rank; negative indices count from the end."""
+
+    OPERAND_NAMES = ("x", "indices", "updates")
+    TRAITS = (DataMovement,)
+    axis = Attr(int, default=0)
+    reduction = Attr(str, default="none", choices=("none", "add"))
+
+    def infer(self, x: TensorType, indices: TensorType, updates: TensorType) -> TensorType:
+        check_element_indices(x, indices, self.axis)
+        if updates.dtype != x.dtype or updates.rank != indices.rank or any(
+                a is not None and b is not None and a != b for a, b in zip(updates.shape, indices.shape)):
+            raise ShapeError(f"scatter updates {updates} must have the indices' shape {indices} and the dtype of {x}")
+        return TensorType(x.shape, x.dtype)
+
+    def compute(self, x: np.ndarray, indices: np.ndarray, updates: np.ndarray) -> np.ndarray:
+        axis = normalize_axis(self.axis, x.ndim)
+        problem = index_problem(indices, x.shape[axis], axis)
+        if problem is not None:
+            raise IndexError(problem)
+        grid = list(np.indices(indices.shape, sparse=True))
+        grid[axis] = np.where(indices < 0, indices + x.shape[axis], indices)
+        out = x.copy()
+        if self.reduction == "add":
+            np.add.at(out, tuple(grid), updates)
+        else:
+            out[tuple(grid)] = updates
+        return out
 
 
 def flat_indices(arrays: list[np.ndarray], dims: tuple[int, ...], axis: int = 0) -> np.ndarray:
