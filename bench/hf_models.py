@@ -102,7 +102,9 @@ class LastHidden:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()  # torch's exporter colours its messages
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 

@@ -17,6 +17,7 @@ from geir.attributes import MAX_LITERAL_RANK, DenseAttr
 from geir.builder import Builder, create_op, infer_result_types
 from geir.ir import Graph, Value
 from geir.opdef import ShapeError
+from geir.ops.sizes import data_source
 from geir.reference import run_op
 from geir.traits import TakesSizes, Terminator
 from geir.types import DType, TensorType
@@ -155,8 +156,15 @@ class GraphBuilder(Builder):
             if why is not None:
                 raise ImportProblem(f"{name}: {why}", unsupported=True)
         if probe.has_trait(TakesSizes):  # its result type reads the size operands themselves, not only their types
+            values = [self.value_of(t) for t in operands]
+            for i in probe.SIZE_OPERANDS:
+                source = data_source(values[i])
+                if source is not None:
+                    raise ImportProblem(f"{name}: its {probe.OPERAND_NAMES[i]} is computed from the values of input "
+                                        f"'{source.name}', a size that depends on data (GEIR plans once the input "
+                                        f"shapes are known)")
             try:
-                op = self.create(name, [self.value_of(t) for t in operands], attrs)
+                op = self.create(name, values, attrs)
             except ShapeError as e:
                 raise ImportProblem(str(e), unsupported=False) from None
             return [Tensor(value=r) for r in op.results]

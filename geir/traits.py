@@ -56,7 +56,7 @@ class ShapeOnly(Trait):
 
 
 class TakesSizes(Trait):
-    """Takes sizes from tensor operands (a run-time length): it becomes a static op once they are constants."""
+    """Takes sizes from tensor operands (SIZE_OPERANDS): it becomes a static op once they are constants."""
 
 
 class NoKernel(Trait):

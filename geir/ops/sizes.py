@@ -98,6 +98,24 @@ def partial_sizes(v: Value) -> list[Size] | None:
     return unknown
 
 
+def data_source(v: Value) -> Value | None:
+    """The graph argument whose elements (not its shape) a size value is computed from, else None: a size
+    read by ge.dim or ge.shape_of, or made of constants, is known once the shapes are."""
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        u = stack.pop()
+        if id(u) in seen:
+            continue
+        seen.add(id(u))
+        producer = u.owner
+        if producer is None:
+            return u
+        if not producer.has_trait(ShapeOnly):
+            stack.extend(producer.operands)
+    return None
+
+
 def known_ints(v: Value) -> list[int] | None:
     """The elements of a size tensor when every one is a known number, else None."""
     sizes = partial_sizes(v)
@@ -156,6 +174,7 @@ class Range(Operation, StaticForm):
 
     OPERAND_NAMES = ("start", "limit", "delta")
     TRAITS = (TakesSizes,)
+    SIZE_OPERANDS = (0, 1, 2)
 
     def _bounds(self) -> list | None:
         if not _attached(self):
@@ -230,6 +249,7 @@ class DynamicReshape(Operation, StaticForm):
 
     OPERAND_NAMES = ("x", "shape")
     TRAITS = (DataMovement, TakesSizes)
+    SIZE_OPERANDS = (1,)
     allowzero = Attr(bool, default=False)
 
     def target(self, x_type: TensorType, shape_type: TensorType) -> list[Size]:
@@ -274,6 +294,7 @@ class DynamicSlice(Operation, StaticForm):
 
     OPERAND_NAMES = ("x", "starts", "ends")
     TRAITS = (DataMovement, TakesSizes)
+    SIZE_OPERANDS = (1, 2)
     axes = Attr("ints")
 
     def bounds(self) -> tuple[list[Size], list[Size]]:
@@ -325,6 +346,7 @@ class DynamicBroadcast(Operation, StaticForm):
 
     OPERAND_NAMES = ("x", "shape")
     TRAITS = (DataMovement, TakesSizes)
+    SIZE_OPERANDS = (1,)
 
     def infer(self, x: TensorType, shape: TensorType) -> TensorType:
         _require_sizes(shape, "the broadcast's shape")
