@@ -1,5 +1,6 @@
-"""Hugging Face language models from what users feed them: `input_ids` with a padded `attention_mask` at
-batch 2, through both frontends (the `hf` extra; bench/hf_models.py prints the whole table).
+"""Hugging Face models from what users feed them: `input_ids` with a padded `attention_mask` at batch 2
+(`pixel_values` for ViT), through both frontends, in f32, f16 and bf16 (the `hf` extra;
+bench/hf_models.py prints the whole table); and a dynamic-length export serving three lengths.
 
 Oracles: the same model run by torch in float64 (the reference) and in float32 (the eager baseline),
 judged by geir.accuracy's torch.compile rule; the config says how many attention blocks must fuse.
@@ -29,28 +30,51 @@ from geir.types import DType, TensorType  # noqa: E402
 LAYERS, HIDDEN, HEADS, BATCH, SEQ = 2, 64, 4, 2, 16
 
 
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+GEIR_DTYPES = {"f32": DType.f32, "f16": DType.f16, "bf16": DType.bf16}
+
+
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64, vocab_size=100,
                                       bos_token_id=0, eos_token_id=0)
         return transformers.GPT2Model(cfg).eval()
-    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, num_key_value_heads=2, vocab_size=100)
-    return transformers.LlamaModel(cfg).eval()
+    if kind == "llama":  # grouped-query attention (2 kv heads for 4), RoPE, RMSNorm
+        cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+                                       num_attention_heads=HEADS, num_key_value_heads=2, vocab_size=100)
+        return transformers.LlamaModel(cfg).eval()
+    if kind == "bert":
+        cfg = transformers.BertConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      intermediate_size=128, max_position_embeddings=64, vocab_size=100)
+        return transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    if kind == "t5":  # the encoder: a relative position bias, then the padding mask
+        cfg = transformers.T5Config(d_model=HIDDEN, d_ff=128, num_layers=LAYERS, num_heads=HEADS, d_kv=16,
+                                    vocab_size=100)
+        return transformers.T5EncoderModel(cfg).eval()
+    cfg = transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                 intermediate_size=128, image_size=32, patch_size=8, num_channels=3)
+    return transformers.ViTModel(cfg, add_pooling_layer=False).eval()
 
 
 class _Hidden(torch.nn.Module):
+    """The last hidden state from token ids and their mask, or from an image batch (ViT)."""
+
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        if len(xs) == 1:
+            return self.model(pixel_values=xs[0]).last_hidden_state
+        ids, mask = xs
         return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
-def _feed(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+def _feed(seq: int = SEQ, kind: str = "gpt2") -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seq)
+    if kind == "vit":
+        return (torch.randn(BATCH, 3, 32, 32, generator=g),)
     ids = torch.randint(1, 100, (BATCH, seq), generator=g)
     mask = torch.ones(BATCH, seq, dtype=torch.long)
     mask[-1, seq - seq // 4:] = 0  # the second row ends in padding
@@ -71,20 +95,30 @@ def _import(model: torch.nn.Module, args: tuple, path: str, tmp_path, dynamic: A
     return import_onnx(str(out))
 
 
-def _judge(model: torch.nn.Module, kind: str, args: tuple, actual: np.ndarray) -> None:
-    """GEIR's output against torch in float64, no worse than torch's own float32 (the torch.compile rule)."""
+def _judge(model: torch.nn.Module, kind: str, args: tuple, actual: np.ndarray, dtype: str = "f32") -> None:
+    """GEIR's output against torch in float64, no worse than torch's own run in `dtype` (the torch.compile rule)."""
     with torch.no_grad():
-        eager = model(*args).numpy()
-        reference = _Hidden(_model(kind).double())(*args).numpy()
-    verdict = compare(actual, reference, TensorType(tuple(actual.shape), DType.f32), eager)
+        eager = model(*args).float().numpy()
+        doubled = [a.double() if a.is_floating_point() else a for a in args]
+        reference = _Hidden(_model(kind).double())(*doubled).numpy()
+    verdict = compare(np.asarray(actual, dtype=np.float64), reference,
+                      TensorType(tuple(actual.shape), GEIR_DTYPES[dtype]), eager)
     assert verdict.passed, verdict.render("last_hidden_state")
 
 
-@pytest.mark.parametrize("path", ["torch", "onnx"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_language_model_from_token_ids_with_padding(kind, path, tmp_path):
-    model = _Hidden(_model(kind))
-    args = _feed()
+# T5's encoder does not get through torch's ONNX exporter (its view of the attention output fails in the
+# exporter's decomposition, before GEIR sees a graph): strict, so a torch that fixes it is noticed
+T5_ONNX = pytest.mark.xfail(reason="torch.onnx.export fails on T5's encoder", strict=True)
+CASES = [pytest.param(k, p, d, marks=[T5_ONNX] if (k, p) == ("t5", "onnx") else [], id=f"{k}-{p}-{d}")
+         for k in ("gpt2", "llama", "bert", "t5", "vit") for p in ("torch", "onnx") for d in ("f32", "f16", "bf16")]
+
+
+@pytest.mark.parametrize("kind, path, dtype", CASES)
+def test_model_from_what_users_feed_it(kind, path, dtype, tmp_path):
+    model = _Hidden(_model(kind).to(TORCH_DTYPES[dtype]))
+    args = _feed(kind=kind)
+    if kind == "vit":
+        args = (args[0].to(TORCH_DTYPES[dtype]),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module, weights = _import(model, args, path, tmp_path)
@@ -93,19 +127,22 @@ def test_language_model_from_token_ids_with_padding(kind, path, tmp_path):
     assert len(attention) == LAYERS, "every attention block fuses"
     feed = {a.name: to_numpy(x) for a, x in zip(session.generic.args, args)}
     program = session.program({k: v.shape for k, v in feed.items()})
-    actual = np.asarray(run_program(program, feed, weights).outputs[0])
-    _judge(model, kind, args, actual)
+    actual = np.asarray(run_program(program, feed, weights).outputs[0], dtype=np.float64)
+    _judge(model, kind, args, actual, dtype)
     assert np.isfinite(actual).all(), "no row is NaN: the padded row's queries still see their real keys"
 
 
-@pytest.mark.parametrize("path", ["torch", "onnx"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+DYNAMIC = [pytest.param(k, p, marks=[T5_ONNX] if (k, p) == ("t5", "onnx") else [], id=f"{k}-{p}")
+           for k in ("gpt2", "llama", "bert", "t5") for p in ("torch", "onnx")]
+
+
+@pytest.mark.parametrize("kind, path", DYNAMIC)
 def test_a_dynamic_length_export_compiles_once_and_serves_three_lengths(kind, path, tmp_path):
     model = _Hidden(_model(kind))
     seq = torch.export.Dim("seq", min=2, max=64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module, weights = _import(model, _feed(), path, tmp_path, dynamic=({1: seq}, {1: seq}))
+        module, weights = _import(model, _feed(), path, tmp_path, dynamic=(({1: seq}, {1: seq}),))
     assert [a.type.shape for a in module.graph().args] == [(BATCH, None)] * 2, "the length is `?`"
     session = Session(Module([module.graph()], module.file, weights))  # GE compiles once
     attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
