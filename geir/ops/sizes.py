@@ -192,9 +192,10 @@ class Range(Operation, StaticForm):
                 raise ShapeError(f"range operands differ in dtype: {start.dtype} vs {t.dtype}")
         if start.dtype is DType.i1:
             raise ShapeError("range makes numbers, not booleans")
-        bounds = self._bounds()
-        if bounds is not None and bounds[2] == 0:
+        delta_value = literal_array(self.operands[2]) if _attached(self) else None
+        if delta_value is not None and delta_value.item() == 0:
             raise ShapeError("range delta must not be 0")
+        bounds = self._bounds()
         return TensorType((None if bounds is None else arange_length(*bounds),), start.dtype)
 
     def compute(self, start: np.ndarray, limit: np.ndarray, delta: np.ndarray) -> np.ndarray:
