@@ -8,6 +8,9 @@
     y = fast(x)                                  # torch tensors in and out, computed on the simulated NPU
     fast.profile()                               # the last run's figures (simulated time, pipes, kernels)
 
+    run = generate(hf_causal_lm, input_ids, max_new_tokens=16, buckets="pow2")  # token by token, KV on the device
+    print(run.render())                          # one record per step: plan cache, GE and device time, KV bytes
+
     fast = torch.compile(model.eval(), backend="geir")   # TorchDynamo's way in: registered by this import
     with torch.no_grad():
         y = fast(x)                              # each captured graph on the simulated NPU; what GEIR cannot
@@ -28,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from geir.builder import clone_graph
 from geir.frontends.torch_builder import TorchImportError, from_numpy, geir_dtype, to_numpy
+from geir.frontends.generate import Generation, Step, generate
 from geir.frontends.torch_compile import GeirFallbackWarning, geir_backend, register
 from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.ir import Graph, Module
@@ -37,8 +41,8 @@ from geir.session import DEFAULT_PIPELINE, Session, run_program
 from geir.target_npu.target import DEFAULT_TARGET
 
 
-__all__ = ["CompiledModule", "GeirFallbackWarning", "TorchImportError", "compile", "export", "from_exported",
-           "from_module", "geir_backend", "save"]
+__all__ = ["CompiledModule", "GeirFallbackWarning", "Generation", "Step", "TorchImportError", "compile", "export",
+           "from_exported", "from_module", "generate", "geir_backend", "save"]
 
 
 def export(module: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: Any = None) -> ImportedProgram:

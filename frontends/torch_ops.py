@@ -68,6 +68,8 @@ def operand(b: GraphBuilder, x: Any, dtype: DType, hint: str = "c") -> Value:
     """A tensor operand in `dtype`: a value cast when needed, or a Python number as a scalar constant."""
     if isinstance(x, Value):
         return b.cast(x, dtype)
+    if isinstance(x, RunTimeSize):  # a size known at run time, as a rank-0 operand
+        return b.cast(x.value, dtype)
     if isinstance(x, (bool, int, float)):
         return b.scalar(x, dtype, hint)
     raise b.error(f"expected a tensor or a number, got {type(x).__name__}")
@@ -503,7 +505,10 @@ RESHAPES = frozenset({
     "aten.unflatten", "aten.view_copy", "aten._reshape_alias", "aten.expand_dims",
 })
 # the converters that take run-time sizes (RunTimeSize) among their arguments
-TAKES_RUNTIME_SIZES = RESHAPES | {"aten.arange", "aten.slice", "aten.expand", "aten.expand_copy", "aten.broadcast_to",
+# elementwise arithmetic and comparisons take a run-time size as a rank-0 operand (positions + past length)
+SIZE_OPERANDS = {"aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.div", "aten.gt", "aten.lt", "aten.ge",
+                 "aten.le", "aten.eq", "aten.ne", "aten.maximum", "aten.minimum"}
+TAKES_RUNTIME_SIZES = RESHAPES | SIZE_OPERANDS | {"aten.arange", "aten.slice", "aten.expand", "aten.expand_copy", "aten.broadcast_to",
                                   "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.full",
                                   "aten.zeros", "aten.ones", "aten.empty"}
 
@@ -631,6 +636,10 @@ def _stack(b: GraphBuilder, node: Any, a: dict) -> Value:
 
 def _slice(b: GraphBuilder, x: Value, axis: int, start: int, end: int, hint: str | None = None) -> Value:
     dim = x.type.shape[axis]
+    if dim is None:  # a run-time dimension: ge.slice clamps when the size is known, as torch does
+        if start < 0 or end < 0:
+            raise b.error("slicing from the end of a run-time dimension is not supported")
+        return b.value("ge.slice", [x], {"axes": [axis], "starts": [start], "ends": [max(end, start)]}, hint=hint)
     start, end, _ = slice(start, end).indices(dim)
     if start == 0 and end == dim:
         return x
@@ -661,7 +670,15 @@ def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
 def _select_index(b: GraphBuilder, node: Any, a: dict) -> Value:
     x = tensor(b, _input(a), "the input")
     axis = _axis(b, a["dim"], x.type.rank)
-    index = a["index"] % x.type.shape[axis]
+    dim = x.type.shape[axis]
+    if dim is None and a["index"] < 0:  # from the end of a run-time dimension: the bounds computed in the graph
+        size = RunTimeSize(b.value("ge.dim", [x], {"axis": axis}, hint=f"{node.name}_dim"))
+        start = b.value("ge.add", [size.value, b.scalar(a["index"], DType.i64, "index")], hint=f"{node.name}_at")
+        end = b.value("ge.add", [start, b.scalar(1, DType.i64, "one")], hint=f"{node.name}_end")
+        piece = b.value("ge.dynamic_slice", [x, reshape_to(b, start, (1,)), reshape_to(b, end, (1,))],
+                        {"axes": [axis]}, hint=f"{node.name}_slice")
+        return reshape_to(b, piece, result_type(b, node).shape)
+    index = a["index"] % dim if dim is not None else a["index"]
     piece = _slice(b, x, axis, index, index + 1, hint=f"{node.name}_slice")
     return reshape_to(b, piece, result_type(b, node).shape)
 
@@ -881,6 +898,20 @@ def _constant_mask(b: GraphBuilder, mask: Value, causal: bool) -> tuple[Value | 
     return (mask if needed else None), causal
 
 
+def _hidden_rows(b: GraphBuilder, mask: Value) -> Value | None:
+    """i1 [..., Sq, 1]: the query rows whose every key `mask` hides (a left-padded prompt's padding rows), or None
+    when the mask is a constant that hides no whole row."""
+    array = constant_array(b, mask)
+    if array is not None:
+        keep = array if array.dtype == np.bool_ else array > -np.inf
+        if keep.shape[-1] and keep.any(axis=-1).all():
+            return None
+    keep = mask if mask.type.dtype is DType.i1 else b.value(
+        "ge.greater", [mask, b.scalar(-np.inf, mask.type.dtype, "minus_inf")])
+    seen = b.value("ge.reduce_max", [b.cast(keep, DType.f32)], {"axes": [mask.type.rank - 1], "keepdims": True})
+    return b.value("ge.less", [seen, b.scalar(0.5, DType.f32, "half")], hint="hidden_rows")
+
+
 @converts("aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention_for_cpu")
 def _sdpa(b: GraphBuilder, node: Any, a: dict) -> Any:
     q = tensor(b, a["query"], "query")
@@ -913,6 +944,9 @@ def _sdpa(b: GraphBuilder, node: Any, a: dict) -> Any:
         operands.append(mask)
     out = b.value("ge.flash_attention", operands, {"scale": scale, "causal": causal, "layout": "BNSD"},
                   hint=node.name if rank == 4 else f"{node.name}_bnsd")
+    hidden = _hidden_rows(b, mask) if mask is not None else None
+    if hidden is not None:  # torch's SDPA gives zeros where a row's keys are all masked; flash_attention NaN
+        out = b.value("ge.select", [hidden, b.scalar(0.0, out.type.dtype, "zero"), out], hint=f"{node.name}_rows")
     if rank == 3:
         out = reshape_to(b, out, (out.type.shape[0],) + out.type.shape[2:], hint=node.name)
     if str(node.target.overloadpacket) != "aten.scaled_dot_product_attention":

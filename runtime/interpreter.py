@@ -100,15 +100,19 @@ class Runtime:
         self.memo = None if not timing_only or memo is False else (memo if isinstance(memo, LaunchMemo) else LaunchMemo())
 
     def run(self, program: Graph, inputs: Mapping[str, np.ndarray],
-            resources: Mapping[str, np.ndarray] | None = None, resident: Iterable[str] = ()) -> RunResult:
+            resources: Mapping[str, np.ndarray] | None = None, resident: Iterable[str] = (),
+            keep: Iterable[int] = ()) -> RunResult:
         """Load the program's constants, copy the inputs in, run every task, copy the results out.
 
         Time 0 is when the Runtime starts submitting: its host thread submits the tasks in program
         order, `launch_latency_us` each, and no task starts on the device before it was submitted.
         Inputs named in `resident` are already on the device (a cache kept there between calls):
-        they are neither submitted nor copied again.
+        they are neither submitted nor copied again. Results whose positions are in `keep` stay on
+        the device for a later call (a KV cache): no copy out; their values are the simulator's
+        record of the device memory, handed back to be passed as `resident` inputs.
         """
         resident = set(resident)
+        kept = {id(v) for i, v in enumerate(program.terminator.operands) if i in set(keep)}
         hits = self.memo.hits if self.memo is not None else 0
         if program.kind != "rt.program":
             raise RuntimeFailure(f"@{program.name} is a {program.kind}, not a lowered rt.program")
@@ -169,6 +173,8 @@ class Runtime:
                 elif name == "rt.d2h":
                     if not self.timing_only:
                         host[id(op.result)] = device.read(where[id(op.operands[0])], op.result.type)
+                    if id(op.result) in kept:
+                        continue  # stays on the device for the next call
                     copy_task("d2h", "copy out", op)
                 elif name == "rt.record":
                     events[op.event] = streams.get(op.stream, 0.0)

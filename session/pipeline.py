@@ -70,8 +70,8 @@ def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
                 target: str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
-                resident: Iterable[str] = (), memo: LaunchMemo | None = None) -> RunResult:
-    """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device; `memo`:
-    timing only, the launches earlier runs timed)."""
+                resident: Iterable[str] = (), memo: LaunchMemo | None = None, keep: Iterable[int] = ()) -> RunResult:
+    """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device; `keep`:
+    results that stay there; `memo`: timing only, the launches earlier runs timed)."""
     return Runtime(load_target(target), record_pipes=record_pipes, timing_only=timing_only,
-                   memo=True if memo is None else memo).run(program, inputs, resources, resident)
+                   memo=True if memo is None else memo).run(program, inputs, resources, resident, keep)

@@ -547,3 +547,17 @@ def test_writes_through_indices_match_torch_index_put_index_copy_and_scatter():
     assert ops.count("ge.index_put") == 3 and ops.count("ge.scatter_elements") == 3
     for got, want in zip(fast(*args), Writes()(*args)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sdpa_gives_zeros_where_a_row_sees_no_key_as_torch_does():
+    class Attend(nn.Module):
+        def forward(self, q, k, v, m):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    q, k, v = _randn(1, 2, 4, 8), _randn(1, 2, 5, 8, seed=1), _randn(1, 2, 5, 8, seed=2)
+    m = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    m[..., 0, :] = False  # a left-padded prompt's padding row: no key to attend to
+    fast = compile(Attend(), (q, k, v, m))
+    got, want = fast(q, k, v, m), Attend()(q, k, v, m)
+    assert torch.all(want[..., 0, :] == 0) and torch.all(got[..., 0, :] == 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

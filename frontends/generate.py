@@ -1,0 +1,339 @@
+"""A Hugging Face causal LM generating token by token on the simulated NPU: GE and the Runtime adapting per step.
+
+`generate` exports two step programs once, with the lengths dynamic: a prefill (the prompt, the KV
+cache made on the device) and a decode step (one token, the cache passed in). Each step writes its
+keys and values into the cache at its positions (`index_copy`, GEIR's `ge.index_put`) and attends
+over the whole cache, the slots past the tokens masked, as a static cache does. The cache stays on
+the device between steps (resident inputs, results kept there); when a step needs more slots than
+the cache has, the Runtime grows it into a larger region (a device copy, on the timeline). Every new
+cache length is a shape signature: the plan cache re-plans for it, so `buckets` (GE's gears: a list
+of lengths, or "pow2") round the cache up and trade padding for plan-cache hits. One timeline: GE's
+host work (each re-plan prepared for the next step while the device runs the current one, as
+the seed describes) and the device's runs; every step is a `Step` record.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from geir.builder import Builder
+from geir.frontends.torch_builder import to_numpy
+from geir.frontends.torch_import import import_program
+from geir.ir import Module
+from geir.runtime.profile import time_split
+from geir.session import DEFAULT_PIPELINE, Session, run_program
+from geir.target_npu.target import DEFAULT_TARGET
+from geir.types import DType, TensorType
+
+PHASES = ("prefill", "decode", "grow")
+
+
+@attrs.frozen
+class Step:
+    """One step of a generation run, on the one timeline (microseconds from the start)."""
+
+    index: int
+    phase: str  # "prefill" or "decode"
+    query_tokens: int  # the tokens this step feeds: the prompt, then 1
+    length: int  # tokens in the KV cache after the step
+    cache_length: int  # slots the cache has (a bucket, or `length` without buckets)
+    signature: tuple[tuple[int, ...], ...]
+    plan_cache: str  # "hit" or "miss"
+    host_ge_us: float  # GE's compile or re-plan for this step (0 on a hit), measured host time
+    ge_start_us: float
+    ge_end_us: float
+    grow_us: float  # device time moving the cache into a larger region before the step (0 when it fits)
+    device_us: float  # the step's run: the device's span
+    start_us: float  # when the device started the step (its growth first)
+    end_us: float
+    arena_bytes: int
+    kv_bytes: int
+    transfers: int  # host-device copies of the step's run (the cache is never one of them)
+    tokens: tuple[int, ...]  # the token chosen for each row
+
+    @property
+    def padding(self) -> int:
+        """Cache slots allocated beyond the tokens."""
+        return self.cache_length - self.length
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "signature": [list(s) for s in self.signature], "padding": self.padding}
+
+
+@attrs.frozen
+class Generation:
+    """What `generate` returns: the tokens (prompt and new, per row) and one record per step."""
+
+    tokens: torch.Tensor
+    steps: tuple[Step, ...]
+    compiles: int  # GE's compiles of step programs (the prefill and the decode step: 2)
+
+    @property
+    def end_to_end_us(self) -> float:
+        return self.steps[-1].end_us if self.steps else 0.0
+
+    @property
+    def host_ge_us(self) -> float:
+        return sum(s.host_ge_us for s in self.steps)
+
+    @property
+    def ge_hidden_us(self) -> float:
+        """GE's host work done while the device was running a step (off the critical path)."""
+        return sum(max(0.0, min(g.ge_end_us, d.end_us) - max(g.ge_start_us, d.start_us))
+                   for g in self.steps for d in self.steps)
+
+    def summary(self) -> dict[str, Any]:
+        """The run in figures: steps, plan-cache hits and misses, host GE share, padding, peak KV bytes."""
+        hits = sum(s.plan_cache == "hit" for s in self.steps)
+        slots = sum(s.cache_length for s in self.steps[1:]) or 1
+        return {"steps": len(self.steps), "compiles": self.compiles, "plan_cache_hits": hits,
+                "plan_cache_misses": len(self.steps) - hits, "end_to_end_us": self.end_to_end_us,
+                "host_ge_us": self.host_ge_us, "ge_hidden_us": self.ge_hidden_us,
+                "host_ge_share": self.host_ge_us / self.end_to_end_us if self.end_to_end_us else 0.0,
+                "device_us": sum(s.device_us + s.grow_us for s in self.steps),
+                "padding_waste": sum(s.padding for s in self.steps[1:]) / slots,
+                "peak_kv_bytes": max((s.kv_bytes for s in self.steps), default=0),
+                "peak_arena_bytes": max((s.arena_bytes for s in self.steps), default=0)}
+
+    def render(self) -> str:
+        """The steps as a table, then the summary."""
+        lines = [f"{'step':>4} {'phase':<8}{'len':>5}{'cache':>6} {'plan':<5}{'GE us':>9}{'grow us':>9}"
+                 f"{'device us':>11}{'end us':>11}{'arena B':>10}{'KV B':>10}  token"]
+        for s in self.steps:
+            lines.append(f"{s.index:>4} {s.phase:<8}{s.length:>5}{s.cache_length:>6} {s.plan_cache:<5}"
+                         f"{s.host_ge_us:>9.0f}{s.grow_us:>9.1f}{s.device_us:>11.1f}{s.end_us:>11.0f}"
+                         f"{s.arena_bytes:>10}{s.kv_bytes:>10}  {','.join(map(str, s.tokens))}")
+        m = self.summary()
+        lines.append(f"{m['steps']} steps, {m['compiles']} compiles, plan cache {m['plan_cache_hits']} hits / "
+                     f"{m['plan_cache_misses']} misses; end to end {m['end_to_end_us']:.0f} us, host GE "
+                     f"{m['host_ge_us']:.0f} us ({100 * m['host_ge_share']:.0f} %, {m['ge_hidden_us']:.0f} us of it "
+                     f"hidden behind the device), padding {100 * m['padding_waste']:.0f} % of decode cache slots, "
+                     f"peak KV {m['peak_kv_bytes']} B")
+        return "\n".join(lines)
+
+
+def bucket_length(n: int, buckets: Sequence[int] | str | None) -> int:
+    """The cache length for `n` tokens: n itself, the next power of two (at least 16), or the smallest gear."""
+    if buckets is None:
+        return n
+    if buckets == "pow2":
+        return max(16, 1 << (n - 1).bit_length())
+    if isinstance(buckets, str):
+        raise ValueError(f"buckets must be None, 'pow2' or a list of lengths, not {buckets!r}")
+    fitting = [b for b in sorted(buckets) if b >= n]
+    if not fitting:
+        raise ValueError(f"{n} tokens exceed the largest bucket ({max(buckets)}): add a larger one")
+    return fitting[0]
+
+
+# --- the step programs ------------------------------------------------------------------------------------
+
+def _cache_layer_class():
+    """transformers' StaticLayer over tensors a step takes as inputs, written functionally at the step's slots."""
+    from transformers.cache_utils import StaticLayer
+
+    class BoundLayer(StaticLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+            super().__init__(max_cache_len=keys.shape[2])
+            self.keys, self.values, self.slots = keys, values, slots
+            self.batch_size, self.num_heads = keys.shape[:2]
+            self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+            self.device = keys.device
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            self.keys = self.keys.index_copy(2, self.slots, key_states)
+            self.values = self.values.index_copy(2, self.slots, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> torch.Tensor:
+            return self.slots[0]  # the tokens before this step's (the masks' query offset)
+
+    return BoundLayer
+
+
+class _StepModule(torch.nn.Module):
+    """One step as a function of tensors: token ids, the mask over the cache's slots, the slots written, the
+    position ids, and the cache (made here, zeroed, for the prefill); returns the last logits and the cache."""
+
+    def __init__(self, model: torch.nn.Module, prefill: bool):
+        super().__init__()
+        self.model = model
+        self.prefill = prefill
+        cfg = model.config
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layer_class = _cache_layer_class()
+
+    def forward(self, input_ids, attention_mask, slots, position_ids, *past):
+        from transformers.cache_utils import Cache
+
+        if self.prefill:
+            batch, length = attention_mask.shape
+            zeros = attention_mask.new_zeros((batch, self.kv_heads, length, self.head_dim), dtype=self.model.dtype)
+            past = [zeros] * (2 * self.layers)
+        cache = Cache(layers=[self.layer_class(past[2 * i], past[2 * i + 1], slots) for i in range(self.layers)])
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return (out.logits[:, -1, :], *kv)
+
+
+def _export(step: _StepModule, args: tuple, dynamic: tuple) -> Any:
+    import contextlib
+    import io
+    import warnings
+
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+
+
+def _grow_graph(types: list[TensorType], new_length: int) -> Module:
+    """Each cache tensor [B, Nkv, L, D] moved into a region of new_length slots, the new ones zero."""
+    b = Builder()
+    args = [b.argument(t, f"cache{i}") for i, t in enumerate(types)]
+    out = []
+    for a in args:
+        bsz, heads, length, dim = a.type.shape
+        zeros = b.constant(np.array(0, dtype=a.type.dtype.np),
+                           TensorType((bsz, heads, new_length - length, dim), a.type.dtype))
+        out.append(b.create("ge.concat", [a, zeros], {"axis": 2}).result)
+    return Module([b.finish(out)], "<grow cache>")
+
+
+# --- the generation loop ----------------------------------------------------------------------------------
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+             attention_mask: torch.Tensor | None = None, buckets: Sequence[int] | str | None = None,
+             dtype: torch.dtype | None = None, target: str = DEFAULT_TARGET,
+             pipeline: str = DEFAULT_PIPELINE) -> Generation:
+    """Greedy generation of `max_new_tokens` by a Hugging Face causal LM (GPT-2, LLaMA-family) on the simulated
+    NPU: a prefill, then one decode step per token, the KV cache resident on the device."""
+    model = model.eval() if dtype is None else model.to(dtype).eval()
+    batch, prompt = input_ids.shape
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    length0 = bucket_length(prompt, buckets)
+    prefill_args = (input_ids, _slot_mask(mask, length0), torch.arange(prompt), _positions(mask)[:, -prompt:])
+    s_dim, l_dim = torch.export.Dim("prompt", min=2, max=1 << 16), torch.export.Dim("cache", min=2, max=1 << 16)
+    prefill_ep = _export(_StepModule(model, True), prefill_args, ({1: s_dim}, {1: l_dim}, {0: s_dim}, {1: s_dim}))
+    prefill = import_program(prefill_ep, source="<prefill>")
+    with torch.no_grad():
+        example = _StepModule(model, True)(*prefill_args)
+    decode_args = (input_ids[:, :1], prefill_args[1], torch.tensor([prompt]), prefill_args[3][:, :1], *example[1:])
+    decode_ep = _export(_StepModule(model, False), decode_args,
+                        (None, {1: l_dim}, None, None, tuple({2: l_dim} for _ in example[1:])))
+    decode = import_program(decode_ep, source="<decode>")
+    return _Loop(prefill, decode, target, pipeline).run(input_ids, mask, max_new_tokens, buckets)
+
+
+def _slot_mask(mask: torch.Tensor, slots: int) -> torch.Tensor:
+    """The attention mask over a cache of `slots`: the tokens' own mask, then zeros for the free slots."""
+    out = torch.zeros(mask.shape[0], slots, dtype=torch.long)
+    out[:, :mask.shape[1]] = mask
+    return out
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as Hugging Face's generate makes them: running counts of real tokens (padding at 0)."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+class _Loop:
+    """The generation loop: GE's sessions for both step programs, the cache on the device, the one timeline."""
+
+    def __init__(self, prefill: Any, decode: Any, target: str, pipeline: str):
+        self.target = target
+        self.pipeline = pipeline
+        self.sessions = {}
+        for phase, imported in (("prefill", prefill), ("decode", decode)):
+            m = imported.module
+            self.sessions[phase] = (Session(Module([m.graph()], m.file, m.resources), pipeline, target),
+                                    m.resources)
+        self.grows: dict[tuple, Any] = {}
+        self.uncompiled = set(self.sessions)  # a step program's compile counts for the first step that runs it
+        self.host_free = 0.0
+        self.device_free = 0.0
+
+    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+            buckets: Sequence[int] | str | None) -> Generation:
+        batch, prompt = input_ids.shape
+        tokens = input_ids.clone()
+        steps: list[Step] = []
+        cache: list[np.ndarray] = []
+        for index in range(new_tokens):
+            phase = "prefill" if index == 0 else "decode"
+            length = prompt + index  # tokens in the cache after this step
+            slots = bucket_length(length, buckets) if phase == "decode" else bucket_length(prompt, buckets)
+            if phase == "decode" and slots < length:
+                slots = length
+            grow_us = ge_us = 0.0
+            if phase == "decode" and cache[0].shape[2] < slots:
+                cache, grow_us, ge_us = self._grow(cache, slots)
+            fed = tokens if phase == "prefill" else tokens[:, -1:]
+            positions = _positions(mask)[:, -fed.shape[1]:]
+            first = 0 if phase == "prefill" else length - 1
+            feed_t = (fed, _slot_mask(mask, slots), torch.arange(first, first + fed.shape[1]), positions)
+            session, weights = self.sessions[phase]
+            names = [a.name for a in session.generic.args]
+            feed = {n: to_numpy(t) for n, t in zip(names, feed_t)}
+            if phase == "decode":
+                feed.update({n: c for n, c in zip(names[4:], cache)})
+            misses = session.misses
+            program = session.program({k: v.shape for k, v in feed.items()})
+            replanned = session.misses > misses
+            ge_us += session.last_ge_us if replanned else 0.0
+            if phase in self.uncompiled:
+                self.uncompiled.discard(phase)
+                ge_us += session.compile_us
+            kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
+            result = run_program(program, feed, weights, target=self.target,
+                                 resident=names[4:] if phase == "decode" else (), keep=kv_results)
+            device_us = time_split(result)["simulated_time_us"]
+            logits = np.asarray(result.outputs[0], dtype=np.float64)
+            cache = [np.asarray(c) for c in result.outputs[1:]]
+            chosen = torch.from_numpy(logits.argmax(-1)).to(tokens.dtype)
+            tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+            # GE prepares a step as soon as the host is free (the next signature is known in advance), while
+            # the device still runs the step before; the device starts once the plan and the previous token are
+            ge_start = self.host_free
+            ge_end = ge_start + ge_us
+            self.host_free = ge_end
+            begin = max(self.device_free, ge_end)
+            end = begin + grow_us + device_us
+            self.device_free = end
+            memory = program.attributes.get("memory") or {}
+            steps.append(Step(index, phase, fed.shape[1], length, slots,
+                              tuple(tuple(v.shape) for v in feed.values()), "miss" if replanned else "hit", ge_us,
+                              ge_start, ge_end, grow_us, device_us, begin, end, int(memory.get("arena", 0)),
+                              int(sum(c.nbytes for c in cache)), sum(t.kind != "kernel" for t in result.tasks),
+                              tuple(int(t) for t in chosen)))
+        compiles = len(self.sessions)
+        return Generation(tokens, tuple(steps), compiles)
+
+    def _grow(self, cache: list[np.ndarray], slots: int) -> tuple[list[np.ndarray], float, float]:
+        """The cache moved into a region of `slots` on the device: the moved cache, the move's device time, and
+        GE's host time compiling the move (once per pair of lengths)."""
+        from geir.session import compile_module
+
+        key = (cache[0].shape, slots)
+        ge_us = 0.0
+        if key not in self.grows:
+            types = [TensorType(tuple(c.shape), DType.from_numpy(c.dtype)) for c in cache]
+            start = time.perf_counter()
+            self.grows[key] = compile_module(_grow_graph(types, slots), self.pipeline, self.target)[0].graphs[0]
+            ge_us = (time.perf_counter() - start) * 1e6
+        program = self.grows[key]
+        names = [a.name for a in program.args]
+        result = run_program(program, dict(zip(names, cache)), target=self.target, resident=names,
+                             keep=range(len(cache)))
+        return [np.asarray(c) for c in result.outputs], time_split(result)["simulated_time_us"], ge_us

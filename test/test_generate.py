@@ -1,0 +1,101 @@
+"""Token-by-token generation on the simulated NPU (geir.frontends.torch.generate), against Hugging Face's own.
+
+Oracles: `model.generate(do_sample=False)` for the tokens; for the records, counts that follow from the
+shapes (cache slots from the bucket rule, KV bytes = 2 x layers x batch x kv heads x slots x head dim x
+4, the copies a decode step needs when the cache stays on the device).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from geir.frontends.generate import bucket_length  # noqa: E402
+from geir.frontends.torch import generate  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=100)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=128, vocab_size=100,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _hf(model, ids, mask, new):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_greedy_tokens_equal_hugging_faces_generate(make):
+    model = make()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 100, (1, 5), generator=g)
+    run = generate(model, ids, 6, buckets="pow2")
+    assert torch.equal(run.tokens, _hf(model, ids, torch.ones_like(ids), 6))
+
+
+def test_a_left_padded_batch_generates_what_hugging_face_does():
+    model = _llama()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 100, (2, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt is two tokens shorter, padded on the left as generation wants
+    run = generate(model, ids, 5, attention_mask=mask, buckets=[8, 16])
+    assert torch.equal(run.tokens, _hf(model, ids, mask, 5))
+
+
+def test_the_steps_record_phases_plans_cache_sizes_and_copies():
+    model = _llama()
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(5))
+    run = generate(model, ids, 14, buckets=[8, 16, 32])
+    steps = run.steps
+    assert [s.phase for s in steps] == ["prefill"] + ["decode"] * 13
+    assert [s.length for s in steps] == list(range(5, 19))
+    assert [s.cache_length for s in steps] == [bucket_length(n, [8, 16, 32]) for n in range(5, 19)]
+    assert [s.cache_length for s in steps][:5] == [8, 8, 8, 8, 16]
+    # a plan per cache length per program: the prefill, then decode at 8, 16 and 32 slots
+    assert [s.plan_cache for s in steps].count("miss") == 1 + len({s.cache_length for s in steps[1:]})
+    assert run.compiles == 2
+    for s in steps:
+        assert s.kv_bytes == 2 * LAYERS * 1 * KV_HEADS * s.cache_length * HEAD_DIM * 4
+        assert s.padding == s.cache_length - s.length >= 0
+    # the cache grows on the device only where a step needs more slots than it has
+    assert [s.grow_us > 0 for s in steps[1:]] == [a.cache_length < b.cache_length for a, b in zip(steps, steps[1:])]
+    # the cache never crosses the link: a decode step copies in its token, mask, slot and position, and out its logits
+    assert all(s.transfers == 5 for s in steps[1:])
+    # one timeline: GE's work for a step ends before the device starts it, and steps run one after another
+    for a, b in zip(steps, steps[1:]):
+        assert b.start_us >= a.end_us and b.start_us >= b.ge_end_us >= b.ge_start_us
+    assert run.end_to_end_us == steps[-1].end_us
+    assert run.summary()["plan_cache_hits"] == len(steps) - [s.plan_cache for s in steps].count("miss")
+
+
+def test_without_buckets_every_decode_step_is_a_new_signature():
+    run = generate(_llama(), torch.randint(1, 100, (1, 4), generator=torch.Generator().manual_seed(6)), 4)
+    assert [s.plan_cache for s in run.steps] == ["miss"] * 4
+    assert [s.cache_length for s in run.steps] == [4, 5, 6, 7]
+    assert run.summary()["padding_waste"] == 0
+
+
+def test_bucket_rules():
+    assert [bucket_length(n, "pow2") for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert bucket_length(9, [8, 12, 32]) == 12 and bucket_length(7, None) == 7
+    with pytest.raises(ValueError, match="exceed the largest bucket"):
+        bucket_length(40, [8, 32])
+    with pytest.raises(ValueError, match="buckets must be"):
+        bucket_length(4, "fibonacci")
