@@ -49,6 +49,8 @@ class Step:
     ge_end_us: float
     grow_us: float  # device time moving the cache into a larger region before the step (0 when it fits)
     device_us: float  # the step's run: the device's span
+    kernel_us: float  # of which kernels ran (summed over streams)
+    transfer_us: float  # and host-device copies
     start_us: float  # when the device started the step (its growth first)
     end_us: float
     arena_bytes: int
@@ -72,6 +74,39 @@ class Generation:
     tokens: torch.Tensor
     steps: tuple[Step, ...]
     compiles: int  # GE's compiles of step programs (the prefill and the decode step: 2)
+    # per phase, gedoctor's kernel findings on its last step's run (roofline: which kernels are far from it)
+    kernel_findings: dict[str, tuple[Any, ...]] = attrs.field(factory=dict)
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """Per phase, where the time went: GE's host work, the cache's growth, copies and kernels (us)."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.steps:
+            p = out.setdefault(s.phase, {"steps": 0, "host_ge_us": 0.0, "grow_us": 0.0, "transfer_us": 0.0,
+                                         "kernel_us": 0.0, "device_us": 0.0})
+            p["steps"] += 1
+            p["host_ge_us"] += s.host_ge_us
+            p["grow_us"] += s.grow_us
+            p["transfer_us"] += s.transfer_us
+            p["kernel_us"] += s.kernel_us
+            p["device_us"] += s.device_us + s.grow_us
+        return out
+
+    def diagnose(self) -> str:
+        """gedoctor's view of the run, per phase: which layer the time is in, and the kernels far from roofline."""
+        lines = []
+        for phase, p in self.phases().items():
+            # the device's span less its kernels and copies: the device waiting for the Runtime to submit work
+            idle = max(0.0, p["device_us"] - p["grow_us"] - p["kernel_us"] - p["transfer_us"])
+            parts = {"host GE (compile, re-plans)": p["host_ge_us"], "Runtime submission (device idle)": idle,
+                     "cache growth": p["grow_us"], "host-device copies": p["transfer_us"], "kernels": p["kernel_us"]}
+            total = sum(parts.values()) or 1.0
+            top = max(parts, key=parts.get)
+            split = ", ".join(f"{k} {v:.0f} us ({100 * v / total:.0f} %)" for k, v in parts.items())
+            lines.append(f"{phase} ({p['steps']} step(s)): mostly {top}; {split}")
+            for f in self.kernel_findings.get(phase, ())[:3]:
+                if f.kind == "far_from_roofline":
+                    lines.append(f"  kernel: {f.message}")
+        return "\n".join(lines)
 
     @property
     def end_to_end_us(self) -> float:
@@ -262,6 +297,7 @@ class _Loop:
         self.uncompiled = set(self.sessions)  # a step program's compile counts for the first step that runs it
         self.host_free = 0.0
         self.device_free = 0.0
+        self.last: dict[str, tuple] = {}  # per phase, its latest step's program and run
 
     def run(self, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
             buckets: Sequence[int] | str | None) -> Generation:
@@ -297,7 +333,9 @@ class _Loop:
             kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
             result = run_program(program, feed, weights, target=self.target,
                                  resident=names[4:] if phase == "decode" else (), keep=kv_results)
-            device_us = time_split(result)["simulated_time_us"]
+            split = time_split(result)
+            device_us = split["simulated_time_us"]
+            self.last[phase] = (program, result)
             logits = np.asarray(result.outputs[0], dtype=np.float64)
             cache = [np.asarray(c) for c in result.outputs[1:]]
             chosen = torch.from_numpy(logits.argmax(-1)).to(tokens.dtype)
@@ -314,11 +352,15 @@ class _Loop:
             memory = program.attributes.get("memory") or {}
             steps.append(Step(index, phase, fed.shape[1], length, slots,
                               tuple(tuple(v.shape) for v in feed.values()), "miss" if replanned else "hit", ge_us,
-                              ge_start, ge_end, grow_us, device_us, begin, end, int(memory.get("arena", 0)),
+                              ge_start, ge_end, grow_us, device_us, split["kernel_time_us"],
+                              split["transfer_time_us"], begin, end, int(memory.get("arena", 0)),
                               int(sum(c.nbytes for c in cache)), sum(t.kind != "kernel" for t in result.tasks),
                               tuple(int(t) for t in chosen)))
-        compiles = len(self.sessions)
-        return Generation(tokens, tuple(steps), compiles)
+        from geir.session.doctor import kernel_findings, kernel_views
+
+        findings = {phase: tuple(kernel_findings(kernel_views(program, result), result.target))
+                    for phase, (program, result) in self.last.items()}
+        return Generation(tokens, tuple(steps), len(self.sessions), findings)
 
     def _grow(self, cache: list[np.ndarray], slots: int) -> tuple[list[np.ndarray], float, float]:
         """The cache moved into a region of `slots` on the device: the moved cache, the move's device time, and

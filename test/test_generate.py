@@ -99,3 +99,14 @@ def test_bucket_rules():
         bucket_length(40, [8, 32])
     with pytest.raises(ValueError, match="buckets must be"):
         bucket_length(4, "fibonacci")
+
+
+def test_the_run_says_per_phase_where_the_time_went():
+    run = generate(_llama(), torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(7)), 4,
+                   buckets="pow2")
+    phases = run.phases()
+    assert set(phases) == {"prefill", "decode"} and phases["decode"]["steps"] == 3
+    assert phases["decode"]["kernel_us"] == pytest.approx(sum(s.kernel_us for s in run.steps[1:]))
+    text = run.diagnose()
+    assert text.startswith("prefill (1 step(s)): mostly ") and "decode (3 step(s)): mostly " in text
+    assert "Runtime submission (device idle)" in text and "kernels" in text

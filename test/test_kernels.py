@@ -184,7 +184,7 @@ def test_matmul_loads_overlap_the_cube_with_double_buffering():
 
 # --- elementwise -------------------------------------------------------------------------------------
 
-UNARY = ["exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf"]
+UNARY = ["exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "sin", "cos"]
 BINARY = ["add", "sub", "mul", "div", "max", "min", "pow"]
 
 
