@@ -54,6 +54,7 @@ class Step:
     start_us: float  # when the device started the step (its growth first)
     end_us: float
     arena_bytes: int
+    arena_lower_bound: int  # the most bytes the step's arena holds live at once (GE's plan)
     kv_bytes: int
     transfers: int  # host-device copies of the step's run (the cache is never one of them)
     tokens: tuple[int, ...]  # the token chosen for each row
@@ -133,7 +134,29 @@ class Generation:
                 "device_us": sum(s.device_us + s.grow_us for s in self.steps),
                 "padding_waste": sum(s.padding for s in self.steps[1:]) / slots,
                 "peak_kv_bytes": max((s.kv_bytes for s in self.steps), default=0),
-                "peak_arena_bytes": max((s.arena_bytes for s in self.steps), default=0)}
+                "peak_arena_bytes": max((s.arena_bytes for s in self.steps), default=0),
+                "peak_arena_lower_bound": max((s.arena_lower_bound for s in self.steps), default=0)}
+
+    def trace(self) -> dict[str, Any]:
+        """A Chrome trace (chrome://tracing, Perfetto) of the run: GE's host work and the device's steps on one
+        axis, and counters of the arena (with its live-bytes bound) and the KV cache per step."""
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "host: GE"}},
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "device"}}]
+        for s in self.steps:
+            label = f"{s.phase} {s.index} (cache {s.cache_length})"
+            if s.host_ge_us:
+                events.append({"ph": "X", "name": f"GE: plan {label}", "pid": 0, "tid": 0, "ts": s.ge_start_us,
+                               "dur": s.host_ge_us, "args": {"signature": [list(x) for x in s.signature]}})
+            if s.grow_us:
+                events.append({"ph": "X", "name": f"grow cache to {s.cache_length}", "pid": 1, "tid": 0,
+                               "ts": s.start_us, "dur": s.grow_us})
+            events.append({"ph": "X", "name": label, "pid": 1, "tid": 0, "ts": s.start_us + s.grow_us,
+                           "dur": s.device_us, "args": {"plan_cache": s.plan_cache, "tokens": list(s.tokens)}})
+            events.append({"ph": "C", "name": "device memory (bytes)", "pid": 1, "ts": s.start_us,
+                           "args": {"arena": s.arena_bytes, "arena_lower_bound": s.arena_lower_bound,
+                                    "kv_cache": s.kv_bytes}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def render(self) -> str:
         """The steps as a table, then the summary."""
@@ -148,7 +171,8 @@ class Generation:
                      f"{m['plan_cache_misses']} misses; end to end {m['end_to_end_us']:.0f} us, host GE "
                      f"{m['host_ge_us']:.0f} us ({100 * m['host_ge_share']:.0f} %, {m['ge_hidden_us']:.0f} us of it "
                      f"hidden behind the device), padding {100 * m['padding_waste']:.0f} % of decode cache slots, "
-                     f"peak KV {m['peak_kv_bytes']} B")
+                     f"peak KV {m['peak_kv_bytes']} B, peak arena {m['peak_arena_bytes']} B (live-bytes bound "
+                     f"{m['peak_arena_lower_bound']} B)")
         return "\n".join(lines)
 
 
@@ -354,6 +378,7 @@ class _Loop:
                               tuple(tuple(v.shape) for v in feed.values()), "miss" if replanned else "hit", ge_us,
                               ge_start, ge_end, grow_us, device_us, split["kernel_time_us"],
                               split["transfer_time_us"], begin, end, int(memory.get("arena", 0)),
+                              int(program.attributes.get("arena_lower_bound", memory.get("arena", 0))),
                               int(sum(c.nbytes for c in cache)), sum(t.kind != "kernel" for t in result.tasks),
                               tuple(int(t) for t in chosen)))
         from geir.session.doctor import kernel_findings, kernel_views

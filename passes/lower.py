@@ -144,6 +144,8 @@ def lower_graph(graph: Graph) -> Graph:
         "memory": {"inputs": inputs_size, "constants": constants_size, "arena": graph.attributes["arena_size"]},
         "streams": b.next_stream,
     }
+    if "arena_lower_bound" in graph.attributes:  # the plan's live-bytes bound, for reports against the arena
+        program.attributes["arena_lower_bound"] = graph.attributes["arena_lower_bound"]
     return program
 
 

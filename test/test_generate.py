@@ -110,3 +110,16 @@ def test_the_run_says_per_phase_where_the_time_went():
     text = run.diagnose()
     assert text.startswith("prefill (1 step(s)): mostly ") and "decode (3 step(s)): mostly " in text
     assert "Runtime submission (device idle)" in text and "kernels" in text
+
+
+def test_the_trace_puts_ge_and_the_device_on_one_axis_with_memory_counters():
+    run = generate(_llama(), torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(8)), 3,
+                   buckets="pow2")
+    events = run.trace()["traceEvents"]
+    device = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
+    assert [e["name"].split()[0] for e in device] == ["prefill", "decode", "decode"]
+    counters = [e for e in events if e["ph"] == "C"]
+    assert [c["args"]["kv_cache"] for c in counters] == [s.kv_bytes for s in run.steps]
+    assert all(c["args"]["arena"] >= c["args"]["arena_lower_bound"] > 0 for c in counters)
+    ge = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
+    assert len(ge) == [s.plan_cache for s in run.steps].count("miss")

@@ -1,6 +1,6 @@
 """A small random-init LLaMA generating token by token on the simulated NPU, step by step.
 
-    python examples/generate/run_llama.py [--new 24] [--buckets pow2|none|16,32,64]
+    python examples/generate/run_llama.py [--new 24] [--buckets pow2|none|16,32,64] [--trace OUT.json]
 
 Builds a LLaMA-family model from a small config (no download: 4 layers, hidden 256, 8 heads with 2
 kv heads, RoPE, RMSNorm), takes a 16-token prompt, and runs `geir.frontends.torch.generate`: a
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=24, help="tokens to generate (default 24)")
     ap.add_argument("--buckets", default="pow2", help="none, pow2 (default) or lengths like 16,32,64")
+    ap.add_argument("--trace", help="also write the run as a Chrome trace (GE, the device, memory counters)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -40,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")
         run = generate(model, prompt, args.new, buckets=buckets)
     print(run.render())
+    print(run.diagnose())
+    if args.trace:
+        import json
+
+        with open(args.trace, "w") as f:
+            json.dump(run.trace(), f)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new,
