@@ -141,6 +141,14 @@ def test_step3_each_new_shape_is_replanned_and_repeats_hit_the_cache(step3):
     assert arenas[0] > arenas[2] > arenas[1]
 
 
+def test_step3_shows_a_model_generating_text_with_its_plan_cache(step3):
+    pytest.importorskip("transformers")
+    g = step3.facts["generation"]
+    assert g["steps"] == 12 and g["compiles"] == 2 and g["tokens_equal"]
+    # the prompt's 16 slots, then decode at 32 slots (17 to 27 tokens): one plan each
+    assert g["misses"] == 2 and g["hits"] == 10
+
+
 def test_step3_decode_shapes_undo_the_fusion_and_prefill_keeps_it(step3):
     prefill, decode, again, decode_long = step3.facts["runs"]
     assert prefill["kernels"] == again["kernels"] == ["ge.flash_attention"]

@@ -106,6 +106,7 @@ class Tour:
         self.out = Path(out).resolve()
         self.pictures = pictures
         self.echo = echo or (lambda text: None)
+        self.cache: dict[str, Any] = {}  # runs two steps share (the generation run)
 
     def file(self, name: str) -> Path:
         """A path in the output folder."""
@@ -226,6 +227,31 @@ def overlap_figures(ran: Ran) -> tuple[dict[str, float], str]:
     return {k: float(v) for k, v in m.groupdict().items()}, verdict.group("verdict")
 
 
+GENERATION_SUMMARY = re.compile(
+    r"(?P<steps>\d+) steps, (?P<compiles>\d+) compiles, plan cache (?P<hits>\d+) hits / (?P<misses>\d+) misses; "
+    r"end to end (?P<end_us>\d+) us, host GE (?P<ge_us>\d+) us \((?P<share>\d+) %, (?P<hidden_us>\d+) us of it hidden")
+
+
+def generation(t: Tour) -> dict[str, Any] | None:
+    """The seed's own scenario, once per tour: a small LLaMA generating token by token (needs the hf extra)."""
+    if "generation" not in t.cache:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError:
+            t.say("a language model generating token by token needs torch and the hf extra: skipped")
+            t.cache["generation"] = None
+            return None
+        ran = t.script("examples/generate/run_llama.py", "--new", 12, "--buckets", "pow2")
+        m = GENERATION_SUMMARY.search(ran.stdout)
+        if m is None:
+            raise TourError(f"examples/generate/run_llama.py printed no summary:\n{ran.stdout}")
+        facts = {k: int(v) for k, v in m.groupdict().items()}
+        facts["tokens_equal"] = "tokens equal" in ran.stdout
+        t.cache["generation"] = {"ran": ran, "facts": facts}
+    return t.cache["generation"]
+
+
 def step1(t: Tour) -> Step:
     """GE compiles the next part while the Runtime runs this one, and re-plans between runs for new shapes."""
     step = Step(1, TITLES[1])
@@ -270,6 +296,12 @@ def step1(t: Tour) -> Step:
     step.facts["story"] = story
     t.say("the session, from its trace (GE in host time, the runs in simulated time, one after another):")
     t.say("\n".join(f"  {line}" for line in story_lines(story).splitlines()))
+    gen = generation(t)
+    if gen is not None:
+        step.ran.append(gen["ran"])
+        g = step.facts["generation"] = gen["facts"]
+        t.say(f"generating {g['steps']} tokens: GE prepared each step's plan while the device ran the step before; "
+              f"{g['hidden_us']} us of GE's {g['ge_us']} us ran behind the device")
     return step
 
 
@@ -336,6 +368,13 @@ def step3(t: Tour) -> Step:
     pc = profile["plan_cache"]
     t.say(f"plan cache after the four calls: {pc['hits']} hit(s), {pc['misses']} miss(es), "
           f"{pc['replan_ms']:.1f} ms of re-planning in all")
+    gen = generation(t)
+    if gen is not None:
+        g = step.facts["generation"] = gen["facts"]
+        t.say(f"the seed's own case, a model generating text (cache lengths rounded up to powers of two): "
+              f"{g['steps']} steps, the shapes changing every step, {g['compiles']} compiles, {g['misses']} re-plans, "
+              f"{g['hits']} plan-cache hits; tokens {'equal' if g['tokens_equal'] else 'differ from'} "
+              f"Hugging Face's generate")
     return step
 
 
