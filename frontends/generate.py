@@ -49,10 +49,10 @@ class Step:
     ge_end_us: float
     grow_us: float  # device time moving the cache into a larger region before the step (0 when it fits)
     device_us: float  # the step's run: the device's span
-    kernel_us: float  # of which kernels ran (summed over streams)
-    transfer_us: float  # and host-device copies
+    kernel_time_us: float  # of which kernels ran (summed over streams)
+    transfer_time_us: float  # and host-device copies
     start_us: float  # when the device started the step (its growth first)
-    end_us: float
+    end_to_end_us: float  # when the step ended, from the start of the run
     arena_bytes: int
     arena_lower_bound: int  # the most bytes the step's arena holds live at once (GE's plan)
     kv_bytes: int
@@ -65,7 +65,18 @@ class Step:
         return self.cache_length - self.length
 
     def as_dict(self) -> dict[str, Any]:
+        """The record as plain data (JSON: signatures as lists)."""
         return {**attrs.asdict(self), "signature": [list(s) for s in self.signature], "padding": self.padding}
+
+    def __getitem__(self, key: str) -> Any:
+        """The spec's step dictionary reads the record's fields by name: `step["plan_cache"]`."""
+        if key == "padding" or key in attrs.fields_dict(Step):
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def keys(self) -> list[str]:
+        """The field names, so that dict(step) is the record as a dictionary."""
+        return [*attrs.fields_dict(Step), "padding"]
 
 
 @attrs.frozen
@@ -73,7 +84,7 @@ class Generation:
     """What `generate` returns: the tokens (prompt and new, per row) and one record per step."""
 
     tokens: torch.Tensor
-    steps: tuple[Step, ...]
+    steps: list[Step]
     compiles: int  # GE's compiles of step programs (the prefill and the decode step: 2)
     # per phase, gedoctor's kernel findings on its last step's run (roofline: which kernels are far from it)
     kernel_findings: dict[str, tuple[Any, ...]] = attrs.field(factory=dict)
@@ -82,13 +93,13 @@ class Generation:
         """Per phase, where the time went: GE's host work, the cache's growth, copies and kernels (us)."""
         out: dict[str, dict[str, float]] = {}
         for s in self.steps:
-            p = out.setdefault(s.phase, {"steps": 0, "host_ge_us": 0.0, "grow_us": 0.0, "transfer_us": 0.0,
-                                         "kernel_us": 0.0, "device_us": 0.0})
+            p = out.setdefault(s.phase, {"steps": 0, "host_ge_us": 0.0, "grow_us": 0.0, "transfer_time_us": 0.0,
+                                         "kernel_time_us": 0.0, "device_us": 0.0})
             p["steps"] += 1
             p["host_ge_us"] += s.host_ge_us
             p["grow_us"] += s.grow_us
-            p["transfer_us"] += s.transfer_us
-            p["kernel_us"] += s.kernel_us
+            p["transfer_time_us"] += s.transfer_time_us
+            p["kernel_time_us"] += s.kernel_time_us
             p["device_us"] += s.device_us + s.grow_us
         return out
 
@@ -97,9 +108,9 @@ class Generation:
         lines = []
         for phase, p in self.phases().items():
             # the device's span less its kernels and copies: the device waiting for the Runtime to submit work
-            idle = max(0.0, p["device_us"] - p["grow_us"] - p["kernel_us"] - p["transfer_us"])
+            idle = max(0.0, p["device_us"] - p["grow_us"] - p["kernel_time_us"] - p["transfer_time_us"])
             parts = {"host GE (compile, re-plans)": p["host_ge_us"], "Runtime submission (device idle)": idle,
-                     "cache growth": p["grow_us"], "host-device copies": p["transfer_us"], "kernels": p["kernel_us"]}
+                     "cache growth": p["grow_us"], "host-device copies": p["transfer_time_us"], "kernels": p["kernel_time_us"]}
             total = sum(parts.values()) or 1.0
             top = max(parts, key=parts.get)
             split = ", ".join(f"{k} {v:.0f} us ({100 * v / total:.0f} %)" for k, v in parts.items())
@@ -111,7 +122,7 @@ class Generation:
 
     @property
     def end_to_end_us(self) -> float:
-        return self.steps[-1].end_us if self.steps else 0.0
+        return self.steps[-1].end_to_end_us if self.steps else 0.0
 
     @property
     def host_ge_us(self) -> float:
@@ -120,7 +131,7 @@ class Generation:
     @property
     def ge_hidden_us(self) -> float:
         """GE's host work done while the device was running a step (off the critical path)."""
-        return sum(max(0.0, min(g.ge_end_us, d.end_us) - max(g.ge_start_us, d.start_us))
+        return sum(max(0.0, min(g.ge_end_us, d.end_to_end_us) - max(g.ge_start_us, d.start_us))
                    for g in self.steps for d in self.steps)
 
     def summary(self) -> dict[str, Any]:
@@ -164,7 +175,7 @@ class Generation:
                  f"{'device us':>11}{'end us':>11}{'arena B':>10}{'KV B':>10}  token"]
         for s in self.steps:
             lines.append(f"{s.index:>4} {s.phase:<8}{s.length:>5}{s.cache_length:>6} {s.plan_cache:<5}"
-                         f"{s.host_ge_us:>9.0f}{s.grow_us:>9.1f}{s.device_us:>11.1f}{s.end_us:>11.0f}"
+                         f"{s.host_ge_us:>9.0f}{s.grow_us:>9.1f}{s.device_us:>11.1f}{s.end_to_end_us:>11.0f}"
                          f"{s.arena_bytes:>10}{s.kv_bytes:>10}  {','.join(map(str, s.tokens))}")
         m = self.summary()
         lines.append(f"{m['steps']} steps, {m['compiles']} compiles, plan cache {m['plan_cache_hits']} hits / "
@@ -385,7 +396,7 @@ class _Loop:
 
         findings = {phase: tuple(kernel_findings(kernel_views(program, result), result.target))
                     for phase, (program, result) in self.last.items()}
-        return Generation(tokens, tuple(steps), len(self.sessions), findings)
+        return Generation(tokens, steps, len(self.sessions), findings)
 
     def _grow(self, cache: list[np.ndarray], slots: int) -> tuple[list[np.ndarray], float, float]:
         """The cache moved into a region of `slots` on the device: the moved cache, the move's device time, and

@@ -59,10 +59,15 @@ def test_a_left_padded_batch_generates_what_hugging_face_does():
     assert torch.equal(run.tokens, _hf(model, ids, mask, 5))
 
 
-def test_the_steps_record_phases_plans_cache_sizes_and_copies():
-    model = _llama()
+@pytest.fixture(scope="module")
+def run14():
+    """14 tokens after a 5-token prompt, the cache in gears of 8, 16 and 32 slots."""
     ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(5))
-    run = generate(model, ids, 14, buckets=[8, 16, 32])
+    return generate(_llama(), ids, 14, buckets=[8, 16, 32])
+
+
+def test_the_steps_record_phases_plans_cache_sizes_and_copies(run14):
+    run = run14
     steps = run.steps
     assert [s.phase for s in steps] == ["prefill"] + ["decode"] * 13
     assert [s.length for s in steps] == list(range(5, 19))
@@ -80,9 +85,14 @@ def test_the_steps_record_phases_plans_cache_sizes_and_copies():
     assert all(s.transfers == 5 for s in steps[1:])
     # one timeline: GE's work for a step ends before the device starts it, and steps run one after another
     for a, b in zip(steps, steps[1:]):
-        assert b.start_us >= a.end_us and b.start_us >= b.ge_end_us >= b.ge_start_us
-    assert run.end_to_end_us == steps[-1].end_us
+        assert b.start_us >= a.end_to_end_us and b.start_us >= b.ge_end_us >= b.ge_start_us
+    assert run.end_to_end_us == steps[-1].end_to_end_us
     assert run.summary()["plan_cache_hits"] == len(steps) - [s.plan_cache for s in steps].count("miss")
+    # the spec's step dictionaries: the record read by key
+    spec_keys = {"phase", "signature", "plan_cache", "host_ge_us", "kernel_time_us", "end_to_end_us", "arena_bytes",
+                 "kv_bytes"}
+    assert spec_keys <= set(dict(steps[1])) and steps[1]["plan_cache"] == steps[1].plan_cache
+    assert isinstance(run.steps, list) and run.tokens.dtype == torch.long
 
 
 def test_without_buckets_every_decode_step_is_a_new_signature():
@@ -101,23 +111,23 @@ def test_bucket_rules():
         bucket_length(4, "fibonacci")
 
 
-def test_the_run_says_per_phase_where_the_time_went():
-    run = generate(_llama(), torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(7)), 4,
-                   buckets="pow2")
+def test_the_run_says_per_phase_where_the_time_went(run14):
+    run = run14
     phases = run.phases()
-    assert set(phases) == {"prefill", "decode"} and phases["decode"]["steps"] == 3
-    assert phases["decode"]["kernel_us"] == pytest.approx(sum(s.kernel_us for s in run.steps[1:]))
+    assert set(phases) == {"prefill", "decode"} and phases["decode"]["steps"] == 13
+    assert phases["decode"]["kernel_time_us"] == pytest.approx(sum(s.kernel_time_us for s in run.steps[1:]))
     text = run.diagnose()
-    assert text.startswith("prefill (1 step(s)): mostly ") and "decode (3 step(s)): mostly " in text
+    assert text.startswith("prefill (1 step(s)): mostly ") and "decode (13 step(s)): mostly " in text
     assert "Runtime submission (device idle)" in text and "kernels" in text
 
 
-def test_the_trace_puts_ge_and_the_device_on_one_axis_with_memory_counters():
-    run = generate(_llama(), torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(8)), 3,
-                   buckets="pow2")
+def test_the_trace_puts_ge_and_the_device_on_one_axis_with_memory_counters(run14):
+    run = run14
     events = run.trace()["traceEvents"]
-    device = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
-    assert [e["name"].split()[0] for e in device] == ["prefill", "decode", "decode"]
+    device = [e for e in events if e["ph"] == "X" and e["pid"] == 1 and not e["name"].startswith("grow")]
+    assert [e["name"].split()[0] for e in device] == ["prefill"] + ["decode"] * 13
+    grows = [e for e in events if e["ph"] == "X" and e["name"].startswith("grow")]
+    assert [e["name"] for e in grows] == ["grow cache to 16", "grow cache to 32"]
     counters = [e for e in events if e["ph"] == "C"]
     assert [c["args"]["kv_cache"] for c in counters] == [s.kv_bytes for s in run.steps]
     assert all(c["args"]["arena"] >= c["args"]["arena_lower_bound"] > 0 for c in counters)
