@@ -286,7 +286,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
              pipeline: str = DEFAULT_PIPELINE) -> Generation:
     """Greedy generation of `max_new_tokens` by a Hugging Face causal LM (GPT-2, LLaMA-family) on the simulated
     NPU: a prefill, then one decode step per token, the KV cache resident on the device."""
-    model = model.eval() if dtype is None else model.to(dtype).eval()
+    if dtype is not None:  # a copy in that dtype: the caller's model stays as it is
+        import copy
+
+        model = copy.deepcopy(model).to(dtype)
+    model = model.eval()
     batch, prompt = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
     if max_new_tokens < 1:
@@ -343,9 +347,7 @@ class _Loop:
         for index in range(new_tokens):
             phase = "prefill" if index == 0 else "decode"
             length = prompt + index  # tokens in the cache after this step
-            slots = bucket_length(length, buckets) if phase == "decode" else bucket_length(prompt, buckets)
-            if phase == "decode" and slots < length:
-                slots = length
+            slots = bucket_length(length, buckets)
             grow_us = ge_us = 0.0
             if phase == "decode" and cache[0].shape[2] < slots:
                 cache, grow_us, ge_us = self._grow(cache, slots)
