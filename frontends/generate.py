@@ -103,21 +103,32 @@ class Generation:
             p["device_us"] += s.device_us + s.grow_us
         return out
 
-    def diagnose(self) -> str:
-        """gedoctor's view of the run, per phase: which layer the time is in, and the kernels far from roofline."""
-        lines = []
+    def doctor(self) -> dict[str, dict[str, Any]]:
+        """gedoctor's verdict per phase: the layer most of the time is in (its layer names: ge-host, runtime,
+        kernel), the time split, and the kernel findings (which kernels are far from their roofline)."""
+        out = {}
         for phase, p in self.phases().items():
-            # the device's span less its kernels and copies: the device waiting for the Runtime to submit work
+            # the device's span less its kernels, copies and growth: the device waiting for the Runtime to submit
             idle = max(0.0, p["device_us"] - p["grow_us"] - p["kernel_time_us"] - p["transfer_time_us"])
-            parts = {"host GE (compile, re-plans)": p["host_ge_us"], "Runtime submission (device idle)": idle,
-                     "cache growth": p["grow_us"], "host-device copies": p["transfer_time_us"], "kernels": p["kernel_time_us"]}
-            total = sum(parts.values()) or 1.0
-            top = max(parts, key=parts.get)
-            split = ", ".join(f"{k} {v:.0f} us ({100 * v / total:.0f} %)" for k, v in parts.items())
-            lines.append(f"{phase} ({p['steps']} step(s)): mostly {top}; {split}")
-            for f in self.kernel_findings.get(phase, ())[:3]:
-                if f.kind == "far_from_roofline":
-                    lines.append(f"  kernel: {f.message}")
+            split = {"ge-host": p["host_ge_us"], "runtime": idle + p["transfer_time_us"] + p["grow_us"],
+                     "kernel": p["kernel_time_us"]}
+            out[phase] = {"culprit": max(split, key=split.get), "split_us": split, "submission_idle_us": idle,
+                          "steps": p["steps"],
+                          "findings": [f.to_json() for f in self.kernel_findings.get(phase, ())]}
+        return out
+
+    def diagnose(self) -> str:
+        """The doctor's verdict per phase, as prose."""
+        words = {"ge-host": "GE's host work (compile, re-plans)",
+                 "runtime": "the Runtime (submitting launches, copies, the cache's growth)", "kernel": "the kernels"}
+        lines = []
+        for phase, d in self.doctor().items():
+            total = sum(d["split_us"].values()) or 1.0
+            split = ", ".join(f"{layer} {us:.0f} us ({100 * us / total:.0f} %)" for layer, us in d["split_us"].items())
+            lines.append(f"{phase} ({d['steps']} step(s)): culprit {d['culprit']}, {words[d['culprit']]}; {split}; "
+                         f"device idle waiting for submissions {d['submission_idle_us']:.0f} us")
+            far = [f for f in d["findings"] if f["kind"] == "far_from_roofline"]
+            lines.extend(f"  kernel: {f['message']}" for f in far[:3])
         return "\n".join(lines)
 
     @property

@@ -116,9 +116,13 @@ def test_the_run_says_per_phase_where_the_time_went(run14):
     phases = run.phases()
     assert set(phases) == {"prefill", "decode"} and phases["decode"]["steps"] == 13
     assert phases["decode"]["kernel_time_us"] == pytest.approx(sum(s.kernel_time_us for s in run.steps[1:]))
+    verdict = run.doctor()
+    decode = verdict["decode"]
+    assert decode["culprit"] == max(decode["split_us"], key=decode["split_us"].get)
+    assert decode["split_us"]["kernel"] == pytest.approx(phases["decode"]["kernel_time_us"])
+    assert decode["split_us"]["ge-host"] == pytest.approx(sum(s.host_ge_us for s in run.steps[1:]))
     text = run.diagnose()
-    assert text.startswith("prefill (1 step(s)): mostly ") and "decode (13 step(s)): mostly " in text
-    assert "Runtime submission (device idle)" in text and "kernels" in text
+    assert text.startswith("prefill (1 step(s)): culprit ") and "decode (13 step(s)): culprit " in text
 
 
 def test_the_trace_puts_ge_and_the_device_on_one_axis_with_memory_counters(run14):
