@@ -4,6 +4,12 @@ Pure functions of the operands' types, the op's attributes and a target's number
 (target_npu/targets/*.toml). Every tiling is checked against the real buffer capacities: the
 preferred block is shrunk (s1, then s2, multiples of the cube fractal), then the keys of a row are
 split into segments, and only when even the smallest tile overflows is it an error naming the buffer.
+
+Decode-shaped calls (the query rows of a key/value head, its group of query heads stacked, fit one
+row block, and B x Nkv such units leave cube cores idle) take flash-decoding (FusedInferAttentionScore's
+decode path): the keys are split across cores into `segments` parts, each work unit (batch, key/value
+head, part) computes a partial softmax-weighted sum with its running max and sum, and a log-sum-exp
+step combines the parts.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ LONG_KV = 1024
 BLOCK = 128
 LONG_S1 = (128, 64)
 WHOLE_ROW, SPLIT_KV = "S1Bn2gs1", "S1s2Bn2gs1"
+# flash-decoding: a unit is (batch, key/value head, key part), its group's query rows stacked as s1
+FLASH_DECODE = "Bn2S2FD"
+# FlashAttention-2's num_splits_heuristic: the fewest key parts whose waves keep at least this share
+# of the best split's core utilisation busy
+SPLIT_EFFICIENCY = 0.85
 # running max, running sum and the rescale factor exp(m_old - m_new): one f32 per row each
 FLASH_ROW_VECTORS = 3
 
@@ -49,7 +60,7 @@ FLASH_ROW_VECTORS = 3
 class FlashTiling(KernelTiling):
     """A FlashAttention kernel's template, blocks and the budgets they use, with the rule that chose them."""
 
-    TEMPLATES = (WHOLE_ROW, SPLIT_KV)
+    TEMPLATES = (WHOLE_ROW, SPLIT_KV, FLASH_DECODE)
 
     template: str
     s1: int
@@ -66,6 +77,44 @@ class FlashTiling(KernelTiling):
     work_units: int | None = printed_if_set(None)
     skipped_blocks: int = printed_if_set(0)
     rule: str = never_printed("")
+
+    @property
+    def kv_splits(self) -> int:
+        """How many parts the keys of a row are split into (flash-decoding's parts, or key segments)."""
+        return max(self.segments, 1)
+
+
+def decode_rows(n: int | None, nkv: int | None, sq: int | None, skv: int | None) -> int | None:
+    """The stacked query rows (group x Sq) of one key/value head when a call is decode-shaped, else None.
+
+    Decode-shaped: each head's query rows fit one row block and the keys are longer than one block.
+    The rows of the heads sharing a K/V head are stacked (IncreFlashAttention folds the group into the
+    cube's M), in row blocks of BLOCK when they are more.
+    """
+    if None in (n, nkv, sq, skv) or not nkv or not sq or sq > BLOCK or skv <= SHORT_KV:
+        return None
+    return (n // nkv) * sq
+
+
+def kv_parts(skv: int, units: int, cores: int, s2: int) -> int:
+    """Flash-decoding's key parts for `units` (batch, K/V head) units: FlashAttention-2's num_splits_heuristic.
+
+    Each part count p gives units x p work units in waves of `cores`; its efficiency is the share of
+    the cores its waves keep busy. The fewest parts within SPLIT_EFFICIENCY of the best efficiency win,
+    counting only part counts that change the key blocks per part; a part holds at least one key block
+    (this model's partial store and combine cost less than one block: bench/decode_attention.py).
+    """
+    blocks = -(-skv // s2)
+
+    def efficiency(p: int) -> float:
+        waves = units * p / cores
+        return waves / -(-units * p // cores)
+
+    eligible = [p for p in range(1, min(blocks, cores) + 1) if p == 1 or -(-blocks // p) != -(-blocks // (p - 1))]
+    best = max(efficiency(p) for p in eligible)
+    parts = min(p for p in eligible if efficiency(p) >= SPLIT_EFFICIENCY * best)
+    per = -(-blocks // parts)
+    return -(-blocks // per)  # no empty part: 9 blocks in 4 parts are 3 + 3 + 3
 
 
 def k_chunk(m: int, n: int, k: int, kmin: int, nbytes: int, buffers: int, chip: Target) -> int:
@@ -161,7 +210,27 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
         return bsz * n * -(-sq // s1)
 
     s1_pref = BLOCK if sq is None else max(1, min(BLOCK, sq))
-    if skv is not None and skv <= SHORT_KV:
+    nkv = bnsd(k_type, layout)[1]
+    rows = decode_rows(n, nkv, sq, skv) if bsz is not None else None
+    decode = None if rows is None else bsz * nkv * -(-rows // BLOCK)
+    # flash-decoding pays where splitting the keys fills the cores better, or where a group's stacked
+    # rows share one row block (K and V are then read once per group, not once per head)
+    if decode is not None and (kv_parts(skv, decode, cube, BLOCK) > 1 or sq < rows <= BLOCK):
+        template = FLASH_DECODE
+        group = n // nkv
+        s1_pref = min(rows, BLOCK)  # a unit's rows: the query rows of the heads sharing its K/V head
+        s2_options = [(kv_parts(skv, decode, cube, s), s) for s in halvings(BLOCK, fm)]
+        parts, s2 = s2_options[0]
+        what = f"Sq = {sq}" + (f" x {group} grouped heads" if group > 1 else "")
+        blocks = "" if rows <= BLOCK else f" in row blocks of {BLOCK}"
+        rule = f"flash-decoding: {what}{blocks} leaves {decode} work unit(s) for {cube} cores: "
+        if parts > 1:
+            blocks = -(-skv // s2)
+            per = -(-blocks // parts) * s2  # whole key blocks per part
+            rule += f"Skv {skv} split in {parts} parts of up to {per} keys, combined by log-sum-exp"
+        else:
+            rule += f"Skv {skv} kept whole (more parts would not fill the cores better)"
+    elif skv is not None and skv <= SHORT_KV:
         template = WHOLE_ROW
         rule = f"key sequence {skv} <= {SHORT_KV}: {WHOLE_ROW}, each row's keys in one block (s2 = Skv)"
         s2_options = whole_row_options(skv, fm)
@@ -203,12 +272,14 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
                     l1_, l2_, (buf, need, cap) = row_miss
                     rule += f", and even {l1_} x {l2_} needs {need} bytes of {buf}, which holds {cap}"
                 rule += f": shrunk to {s1} x {s2}"
-            if segments > 1:
+            if segments > 1 and template != FLASH_DECODE:
                 rule += f" in {segments} key segments combined by log-sum-exp"
-            work = units(s1)
+            work = units(s1) if template != FLASH_DECODE else bsz * nkv * -(-rows // s1) * segments
             cores = cube if work is None else min(work, cube)
             rule += f"; {'an unknown number of' if work is None else work} work units over {cores} cores"
             skipped = causal_skipped(sq, skv, s1, s2) if causal and sq is not None and skv is not None else 0
+            if template == FLASH_DECODE and causal:  # stacked rows all lie at positions < Sq
+                skipped = -(-rows // s1) * causal_skipped(sq, skv, sq, s2)
             if skipped:
                 rule += f"; causal skips {skipped} fully masked blocks per head"
             return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, segments, budget.l1, budget.l0a,
