@@ -184,3 +184,14 @@ def test_splitting_is_faster_than_one_unit_per_head():
     split = tiling_for(1, 8, 8, 1, 8192)
     whole = attrs.evolve(split, template=SPLIT_KV, s1=1, segments=1)
     assert run(q, k, v, None, False, split)[1].cores.finish < 0.5 * run(q, k, v, None, False, whole)[1].cores.finish
+
+
+def test_the_rules_tiling_is_among_the_candidates():
+    from geir.kernels.flash_attention_tiling import candidates
+    from geir.kernels.tiling import OpSignature
+
+    q, k = TensorType((1, 32, 1, 128), DType.f16), TensorType((1, 8, 8192, 128), DType.f16)
+    sig = OpSignature("ge.flash_attention", (q, k, k), (q,), {"causal": True})
+    rule = choose_flash_tiling(q, k, k, True, False, "ascend910b")
+    found = candidates(sig, load_target("ascend910b"))
+    assert rule in found and all(t.template == FLASH_DECODE for t in found)
