@@ -23,7 +23,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
-from geir.kernels.flash_attention_tiling import FlashTiling, flash_budget
+from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
 from geir.target_npu.sim import (
@@ -116,7 +116,13 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     check_fits(target, s1, s2, D, q.dtype, nbuf, causal, _bytes(mask.dtype) if mask is not None else 0)
     if mask is not None:
         mask = np.broadcast_to(mask, (B, N, Sq, Skv))
-    _time_tiles(q.shape, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx)
+    q_grid, causal_rows = q.shape, None
+    if tiling.template == FLASH_DECODE:
+        # flash-decoding: the query heads sharing a K/V head are one unit's rows, so the units are timed
+        # as attention of B x Nkv heads with group x Sq rows each, and K/V are read once per group
+        Nkv = k.shape[1]
+        q_grid, causal_rows = (B, Nkv, (N // Nkv) * Sq, D), Sq
+    _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows)
     if not ctx.compute:
         return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
     return _compute(q, k, v, mask, causal, scale, s1, s2, segments)
@@ -222,8 +228,12 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
 
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
-                ctx: LaunchContext) -> None:
-    """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing)."""
+                ctx: LaunchContext, causal_rows: int | None = None) -> None:
+    """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing).
+
+    `causal_rows`: the rows are stacked heads whose query positions all lie below it (flash-decoding),
+    so a causal mask hides the same key blocks from every row block.
+    """
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     B, N, Sq, D = q_shape
     Nkv, Skv = k_shape[1], k_shape[2]
@@ -260,7 +270,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
         t0 = seg * per_seg
         t1 = np.minimum(t0 + per_seg, nk)
         if causal:  # blocks wholly above the diagonal are skipped
-            t1 = np.minimum(t1, -(-((qi + 1) * s1) // s2))
+            t1 = np.minimum(t1, -(-(causal_rows if causal_rows is not None else (qi + 1) * s1) // s2))
         trips = np.maximum(t1 - t0, 0)
         q_block = bn * nq + qi
         costs = moves.wave(q_block, (b * Nkv + nkv) * nk + t0, (bn * nq + qi) * nk + t0,
@@ -295,11 +305,16 @@ def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None
 
 
 def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
-    """Timing of the log-sum-exp combine: each row block's partials in, one vector pass, O out."""
+    """Timing of the log-sum-exp combine: each row block's partials in, one vector pass, O out.
+
+    A row block's partials come from other cores, so the combine starts after every core stored its
+    partials (the SyncAll that IncreFlashAttention's flash-decoding runs before its combine).
+    """
     cores, gm = ctx.cores, ctx.gm
+    stored = cores.free[MTE3].max(initial=0.0)
     for wave, on in spread(units, cores.count):
         read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
-        ready = cores.issue("MTE2", on, read, name="load partials")
+        ready = cores.issue("MTE2", on, read, [np.full(len(on), stored)], name="load partials")
         done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
                      name="combine segments")
         issue(cores, ctx.waits, "MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")

@@ -4,6 +4,12 @@ Pure functions of the operands' types, the op's attributes and a target's number
 (target_npu/targets/*.toml). Every tiling is checked against the real buffer capacities: the
 preferred block is shrunk (s1, then s2, multiples of the cube fractal), then the keys of a row are
 split into segments, and only when even the smallest tile overflows is it an error naming the buffer.
+
+Decode-shaped calls (each head's query rows fit one row block, the keys are longer than one) take
+flash-decoding (FusedInferAttentionScore's decode path) where it pays: the query rows of the heads
+sharing a key/value head are stacked as one unit's rows, the keys are split into `segments` parts
+across the cores the rows leave idle, each work unit (batch, key/value head, part) computes a partial
+softmax-weighted sum with its running max and sum, and a log-sum-exp step combines the parts.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ LONG_KV = 1024
 BLOCK = 128
 LONG_S1 = (128, 64)
 WHOLE_ROW, SPLIT_KV = "S1Bn2gs1", "S1s2Bn2gs1"
+# flash-decoding: a unit is (batch, key/value head, key part), its group's query rows stacked as s1
+FLASH_DECODE = "Bn2S2FD"
+# FlashAttention-2's num_splits_heuristic: the fewest key parts whose waves keep at least this share
+# of the best split's core utilisation busy
+SPLIT_EFFICIENCY = 0.85
 # running max, running sum and the rescale factor exp(m_old - m_new): one f32 per row each
 FLASH_ROW_VECTORS = 3
 
@@ -49,7 +60,7 @@ FLASH_ROW_VECTORS = 3
 class FlashTiling(KernelTiling):
     """A FlashAttention kernel's template, blocks and the budgets they use, with the rule that chose them."""
 
-    TEMPLATES = (WHOLE_ROW, SPLIT_KV)
+    TEMPLATES = (WHOLE_ROW, SPLIT_KV, FLASH_DECODE)
 
     template: str
     s1: int
@@ -66,6 +77,83 @@ class FlashTiling(KernelTiling):
     work_units: int | None = printed_if_set(None)
     skipped_blocks: int = printed_if_set(0)
     rule: str = never_printed("")
+
+    @property
+    def kv_splits(self) -> int:
+        """How many parts the keys of a row are split into (flash-decoding's parts, or key segments)."""
+        return max(self.segments, 1)
+
+
+def decode_rows(n: int | None, nkv: int | None, sq: int | None, skv: int | None) -> int | None:
+    """The stacked query rows (group x Sq) of one key/value head when a call is decode-shaped, else None.
+
+    Decode-shaped: each head's query rows fit one row block and the keys are longer than one block.
+    The rows of the heads sharing a K/V head are stacked (IncreFlashAttention folds the group into the
+    cube's M), in row blocks of BLOCK when they are more.
+    """
+    if None in (n, nkv, sq, skv) or not nkv or not sq or sq > BLOCK or skv <= SHORT_KV:
+        return None
+    return (n // nkv) * sq
+
+
+def kv_parts(skv: int, units: int, cores: int, s2: int) -> int:
+    """Flash-decoding's key parts for `units` (batch, K/V head) units: FlashAttention-2's num_splits_heuristic.
+
+    Each part count p gives units x p work units in waves of `cores`; its efficiency is the share of
+    the cores its waves keep busy. The fewest parts within SPLIT_EFFICIENCY of the best efficiency win,
+    counting only part counts that change the key blocks per part; a part holds at least one key block
+    (IncreFlashAttention keeps 512 keys a part on the real chip; on this model one block still pays:
+    B 1, N 8, Skv 512 takes 4.78 us in 1 part, 2.50 us in 2).
+    """
+    blocks = -(-skv // s2)
+
+    def efficiency(p: int) -> float:
+        waves = units * p / cores
+        return waves / -(-units * p // cores)
+
+    eligible = [p for p in range(1, min(blocks, cores) + 1) if p == 1 or -(-blocks // p) != -(-blocks // (p - 1))]
+    best = max(efficiency(p) for p in eligible)
+    parts = min(p for p in eligible if efficiency(p) >= SPLIT_EFFICIENCY * best)
+    per = -(-blocks // parts)
+    return -(-blocks // per)  # no empty part: 9 blocks in 4 parts are 3 + 3 + 3
+
+
+def decode_units(bsz: int, n: int, nkv: int, sq: int, s1: int) -> int:
+    """Flash-decoding's work units before the keys are split: B x Nkv x the row blocks of a group's stacked rows."""
+    return bsz * nkv * -(-(n // nkv) * sq // s1)
+
+
+def decode_skipped(n: int, nkv: int, sq: int, skv: int, s1: int, s2: int) -> int:
+    """Key blocks per K/V head a top-left causal mask hides from flash-decoding's units: every stacked row lies below Sq."""
+    return -(-(n // nkv) * sq // s1) * causal_skipped(sq, skv, sq, s2)
+
+
+def decode_plan(bsz: int | None, n: int | None, nkv: int | None, sq: int | None, skv: int | None, fm: int,
+                cores: int) -> tuple[int, list[tuple[int, int]], str] | None:
+    """(s1, [(key parts, s2)] to try, the rule) of flash-decoding where it pays for this call, else None.
+
+    It pays where splitting the keys fills the cores better, or where a group's stacked rows share
+    one row block (K and V are then read once per group, not once per head).
+    """
+    rows = decode_rows(n, nkv, sq, skv) if bsz is not None else None
+    if rows is None:
+        return None
+    units = decode_units(bsz, n, nkv, sq, BLOCK)
+    parts = kv_parts(skv, units, cores, BLOCK)
+    if parts == 1 and not sq < rows <= BLOCK:
+        return None
+    group = n // nkv
+    what = f"Sq = {sq}" + (f" x {group} grouped heads" if group > 1 else "")
+    if rows > BLOCK:
+        what += f" in row blocks of {BLOCK}"
+    rule = f"flash-decoding: {what} leaves {units} work unit(s) for {cores} cores: "
+    if parts > 1:
+        blocks = -(-skv // BLOCK)
+        per = -(-blocks // parts) * BLOCK  # whole key blocks per part
+        rule += f"Skv {skv} split in {parts} parts of up to {per} keys, combined by log-sum-exp"
+    else:
+        rule += f"Skv {skv} kept whole (more parts would not fill the cores better)"
+    return min(rows, BLOCK), [(kv_parts(skv, units, cores, s2), s2) for s2 in halvings(BLOCK, fm)], rule
 
 
 def k_chunk(m: int, n: int, k: int, kmin: int, nbytes: int, buffers: int, chip: Target) -> int:
@@ -161,7 +249,12 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
         return bsz * n * -(-sq // s1)
 
     s1_pref = BLOCK if sq is None else max(1, min(BLOCK, sq))
-    if skv is not None and skv <= SHORT_KV:
+    nkv = bnsd(k_type, layout)[1]
+    decode = decode_plan(bsz, n, nkv, sq, skv, fm, cube)
+    if decode is not None:
+        template = FLASH_DECODE
+        s1_pref, s2_options, rule = decode
+    elif skv is not None and skv <= SHORT_KV:
         template = WHOLE_ROW
         rule = f"key sequence {skv} <= {SHORT_KV}: {WHOLE_ROW}, each row's keys in one block (s2 = Skv)"
         s2_options = whole_row_options(skv, fm)
@@ -203,12 +296,14 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
                     l1_, l2_, (buf, need, cap) = row_miss
                     rule += f", and even {l1_} x {l2_} needs {need} bytes of {buf}, which holds {cap}"
                 rule += f": shrunk to {s1} x {s2}"
-            if segments > 1:
+            if segments > 1 and template != FLASH_DECODE:
                 rule += f" in {segments} key segments combined by log-sum-exp"
-            work = units(s1)
+            work = units(s1) if template != FLASH_DECODE else decode_units(bsz, n, nkv, sq, s1) * segments
             cores = cube if work is None else min(work, cube)
             rule += f"; {'an unknown number of' if work is None else work} work units over {cores} cores"
             skipped = causal_skipped(sq, skv, s1, s2) if causal and sq is not None and skv is not None else 0
+            if template == FLASH_DECODE and causal:  # stacked rows all lie at positions < Sq
+                skipped = decode_skipped(n, nkv, sq, skv, s1, s2)
             if skipped:
                 rule += f"; causal skips {skipped} fully masked blocks per head"
             return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, segments, budget.l1, budget.l0a,
@@ -266,6 +361,19 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
         fm = fractal(chip, q.dtype)[0]
     except Untiled:
         return []
+    nkv = bnsd(k, layout)[1]
+    decode = decode_plan(bsz, n, nkv, sq, skv, fm, chip.cube_cores)
+    if decode is not None:  # flash-decoding's blocks, each s2 with the rule's key parts
+        rows, options, _ = decode
+        out = []
+        for segments, s2 in options:
+            for s1 in halvings(rows, fm):
+                if _budget(s1, s2, d, buffers, sig, chip).overflow(chip) is None:
+                    rule = f"candidate {FLASH_DECODE} {s1} x {s2} in {segments} key parts"
+                    out.append(_tiling(FLASH_DECODE, s1, s2, d, buffers, segments, bsz, n, sq, skv, causal, chip, sig,
+                                       rule, decode_units(bsz, n, nkv, sq, s1) * segments,
+                                       decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0))
+        return out
     if skv <= SHORT_KV:
         template, options = WHOLE_ROW, whole_row_options(skv, fm)
     else:  # the rule's blocks and larger ones, up to a key block of 4 x BLOCK
@@ -280,9 +388,11 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
 
 
 def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int, bsz: int, n: int, sq: int,
-            skv: int, causal: bool, chip: Target, sig: OpSignature, rule: str) -> FlashTiling:
-    work = bsz * n * -(-sq // s1)
+            skv: int, causal: bool, chip: Target, sig: OpSignature, rule: str, work: int | None = None,
+            skipped: int | None = None) -> FlashTiling:
+    work = bsz * n * -(-sq // s1) if work is None else work
     b = _budget(s1, s2, d, buffers, sig, chip)
-    skipped = causal_skipped(sq, skv, s1, s2) if causal else 0
+    if skipped is None:
+        skipped = causal_skipped(sq, skv, s1, s2) if causal else 0
     return FlashTiling(template, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub, segments, b.l1, b.l0a, b.l0b,
                        b.l0c, work, skipped, rule)

@@ -52,17 +52,17 @@ def test_the_generic_graph_is_fused_once(kv_module):
     assert [op.name for op in session.generic.ops if op.name != "ge.const"] == ["ge.flash_attention", "ge.return"]
 
 
-def test_decode_shapes_are_unfused_and_prefill_stays_fused(kv_module):
+def test_decode_shapes_stay_fused_on_the_flash_decoding_tiling(kv_module):
+    # decode used to be unfused here (8 work units for 24 cores); flash-decoding splits the keys instead
     session = Session(kv_module)
     prefill = session.program({n: a.shape for n, a in kv_inputs(256, 256).items()})
     decode = session.program({n: a.shape for n, a in kv_inputs(1, 1024).items()})
-    assert "ge.flash_attention" in kernels(prefill)
-    assert "ge.flash_attention" not in kernels(decode)
-    assert kernels(decode).count("ge.matmul") == 2 and "ge.softmax" in kernels(decode)
+    assert "ge.flash_attention" in kernels(prefill) and kernels(decode) == kernels(prefill)
     first, second = session.replans
-    assert first.unfused == []
-    assert len(second.unfused) == 1 and "decode-shaped attention (Sq = 1 <= 64, Skv = 1024 >= 512)" in second.unfused[0]
-    assert second.unfused[0].startswith("flash_attention at ") and "attention_kv.geir:" in second.unfused[0]
+    assert first.unfused == [] and second.unfused == []
+    (line,) = second.retiled
+    assert line.startswith("flash_attention at ") and "attention_kv.geir:" in line
+    assert "-> flash-decoding: Sq = 1 leaves 8 work unit(s) for 24 cores: Skv 1024 split in 3 parts" in line
 
 
 @pytest.mark.parametrize("sq,skv", [(256, 256), (1, 1024), (16, 512)])
@@ -89,7 +89,7 @@ def test_only_ops_whose_shapes_changed_are_tiled_again(kv_module, monkeypatch):
     session.program({n: a.shape for n, a in kv_inputs(1, 1024).items()})
     first = list(calls)
     calls.clear()
-    # a second decode length: q's matmul and the cast/mul/softmax rows change, nothing stays the same size
+    # a second decode length: the flash_attention's key length changes, nothing stays the same size
     session.program({n: a.shape for n, a in kv_inputs(1, 2048).items()})
     assert len(calls) == len(first)
     calls.clear()
@@ -109,13 +109,18 @@ def test_a_changed_tiling_is_reported_with_old_and_new(kv_module):
 
 
 def test_a_static_graph_is_guarded_by_fuse_itself():
-    text = KV.read_text().replace("tensor<1x8x?x128xf16>", "tensor<1x8x4096x128xf16>") \
-        .replace("%q: tensor<1x8x4096x128xf16>", "%q: tensor<1x8x1x128xf16>").replace("-> tensor<1x8x4096x128xf16>",
-                                                                                    "-> tensor<1x8x1x128xf16>")
-    module = parse(text, "static.geir")
-    run_passes(module, complete_pipeline(parse_pipeline("canonicalize,fuse")), "ascend910b")
-    names = [op.name for op in module.graphs[0].ops]
+    def fused(q: str, kv: str) -> list[str]:
+        text = KV.read_text().replace("%q: tensor<1x8x?x128xf16>", f"%q: tensor<{q}>") \
+            .replace("-> tensor<1x8x?x128xf16>", f"-> tensor<{q}>").replace("tensor<1x8x?x128xf16>", f"tensor<{kv}>")
+        module = parse(text, "static.geir")
+        run_passes(module, complete_pipeline(parse_pipeline("canonicalize,fuse")), "ascend910b")
+        return [op.name for op in module.graphs[0].ops]
+
+    # a head dim no tiling holds fails the guard: fuse leaves the matmuls
+    names = fused("1x1x16x2048xf16", "1x1x16x2048xf16")
     assert "ge.flash_attention" not in names and names.count("ge.matmul") == 2
+    # decode (one row against 4096 keys) used to fail it too; flash-decoding keeps it fused
+    assert "ge.flash_attention" in fused("1x8x1x128xf16", "1x8x4096x128xf16")
 
 
 def test_gerun_explain_says_what_each_replan_changed(tmp_path, capsys):
@@ -131,15 +136,16 @@ def test_gerun_explain_says_what_each_replan_changed(tmp_path, capsys):
     assert rc == 0, err
     lines = out.splitlines()
     assert "re-plan for [1x8x256x128, 1x8x256x128, 1x8x256x128]" in lines[0] and "fusions kept" in lines[0]
-    assert "1 fusion(s) undone" in lines[1]
-    assert "decode-shaped attention" in lines[2]
+    # decode keeps the fusion (it used to be undone) and is re-tiled for flash-decoding
+    assert "fusions kept, 1 of 1 tiled op(s) re-tiled" in lines[1]
+    assert "-> flash-decoding: " in lines[2]
     assert lines[3].endswith("plan cache hit, no re-plan")
-    assert "remark: flash_attention unfused for this shape" in err
+    assert "remark: flash_attention unfused for this shape" not in err
     # the trace: each re-plan on the GE track just before the run it served, saying what changed
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     spec = [e for e in events if e.get("tid") == 0 and e.get("pid") == 0 and e.get("ph") == "X"
             and e["name"].startswith("specialise")]
-    assert len(spec) == 2 and spec[1]["args"]["unfused"] and spec[1]["args"]["run"] == 1
+    assert len(spec) == 2 and spec[1]["args"]["retiled"] and spec[1]["args"]["run"] == 1
     runtime1 = [e for e in events if e.get("pid") == 1 and e.get("args", {}).get("run") == 1]
     runtime0 = [e for e in events if e.get("pid") == 1 and e.get("args", {}).get("run") == 0]
     assert max(e["ts"] + e["dur"] for e in runtime0) <= spec[1]["ts"] + 1e-6

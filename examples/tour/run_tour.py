@@ -361,7 +361,7 @@ def step3(t: Tour) -> Step:
         run["kernels"] = [k["name"] for k in p["kernels"]]
         run["kernel_us"] = kernel_us(p)
     step.facts.update(calls=calls, runs=runs, plan_cache=profile["plan_cache"],
-                      undone=re.findall(r"^  flash_attention at \S+: (.*)$", ran.stdout, re.MULTILINE))
+                      retiled=re.findall(r"^  flash_attention at \S+: (.*)$", ran.stdout, re.MULTILINE))
     for name, run in zip(calls, runs):
         plan = (f"re-planned in {run['ms']:.1f} ms, arena {run['arena']} B" if run["replan"] else "plan cache hit")
         t.say(f"{name:<13} {plan:<38} kernels: {', '.join(run['kernels'])}")

@@ -17,7 +17,7 @@ from geir.attributes import DenseAttr
 from geir.ir import Operation, Value
 from geir.ops.linalg import bnsd
 from geir.passes.pattern import Rewriter
-from geir.kernels.flash_attention_tiling import choose_flash_tiling
+from geir.kernels.flash_attention_tiling import FLASH_DECODE, choose_flash_tiling
 from geir.kernels.tiling import TilingError, Untiled, fractal
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
@@ -44,15 +44,20 @@ def flash_attention_guard(q: TensorType, k: TensorType, v: TensorType, mask: Ten
         return f"no tiling of the fused kernel fits: {e}"
     except Untiled:
         return None
+    if tiling.template == FLASH_DECODE:
+        # flash-decoding splits the keys across the cores the rows leave idle: it beat the unfused ops on
+        # every decode shape bench/fusion_crossover.py measures, down to 4 work units (B 1, N 1, Skv 512)
+        return None
     return _decode_guard(sq, skv, tiling.work_units, chip)
 
 
 def _decode_guard(sq: int, skv: int, units: int, chip: Target) -> str | None:
     """Decode-shaped attention (few query rows, many keys) on too few work units does not pay off.
 
-    The fused kernel parallelises over query row blocks, so a handful of rows against a long key
-    sequence keeps most cube cores idle, while the unfused matmuls spread over all of them. The
-    thresholds are target data, measured by bench/fusion_crossover.py.
+    Without flash-decoding (a key/value head's stacked query rows overflow one row block) the fused
+    kernel parallelises over query row blocks, so a handful of rows against a long key sequence keeps
+    most cube cores idle, while the unfused matmuls spread over all of them. The thresholds are
+    target data, measured by bench/fusion_crossover.py.
     """
     fusion = chip.data.get("fusion", {})
     max_q, min_kv = fusion.get("flash_attention_decode_max_q"), fusion.get("flash_attention_decode_min_kv")

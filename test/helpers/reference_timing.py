@@ -451,9 +451,10 @@ def _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free) -
 
 def _time_combine(ctx, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
     cores, gm = ctx.cores, ctx.gm
+    stored = cores.free[PIPE_INDEX["MTE3"]].max(initial=0.0)  # every core's partials are stored first
     for wave, on in spread(units, cores.count):
         read = sum(gm_read_block(gm, oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
-        ready = cores_issue(cores, "MTE2", on, read, name="load partials")
+        ready = cores_issue(cores, "MTE2", on, read, [np.full(len(on), stored)], name="load partials")
         done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
                      name="combine segments")
         issue(cores, ctx.waits, "MTE3", on, gm_write_block(gm, oname, wave, s1 * D * isz), [done], name="store O")
