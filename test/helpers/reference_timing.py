@@ -338,8 +338,9 @@ def _bytes(dtype: np.dtype) -> int:
 
 
 def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
-                 ctx) -> None:
-    """flash_attention's _time_tiles: every tile's instructions, wave by wave."""
+                 ctx, causal_rows: int | None = None) -> None:
+    """flash_attention's _time_tiles: every tile's instructions, wave by wave (`causal_rows`: flash-decoding's
+    stacked heads, whose query positions all lie below it)."""
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     B, N, Sq, D = q_shape
     Nkv, Skv = k_shape[1], k_shape[2]
@@ -369,7 +370,7 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
         t0 = seg * per_seg
         t1 = np.minimum(t0 + per_seg, nk)
         if causal:
-            t1 = np.minimum(t1, -(-((qi + 1) * s1) // s2))
+            t1 = np.minimum(t1, -(-(causal_rows if causal_rows is not None else (qi + 1) * s1) // s2))
         trips = np.maximum(t1 - t0, 0)
 
         q_ready = cores_issue(cores, "MTE2", on, gm_read_block(gm, qname, bn * nq + qi, q_bytes), name="load Q")
