@@ -267,6 +267,7 @@ class _StepModule(torch.nn.Module):
 
 
 def _export(step: _StepModule, args: tuple, dynamic: tuple) -> Any:
+    """torch.export a step program with its lengths dynamic (transformers' notes on tracing kept quiet)."""
     import contextlib
     import io
     import warnings
@@ -306,6 +307,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
+    if prompt < 2:  # torch.export specialises a length of 1, so the step programs could not serve others
+        raise ValueError(f"the prompt has {prompt} token(s); generate takes prompts of at least 2")
     length0 = bucket_length(prompt, buckets)
     prefill_args = (input_ids, _slot_mask(mask, length0), torch.arange(prompt), _positions(mask)[:, -prompt:])
     s_dim, l_dim = torch.export.Dim("prompt", min=2, max=1 << 16), torch.export.Dim("cache", min=2, max=1 << 16)

@@ -102,6 +102,13 @@ def test_without_buckets_every_decode_step_is_a_new_signature():
     assert run.summary()["padding_waste"] == 0
 
 
+def test_a_one_token_prompt_or_no_new_token_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="prompts of at least 2"):
+        generate(_llama(), torch.tensor([[5]]), 3)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        generate(_llama(), torch.tensor([[5, 6]]), 0)
+
+
 def test_bucket_rules():
     assert [bucket_length(n, "pow2") for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
     assert bucket_length(9, [8, 12, 32]) == 12 and bucket_length(7, None) == 7
