@@ -196,6 +196,8 @@ class Range(Operation, StaticForm):
         if delta_value is not None and delta_value.item() == 0:
             raise ShapeError("range delta must not be 0")
         bounds = self._bounds()
+        if bounds is not None and not all(math.isfinite(v) for v in bounds):
+            raise ShapeError(f"range bounds must be finite, not {bounds}")
         return TensorType((None if bounds is None else arange_length(*bounds),), start.dtype)
 
     def compute(self, start: np.ndarray, limit: np.ndarray, delta: np.ndarray) -> np.ndarray:
