@@ -315,7 +315,10 @@ class Runtime:
         outs: list = [None] * len(op.results)  # timing only: no values
         if not self.timing_only:
             args = [device.view(where[id(v)], v.type) for v in op.operands]
-            outs = run_op(kernel_op, args)  # the op's own semantics, each result rounded to its dtype
+            try:
+                outs = run_op(kernel_op, args)  # the op's own semantics, each result rounded to its dtype
+            except (IndexError, ValueError) as e:  # the data breaks the op (an index out of range): the task fails
+                raise RuntimeFailure(f"{op.loc}: device fault: {op.kernel} on the AI CPU: {e}") from None
         for r, offset, array in zip(op.results, op.offsets, outs):
             if array is not None:
                 device.write(offset, r.type, array)

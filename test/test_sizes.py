@@ -86,7 +86,7 @@ def test_index_is_numpys_advanced_indexing():
     i, j = i64([3], [-4], [0]), i64(1, -1)  # broadcast to 3x2; negatives count from the end
     np.testing.assert_array_equal(run("ge.index", [x, i, j], axis=0), x[i, j])
     np.testing.assert_array_equal(run("ge.index", [x, i, j], axis=1), x[:, i, j])
-    with pytest.raises(IndexError, match="index 5 is out of range for axis 1 of size 5"):
+    with pytest.raises(IndexError, match="^index 5 is out of range for axis 1 of size 5"):
         run("ge.index", [x, i64(0), i64(5)], axis=0)
 
 
@@ -207,3 +207,20 @@ def test_gerun_says_where_a_data_dependent_size_is_and_serves_a_dynamic_program(
     for k in results.files:  # zeros + table rows: each run's positions are 0 .. its length - 1
         n = results[k].shape[1]
         np.testing.assert_allclose(results[k], np.broadcast_to(table[:n], (2, n, 8)), rtol=1e-6)
+
+
+def test_an_index_out_of_range_on_the_ai_cpu_is_a_device_fault_at_the_op(tmp_path, capsys):
+    from geir.tools import gerun
+
+    path = tmp_path / "put.geir"
+    path.write_text("""ge.graph @main(%x: tensor<3x1x4xf32>) -> tensor<3x1x4xf32> {
+  %s = ge.const dense<[3]> : tensor<1xi64>
+  %v = ge.const dense<1.0> : tensor<f32>
+  %y = ge.index_put %x, %v, %s {axis = 1}
+  ge.return %y
+}
+""")
+    assert gerun.main([str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:4:3: device fault: ge.index_put on the AI CPU: index 3 is out of range for axis 1 of size 1" in err
+    assert "internal error" not in err and "Traceback" not in err

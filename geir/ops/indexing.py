@@ -82,7 +82,7 @@ class Index(Operation, StaticForm):
 
     def compute(self, x: np.ndarray, *indices: np.ndarray) -> np.ndarray:
         for k, arr in enumerate(indices):
-            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k)
+            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k, "")
             if problem is not None:
                 raise IndexError(problem)
         return x[(slice(None),) * self.axis + tuple(indices)]
@@ -154,7 +154,7 @@ class IndexPut(Operation):
 
     def compute(self, x: np.ndarray, values: np.ndarray, *indices: np.ndarray) -> np.ndarray:
         for k, arr in enumerate(indices):
-            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k)
+            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k, "")
             if problem is not None:
                 raise IndexError(problem)
         out = x.copy()
@@ -216,12 +216,12 @@ def flat_indices(arrays: list[np.ndarray], dims: tuple[int, ...], axis: int = 0)
     return np.ravel_multi_index(tuple(np.where(arr < 0, arr + d, arr) for arr, d in zip(index, dims)), dims)
 
 
-def index_problem(indices: np.ndarray, dim: int, axis: int) -> str | None:
+def index_problem(indices: np.ndarray, dim: int, axis: int, what: str = "gather") -> str | None:
     """What is wrong with the first index outside [-dim, dim) (numpy's range for `np.take`), or None."""
     flat = np.asarray(indices).reshape(-1)
     bad = (flat < -dim) | (flat >= dim)
     if bad.any():
-        return f"gather index {int(flat[np.argmax(bad)])} is out of range for axis {axis} of size {dim}"
+        return f"{what} index".lstrip() + f" {int(flat[np.argmax(bad)])} is out of range for axis {axis} of size {dim}"
     return None
 
 
