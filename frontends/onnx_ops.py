@@ -601,9 +601,7 @@ def _gather_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
         if k is None or k > data.rank:
             raise ImportProblem(f"GatherND indices {indices.type} do not index {data.type} (their last dimension "
                                 f"must be static, at most the data's rank)", unsupported=k is None and indices.rank > 0)
-        parts = b.emit("ge.split", [indices], {"axis": -1, "sizes": [1] * k}, results=k) if k > 1 else [indices]
-        parts = [reshape_to(b, p, indices.shape[:-1]) for p in parts]
-        return [b.emit1("ge.index", [data] + parts, {"axis": 0})]
+        return [b.emit1("ge.index", [data] + _per_dimension(b, indices), {"axis": 0})]
     index = np.asarray(constant(indices, "the indices")).astype(np.int64)
     k = index.shape[-1] if index.ndim else 0
     dims = tuple(data.shape[:k])
@@ -619,6 +617,13 @@ def _gather_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     flat = np.ravel_multi_index(tuple(np.where(p < 0, p + d, p) for p, d in zip(parts, dims)), dims)
     merged = reshape_to(b, data, (int(np.prod(dims)),) + tuple(data.shape[k:]))
     return [b.emit1("ge.gather", [merged, b.const(flat.astype(np.int64))], {"axis": 0})]
+
+
+def _per_dimension(b: GraphBuilder, indices: Tensor) -> list[Tensor]:
+    """GatherND/ScatterND indices [..., K] as K index tensors [...], one per leading dimension (ge.index's)."""
+    k = indices.shape[-1]
+    parts = b.emit("ge.split", [indices], {"axis": -1, "sizes": [1] * k}, results=k) if k > 1 else [indices]
+    return [reshape_to(b, p, indices.shape[:-1]) for p in parts]
 
 
 def _reduction(node: Node) -> str:
@@ -637,9 +642,8 @@ def _scatter_nd(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     k = indices.shape[-1] if indices.rank else None
     if k is None or k > data.rank or k == 0:
         raise ImportProblem(f"ScatterND indices {indices.type} do not index {data.type}", unsupported=False)
-    parts = b.emit("ge.split", [indices], {"axis": -1, "sizes": [1] * k}, results=k) if k > 1 else [indices]
-    parts = [reshape_to(b, p, indices.shape[:-1]) for p in parts]
-    return [b.emit1("ge.index_put", [data, updates] + parts, {"axis": 0, "accumulate": _reduction(node) == "add"})]
+    return [b.emit1("ge.index_put", [data, updates] + _per_dimension(b, indices),
+                    {"axis": 0, "accumulate": _reduction(node) == "add"})]
 
 
 @converter("ScatterElements", "Scatter")

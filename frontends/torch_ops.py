@@ -708,14 +708,19 @@ def _gather_elements(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.gather_elements", [x, index], {"axis": _axis(b, a["dim"], max(x.type.rank, 1))})
 
 
-@converts("aten.index_put")
-def _index_put(b: GraphBuilder, node: Any, a: dict) -> Value:
-    # x[i, j] = v (x[i, j] += v with accumulate): the elements aten.index reads, written; KV-cache updates
+def _index_tensors(b: GraphBuilder, a: dict) -> tuple[Value, list, list[int]]:
+    """aten.index's and index_put's input, its index list (trailing Nones dropped) and the indexed dims."""
     x = tensor(b, _input(a), "the input")
     given = list(a["indices"])
     while given and given[-1] is None:
         given.pop()
-    at = [k for k, t in enumerate(given) if t is not None]
+    return x, given, [k for k, t in enumerate(given) if t is not None]
+
+
+@converts("aten.index_put")
+def _index_put(b: GraphBuilder, node: Any, a: dict) -> Value:
+    # x[i, j] = v (x[i, j] += v with accumulate): the elements aten.index reads, written; KV-cache updates
+    x, given, at = _index_tensors(b, a)
     if not at or at != list(range(at[0], at[0] + len(at))):
         raise b.error(f"index_put with index tensors on dimensions {at}: GEIR writes through adjacent index tensors")
     if any(isinstance(given[k], Value) and given[k].type.dtype is DType.i1 for k in at):
@@ -767,11 +772,7 @@ def _index_select(b: GraphBuilder, node: Any, a: dict) -> Value:
 @converts("aten.index")
 def _index(b: GraphBuilder, node: Any, a: dict) -> Value:
     # x[..., i, ...] with one integer index tensor: the slices it names, in its place (np.take along that dim)
-    x = tensor(b, _input(a), "the input")
-    given = list(a["indices"])
-    while given and given[-1] is None:
-        given.pop()
-    at = [k for k, t in enumerate(given) if t is not None]
+    x, given, at = _index_tensors(b, a)
     for k in at:
         if isinstance(given[k], Value) and given[k].type.dtype is DType.i1:
             raise b.error("indexing with a boolean mask: its result's size depends on the mask's values, and GEIR's "

@@ -81,11 +81,7 @@ class Index(Operation, StaticForm):
         return indexed_type(x, indices, self.axis)
 
     def compute(self, x: np.ndarray, *indices: np.ndarray) -> np.ndarray:
-        for k, arr in enumerate(indices):
-            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k, "")
-            if problem is not None:
-                raise IndexError(problem)
-        return x[(slice(None),) * self.axis + tuple(indices)]
+        return x[checked_positions(x.shape, indices, self.axis)]
 
     def static_form(self, b) -> Value | None:
         """Constant indices: one gather of the indexed dimensions merged, at the flattened indices."""
@@ -119,13 +115,7 @@ class GatherElements(Operation):
         return TensorType(indices.shape, x.dtype)
 
     def compute(self, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
-        axis = normalize_axis(self.axis, x.ndim)
-        problem = index_problem(indices, x.shape[axis], axis)
-        if problem is not None:
-            raise IndexError(problem)
-        grid = list(np.indices(indices.shape, sparse=True))
-        grid[axis] = np.where(indices < 0, indices + x.shape[axis], indices)
-        return x[tuple(grid)]
+        return x[element_coordinates(x.shape, indices, self.axis)]
 
 
 @op("ge.index_put")
@@ -153,12 +143,8 @@ class IndexPut(Operation):
         return TensorType(x.shape, x.dtype)
 
     def compute(self, x: np.ndarray, values: np.ndarray, *indices: np.ndarray) -> np.ndarray:
-        for k, arr in enumerate(indices):
-            problem = index_problem(arr, x.shape[self.axis + k], self.axis + k, "")
-            if problem is not None:
-                raise IndexError(problem)
         out = x.copy()
-        at = (slice(None),) * self.axis + tuple(indices)
+        at = checked_positions(x.shape, indices, self.axis)
         if self.accumulate:
             np.add.at(out, at, values)
         else:
@@ -185,18 +171,35 @@ class ScatterElements(Operation):
         return TensorType(x.shape, x.dtype)
 
     def compute(self, x: np.ndarray, indices: np.ndarray, updates: np.ndarray) -> np.ndarray:
-        axis = normalize_axis(self.axis, x.ndim)
-        problem = index_problem(indices, x.shape[axis], axis)
-        if problem is not None:
-            raise IndexError(problem)
-        grid = list(np.indices(indices.shape, sparse=True))
-        grid[axis] = np.where(indices < 0, indices + x.shape[axis], indices)
+        at = element_coordinates(x.shape, indices, self.axis)
         out = x.copy()
         if self.reduction == "add":
-            np.add.at(out, tuple(grid), updates)
+            np.add.at(out, at, updates)
         else:
-            out[tuple(grid)] = updates
+            out[at] = updates
         return out
+
+
+def checked_positions(shape: tuple, indices: tuple[np.ndarray, ...], axis: int) -> tuple:
+    """numpy's index of x[..., i0, i1, ...] with the index tensors on the dimensions from `axis` on, each
+    checked against its own dimension (IndexError naming the first out of range)."""
+    for k, arr in enumerate(indices):
+        problem = index_problem(arr, shape[axis + k], axis + k, "")
+        if problem is not None:
+            raise IndexError(problem)
+    return (slice(None),) * axis + tuple(indices)
+
+
+def element_coordinates(shape: tuple, indices: np.ndarray, axis: int) -> tuple:
+    """The coordinates gather_elements reads and scatter_elements writes: `indices` (checked, negatives
+    from the end) along `axis`, every other coordinate the element's own."""
+    axis = normalize_axis(axis, len(shape))
+    problem = index_problem(indices, shape[axis], axis)
+    if problem is not None:
+        raise IndexError(problem)
+    grid = list(np.indices(indices.shape, sparse=True))
+    grid[axis] = np.where(indices < 0, indices + shape[axis], indices)
+    return tuple(grid)
 
 
 def flat_indices(arrays: list[np.ndarray], dims: tuple[int, ...], axis: int = 0) -> np.ndarray:
