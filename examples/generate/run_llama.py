@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace:
         import json
 
-        with open(args.trace, "w") as f:
-            json.dump(run.trace(), f)
+        from geir.files import write_atomically
+
+        write_atomically(args.trace, json.dumps(run.trace()))  # never a partial file
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new,
