@@ -45,7 +45,8 @@ class Target:
 
     def buffer_bytes(self, name: str) -> int:
         """Capacity of an on-chip buffer (ub, l1, l0a, l0b, l0c) in bytes."""
-        return self.data["buffers_kib"][name] * 1024
+        # A what-if chip may hold a fractional KiB (any whole number of 32-byte blocks); callers want bytes
+        return int(round(self.data["buffers_kib"][name] * 1024))
 
 
 class TargetError(KeyError):
@@ -129,12 +130,15 @@ def available_targets() -> list[str]:
 
 @lru_cache(maxsize=None)
 def load_target(name_or_path: str = DEFAULT_TARGET) -> Target:
-    """A bundled target by name, or a user's own TOML file by path; TargetError (a KeyError) if neither, or if
-    the file is not a valid target."""
+    """A bundled target by name, a user's own TOML file by path, or either with overrides, `BASE[key=value,...]`
+    (a what-if chip, see overrides.py); TargetError (a KeyError) if none, or if the file or spec is not a valid
+    target."""
     path = Path(name_or_path)
     if not (path.suffix == ".toml" and path.is_file()):
         path = TARGET_DIR / f"{name_or_path}.toml"
         if not path.is_file():
+            if str(name_or_path).endswith("]") and "[" in str(name_or_path):
+                return _load_spec(str(name_or_path))
             known = available_targets()
             close = difflib.get_close_matches(str(name_or_path), known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f" (available: {', '.join(known)})"
@@ -147,8 +151,32 @@ def load_target(name_or_path: str = DEFAULT_TARGET) -> Target:
     return Target(data.get("name", path.stem), data)
 
 
+def _load_spec(spec: str) -> Target:
+    """The what-if chip `BASE[key=value,...]`: the base target with the overrides applied."""
+    # Imported here: overrides.py builds on this module
+    from geir.target_npu.overrides import OverrideError, apply_overrides, split_spec
+
+    try:
+        base, items = split_spec(spec)
+    except OverrideError as e:
+        raise TargetError(f"{spec}: {e}") from None
+    try:
+        chip = apply_overrides(load_target(base), items, base=base)
+        if chip.name == spec:
+            return chip
+        # Equal chips are one object: another spelling (ub_bytes=x2 for ub_bytes=393216) loads the canonical
+        # name's, once that is checked to be its own canonical name (so a rendering slip cannot recurse)
+        again_base, again = split_spec(chip.name)
+        if apply_overrides(load_target(again_base), again, base=again_base).name != chip.name:
+            return chip
+    except OverrideError as e:  # its message starts with the spec
+        raise TargetError(str(e)) from None
+    return load_target(chip.name)
+
+
 def check_target(instance: object, attribute: object, name: str) -> None:
-    """attrs validator for a pass's `target` option: empty (use --target), a bundled name, or a TOML path."""
+    """attrs validator for a pass's `target` option: empty (use --target), a bundled name, a TOML path, or
+    either with overrides (`ascend910b[ub_bytes=x2]`)."""
     if name:
         try:
             load_target(name)
