@@ -82,7 +82,8 @@ class Kernel:
     A kernel declares the ops it implements (`OPS`), its typed tiling class (`TILING`), and the
     functions on it: `choose` (the tiling rule for an op's types and attributes), `budget` (what a
     work unit keeps on chip: the one buffer model, for choosing and for running), `shrink` (a
-    smaller tiling with bit-identical results, for recovery) and `candidates` (the legal tilings).
+    smaller tiling with bit-identical results, for recovery), `candidates` (the legal tilings) and
+    `check_instance` (a small op the same tiling computes alike, for checking a tuned tiling's numbers).
     `run` computes the op's results for a typed tiling; it reads the op's attributes and never changes the IR.
     """
 
@@ -114,6 +115,11 @@ class Kernel:
 
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[KernelTiling]:
         return []
+
+    def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
+        """A small op on which `tiling` does per result element the arithmetic it does on `sig`: where a tuned
+        tiling's numbers are checked against the reference before it is stored. By default the op itself."""
+        return sig
 
     def with_budget(self, tiling: KernelTiling, sig: OpSignature, target: Target) -> KernelTiling:
         """`tiling` with the buffer bytes it records (ub_bytes, l1_bytes, ...) recomputed from its blocks."""

@@ -24,7 +24,7 @@ from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
-from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
+from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
 from geir.target_npu.sim import (
     PIPE_INDEX,
@@ -89,6 +89,9 @@ class FlashAttentionKernel(Kernel):
 
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[FlashTiling]:
         return tiling_rules.candidates(sig, target, buffers)
+
+    def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
+        return tiling_rules.check_instance(sig, tiling)
 
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: FlashTiling,
             ctx: LaunchContext) -> list[np.ndarray]:

@@ -34,6 +34,8 @@ from geir.kernels.tiling import (
     halvings,
     never_printed,
     printed_if_set,
+    resized,
+    with_shapes,
 )
 from geir.ops.linalg import bnsd
 from geir.target_npu.target import Target
@@ -396,3 +398,27 @@ def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int
         skipped = causal_skipped(sq, skv, s1, s2) if causal else 0
     return FlashTiling(template, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub, segments, b.l1, b.l0a, b.l0b,
                        b.l0c, work, skipped, rule)
+
+
+def check_instance(sig: OpSignature, tiling: FlashTiling) -> OpSignature:
+    """One batch and one K/V head with the query heads that share it: each query row still meets every key
+    in the same blocks (and key segments), so its numbers are those of the whole op."""
+    q, k, v, _, has_mask, layout, _ = _problem(sig)
+    if None in bnsd(q, layout) + bnsd(k, layout) + bnsd(v, layout):
+        return sig
+    n, nkv = bnsd(q, layout)[1], bnsd(k, layout)[1]
+    mask = sig.operands[3] if has_mask else None
+    group = n // nkv if nkv and n % nkv == 0 else n
+    heads = 1 if layout == "BNSD" else 2
+    # a mask that differs per head keeps every head (its head axis is where BNSD puts it)
+    if mask is not None and mask.rank == 4 and mask.shape[1] not in (1,):
+        group, kv_heads = n, nkv
+    else:
+        kv_heads = 1
+    q2, k2, v2 = (resized(resized(t, 0, 1), heads, h) for t, h in ((q, group), (k, kv_heads), (v, kv_heads)))
+    operands = [q2, k2, v2]
+    if mask is not None:
+        operands.append(resized(mask, 0, 1) if mask.rank == 4 else mask)
+    out = sig.results[0]
+    results = [resized(resized(out, 0, 1), heads, group) if out is not None and out.rank == 4 else out]
+    return with_shapes(sig, operands, results)

@@ -46,7 +46,7 @@ from geir.kernels.data_movement import (
     share_pieces,
 )
 from geir.kernels.matmul_tiling import MatmulTiling, matmul_budget
-from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
+from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.kernels.vector import elementwise_passes
 from geir.ops.numerics import round_to
 from geir.target_npu.sim import (
@@ -88,6 +88,9 @@ class MatmulKernel(Kernel):
 
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[MatmulTiling]:
         return tiling_rules.candidates(sig, target, buffers)
+
+    def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
+        return tiling_rules.check_instance(sig, tiling)
 
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: MatmulTiling,
             ctx: LaunchContext) -> list[np.ndarray]:

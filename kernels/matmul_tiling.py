@@ -22,6 +22,8 @@ from geir.kernels.tiling import (
     halvings,
     never_printed,
     product,
+    resized,
+    with_shapes,
 )
 from geir.ops.numerics import broadcast_dims
 from geir.target_npu.target import Target
@@ -172,3 +174,31 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulT
                     out.append(_tiling(m, n, k, buffers, epilogue or bias, bud, a, b, M, N, chip,
                                        f"candidate base block {m} x {n} x {k}"))
     return out
+
+
+def check_instance(sig: OpSignature, tiling: MatmulTiling) -> OpSignature:
+    """One batch, and at most two base blocks of output rows and columns: each output element still sums its
+    whole K in the tiling's k blocks, so its numbers are those of the whole op."""
+    a, b, ta, tb, _, bias = _problem(sig)
+    M, N, _ = _dims(a, b, ta, tb)
+    if None in (M, N) or a.rank < 2 or b.rank < 2:
+        return sig
+    m2, n2 = min(M, 2 * tiling.m), min(N, 2 * tiling.n)
+
+    def one_batch(t: TensorType) -> TensorType:
+        return TensorType((1,) * (t.rank - 2) + tuple(t.shape[-2:]), t.dtype)
+
+    a2 = resized(one_batch(a), -1 if ta else -2, m2)
+    b2 = resized(one_batch(b), -2 if tb else -1, n2)
+    operands = [a2, b2]
+    if bias:
+        c = sig.operands[2]
+        c2 = TensorType((1,) * max(c.rank - 2, 0) + tuple(c.shape[-2:]), c.dtype) if c.rank > 2 else c
+        if c2.rank >= 1 and c2.shape[-1] == N:
+            c2 = resized(c2, -1, n2)
+        if c2.rank >= 2 and c2.shape[-2] == M:
+            c2 = resized(c2, -2, m2)
+        operands.append(c2)
+    out = sig.results[0]
+    results = [None if out is None else resized(resized(one_batch(out), -2, m2), -1, n2)]
+    return with_shapes(sig, operands, results)

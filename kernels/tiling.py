@@ -254,3 +254,41 @@ def cube_refuses(types: tuple[TensorType | None, ...], chip: Target) -> str | No
         if t is not None and t.dtype.value not in chip.data["cube"]:
             return f"the cube of {chip.name} has no {t.dtype} mode"
     return None
+
+
+# --- check instances: a small op a tiling computes alike (Kernel.check_instance) ----------------------
+
+CHECK_ELEMENTS = 1 << 20  # about how many result elements a check instance keeps
+
+
+def with_shapes(sig: OpSignature, operands: list[TensorType | None], results: list[TensorType | None]) -> OpSignature:
+    """`sig` with other operand and result types (the same op and attributes)."""
+    return OpSignature(sig.name, tuple(operands), tuple(results), dict(sig.attributes))
+
+
+def resized(t: TensorType | None, axis: int, size: int) -> TensorType | None:
+    """`t` with one dimension set to `size`."""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    shape[axis] = size
+    return TensorType(tuple(shape), t.dtype)
+
+
+def cut_leading(sig: OpSignature, rank: int, elements: int = CHECK_ELEMENTS) -> OpSignature:
+    """`sig` with its leading dimension cut so the result keeps about `elements` elements: every type of rank
+    `rank` whose first dimension is the result's (operands of lower rank or a leading 1 broadcast, unchanged).
+
+    For ops whose results are independent along the leading axis (elementwise ops, rows a row-wise op does not
+    reduce), each result element left is computed as in `sig`."""
+    out = sig.results[0]
+    if out is None or not out.is_static or out.rank == 0 or not out.shape[0]:
+        return sig
+    lead = out.shape[0]
+    per_row = max(product(out.shape[1:]) or 1, 1)
+    keep = max(1, min(lead, elements // per_row))
+    if keep == lead:
+        return sig
+    cut = lambda t: resized(t, 0, keep) if t is not None and t.rank == rank and t.shape[0] == lead else t  # noqa: E731
+    return with_shapes(sig, [cut(t) for t in sig.operands], [resized(t, 0, keep) if t is not None and t.rank and
+                                                              t.shape[0] == lead else t for t in sig.results])

@@ -43,7 +43,7 @@ from geir.kernels.data_movement import (
     result_dtype,
     share_pieces,
 )
-from geir.kernels.tiling import Budget, Miss, OpSignature, choice
+from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, choice, cut_leading
 from geir.kernels.vector_tiling import RowTiling, ScanTiling, VectorTiling, reduced_axes
 from geir.opdef import ops_with_trait
 from geir.ops.fused import chainable_ops
@@ -141,6 +141,11 @@ class ElementwiseKernel(FlatTiledKernel):
     """Every elementwise op, and fused chains of them, over the flattened output."""
 
     OPS = chainable_ops() + ("ge.fused_elementwise",)
+
+    def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
+        """Fewer leading rows: each element is computed alone, whatever tile it falls in."""
+        out = sig.results[0]
+        return cut_leading(sig, out.rank) if out is not None else sig
 
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
@@ -364,6 +369,13 @@ class RowKernel(Kernel):
 
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[RowTiling]:
         return tiling_rules.row_candidates(sig, target, buffers)
+
+    def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
+        """Fewer leading rows when the leading axis is not reduced: each row is reduced alone."""
+        x = sig.operands[0]
+        if x is None or x.rank < 2 or 0 in reduced_axes(sig.name, sig.attributes, x.rank):
+            return sig
+        return cut_leading(sig, x.rank)
 
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: RowTiling,
             ctx: LaunchContext) -> list[np.ndarray]:

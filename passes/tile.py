@@ -1,6 +1,7 @@
 """tile: place each op on an engine, then ask each AI Core op's kernel for its tiling (the kernel's
 TilingInterface), checked against the target's buffers. Ops the AI Core cannot take go to the AI CPU
-(geir.passes.placement) and need no tiling."""
+(geir.passes.placement) and need no tiling. With `db=DB` the tuning repository getune wrote is consulted:
+its entry replaces the rules' tiling only when it was measured faster than them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import attrs
 from geir.diagnostics import Location
 from geir.ir import Module, Operation
 from geir.kernels import KERNELS
-from geir.kernels.tiling import KernelTiling, Miss, OpSignature
+from geir.kernels.tiling import KernelTiling, Miss, OpSignature, TilingAttrError
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.placement import AICPU, ENGINE_ATTR, Unplaceable, place_op
+from geir.passes.tuning_repository import Entry, RepositoryError, TuningRepository
 from geir.target_npu.target import Target, load_target
 from geir.traits import NoKernel
 
@@ -24,6 +26,8 @@ class TilingDecision:
     loc: Location
     tiling: KernelTiling | None
     miss: Miss | None = None
+    # where the tiling came from: "rules", or "repository" (a tuned entry that beat them)
+    source: str = "rules"
 
     def render(self) -> str:
         """The --explain remark (or, for an overflow, the error) this decision prints as."""
@@ -43,11 +47,17 @@ class Tile(Pass):
     REQUIRES = ("infer-shapes",)
     target: str = ""  # empty: the context's --target
     buffers: int = 2
+    db: str = ""  # a tuning repository (getune --db) to consult; empty: the rules alone
 
     def __attrs_post_init__(self) -> None:
         # checked when the pipeline is parsed: the pass manager reports a ValueError as a usage error
         if self.buffers not in (1, 2):
             raise ValueError(f"option 'buffers' must be 1 (single) or 2 (double buffering), not {self.buffers}")
+        if self.db:
+            try:
+                TuningRepository(self.db).close()
+            except RepositoryError as e:
+                raise ValueError(f"option 'db': {e}") from None
         if self.target:
             try:
                 load_target(self.target)
@@ -56,6 +66,14 @@ class Tile(Pass):
 
     def run(self, module: Module, ctx: PassContext) -> None:
         chip = load_target(self.target or ctx.target)
+        repository = TuningRepository(self.db) if self.db else None
+        try:
+            self._tile(module, ctx, chip, repository)
+        finally:
+            if repository is not None:
+                repository.close()
+
+    def _tile(self, module: Module, ctx: PassContext, chip: Target, repository: TuningRepository | None) -> None:
         for graph in module.graphs:
             for op in graph.walk():
                 if op.has_trait(NoKernel):
@@ -77,8 +95,11 @@ class Tile(Pass):
                 if not kernel.needs_tiling(sig):
                     continue
                 chosen = self._choose(op, sig, chip, ctx.tiling_memo)
+                source = "rules"
+                if repository is not None and not isinstance(chosen, Miss):
+                    chosen, source = consult(repository, kernel, sig, chip, self.buffers, chosen)
                 decision = TilingDecision(op.name.partition(".")[2], op.loc, None if isinstance(chosen, Miss) else chosen,
-                                          chosen if isinstance(chosen, Miss) else None)
+                                          chosen if isinstance(chosen, Miss) else None, source)
                 ctx.record(decision)
                 if decision.miss is not None and decision.miss.overflow:
                     ctx.error(decision.render(), op.loc)
@@ -106,3 +127,49 @@ def tile_op(op: Operation, chip: Target, buffers: int = 2) -> KernelTiling | Mis
     if any(t is None for t in sig.operands + sig.results):
         return Miss("its types are unknown")
     return KERNELS[op.name].choose(sig, chip, buffers)
+
+
+def consult(repository: TuningRepository, kernel, sig: OpSignature, chip: Target, buffers: int,
+            rules: KernelTiling) -> tuple[KernelTiling, str]:
+    """The tiling to use for an op the rules tiled: the repository's entry when it beat these rules (and still
+    fits the chip's buffers), else the rules'; its `rule` says which and why (the --explain remark)."""
+    try:
+        entry = repository.entry(sig, buffers, chip)
+    except RepositoryError as e:
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository cannot be read ({e})"), "rules"
+    if entry is None:
+        return attrs.evolve(rules, rule=f"{rules.rule}; not in the tuning repository"), "rules"
+    if entry.rules_tiling != rules.to_attr():
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's entry was measured against other "
+                                       f"rules ({describe(entry.rules_tiling)}): run getune again"), "rules"
+    if not entry.beats_rules:
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository found nothing faster in "
+                                       f"{entry.candidates} candidates ({entry.rules_us:.2f} us)"), "rules"
+    try:
+        tuned = kernel.with_budget(kernel.decode(entry.tiling, "the tuning repository's tiling"), sig, chip)
+    except (TilingAttrError, TypeError, ValueError) as e:
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's entry is not a tiling: {e}"), "rules"
+    overflow = kernel.budget(tuned, sig, chip).overflow(chip)
+    if overflow is not None:
+        name, need, cap = overflow
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's {describe(entry.tiling)} needs "
+                                       f"{need} bytes of {name}, which holds {cap}"), "rules"
+    return attrs.evolve(tuned, rule=tuned_rule(entry)), "repository"
+
+
+def tuned_rule(entry: Entry) -> str:
+    """The --explain prose of a tiling taken from the repository."""
+    return (f"tuned {describe(entry.tiling)} from the tuning repository: {entry.time_us:.2f} us against the rules' "
+            f"{describe(entry.rules_tiling)} at {entry.rules_us:.2f} us ({entry.speedup:.2f}x, "
+            f"best of {entry.candidates} candidates)")
+
+
+_NOT_BLOCKS = ("cores", "work_units", "skipped_blocks")
+
+
+def describe(tiling: dict) -> str:
+    """A tiling attribute in a few words: its template and blocks (not its budgets or core counts)."""
+    parts = [str(tiling.get("template", ""))]
+    parts += [f"{k} {v}" for k, v in tiling.items() if k != "template" and k not in _NOT_BLOCKS
+              and not k.endswith("_bytes")]
+    return " ".join(p for p in parts if p)

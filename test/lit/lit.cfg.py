@@ -11,6 +11,7 @@
 # Substitutions:
 #   geopt        the geopt of the Python running lit (its bin folder, else `python -m geir.tools.geopt`)
 #   gerun        gerun, found the same way
+#   getune       getune, found the same way
 #   filecheck    the Python FileCheck clone, found the same way
 #   %{python}    that Python
 #   %{exists}    exits 0 when the file named by its argument exists, 1 when it does not
@@ -92,6 +93,7 @@ config.substitutions.append(
 )
 config.substitutions.append((_word("geopt"), _sub(_tool("geopt", "geir.tools.geopt"))))
 config.substitutions.append((_word("gerun"), _sub(_tool("gerun", "geir.tools.gerun"))))
+config.substitutions.append((_word("getune"), _sub(_tool("getune", "geir.tools.getune"))))
 config.substitutions.append((_word("filecheck"), _sub(_tool("filecheck", "filecheck"))))
 
 # The tools run with lit's clean environment (which keeps PATH, for external commands) plus

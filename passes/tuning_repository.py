@@ -1,0 +1,170 @@
+"""The tuning repository: what getune measured, kept for GE's `tile{db=DB}` to consult (CANN AOE's knowledge base).
+
+An SQLite file. Each op is keyed by its kernel, operand and result types, attributes, the buffers the tile
+pass asks for, and the target (its name and a fingerprint of its numbers, so that a chip whose data
+changed is a different chip). For each key the repository keeps the simulated time of every candidate
+tiling tried (so a sweep resumes where it stopped) and, once an op is tuned, its entry: the rules'
+tiling and time, and the best tiling found with its time and the numerics check it passed. An entry is
+only ever used when it beats the rules; one whose best is the rules' own tiling says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any, Iterable
+
+import attrs
+
+from geir.kernels.tiling import KernelTiling, OpSignature
+from geir.target_npu.target import Target
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS measurements (
+    op_key TEXT NOT NULL, target TEXT NOT NULL, tiling TEXT NOT NULL, time_us REAL NOT NULL,
+    PRIMARY KEY (op_key, target, tiling));
+CREATE TABLE IF NOT EXISTS entries (
+    op_key TEXT NOT NULL, target TEXT NOT NULL,
+    kernel TEXT NOT NULL, operands TEXT NOT NULL, results TEXT NOT NULL, attributes TEXT NOT NULL,
+    buffers INTEGER NOT NULL,
+    rules_tiling TEXT NOT NULL, rules_us REAL NOT NULL, tiling TEXT NOT NULL, time_us REAL NOT NULL,
+    candidates INTEGER NOT NULL, check_report TEXT NOT NULL,
+    PRIMARY KEY (op_key, target));
+"""
+
+
+class RepositoryError(ValueError):
+    """A tuning repository that cannot be opened or read (not SQLite, another schema); the message says which."""
+
+
+def default_path() -> Path:
+    """Where getune keeps its repository unless told: the user's cache directory ($XDG_CACHE_HOME or ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "geir" / "tuning.sqlite"
+
+
+def target_key(target: Target) -> str:
+    """The target as the repository keys it: its name and a fingerprint of every number in its data."""
+    digest = hashlib.sha256(json.dumps(target.data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{target.name}#{digest}"
+
+
+def op_key(sig: OpSignature, buffers: int) -> str:
+    """The op as the repository keys it: kernel, operand and result types, attributes and buffers."""
+    name, operands, results, attributes = sig.key
+    return json.dumps([name, list(operands), list(results), attributes, buffers])
+
+
+def tiling_text(tiling: KernelTiling) -> str:
+    """A tiling as the repository stores it: its IR attribute as canonical JSON."""
+    return json.dumps(tiling.to_attr(), sort_keys=True)
+
+
+@attrs.frozen
+class Entry:
+    """One tuned op: the rules' tiling and time, the best tiling found and its time (the rules' own when none
+    beat them), how many candidates were timed, and the numerics check the best passed."""
+
+    kernel: str
+    rules_tiling: dict[str, Any]
+    rules_us: float
+    tiling: dict[str, Any]
+    time_us: float
+    candidates: int
+    check: str
+
+    @property
+    def beats_rules(self) -> bool:
+        """Whether the best found is faster than the rules (the only case in which GE uses it)."""
+        return self.time_us < self.rules_us and self.tiling != self.rules_tiling
+
+    @property
+    def speedup(self) -> float:
+        return self.rules_us / self.time_us if self.time_us > 0 else 1.0
+
+
+class TuningRepository:
+    """An open tuning repository; `create` makes the file (and its directory) when it does not exist."""
+
+    def __init__(self, path: str | os.PathLike, create: bool = False):
+        self.path = Path(os.path.expanduser(str(path)))
+        if not self.path.exists():
+            if not create:
+                raise RepositoryError(f"no tuning repository at '{self.path}' (getune --db writes one)")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir():
+            raise RepositoryError(f"'{self.path}' is a directory, not a tuning repository")
+        try:
+            self._db = sqlite3.connect(self.path)
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            if row is None:
+                with self._db:
+                    self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] != str(SCHEMA_VERSION):
+                raise RepositoryError(f"'{self.path}' is a tuning repository of schema {row[0]}, not {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as e:
+            raise RepositoryError(f"'{self.path}' is not a tuning repository: {e}") from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "TuningRepository":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- measurements ---------------------------------------------------------------------------
+
+    def measured(self, key: str, target: str) -> dict[str, float]:
+        """Every candidate timed so far for this op on this target: tiling text -> microseconds."""
+        rows = self._db.execute("SELECT tiling, time_us FROM measurements WHERE op_key = ? AND target = ?",
+                                (key, target))
+        return dict(rows.fetchall())
+
+    def record(self, key: str, target: str, times: Iterable[tuple[str, float]]) -> None:
+        """Store the times of some candidates (committed at once, so an interrupted sweep keeps them)."""
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?)",
+                                 [(key, target, t, us) for t, us in times])
+
+    def measurement_count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+
+    # --- entries -------------------------------------------------------------------------------
+
+    def store(self, sig: OpSignature, buffers: int, target: str, entry: Entry) -> None:
+        """Keep an op's tuned entry (replacing an older one)."""
+        name, operands, results, attributes = sig.key
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (op_key(sig, buffers), target, name, json.dumps(list(operands)), json.dumps(list(results)),
+                 attributes, buffers, json.dumps(entry.rules_tiling), entry.rules_us,  # in the attribute's order
+                 json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check))
+
+    def entry(self, sig: OpSignature, buffers: int, target: Target | str) -> Entry | None:
+        """The op's tuned entry on this target, or None when it was never tuned."""
+        tkey = target if isinstance(target, str) else target_key(target)
+        try:
+            row = self._db.execute(
+                "SELECT kernel, rules_tiling, rules_us, tiling, time_us, candidates, check_report FROM entries "
+                "WHERE op_key = ? AND target = ?", (op_key(sig, buffers), tkey)).fetchone()
+        except sqlite3.DatabaseError as e:
+            raise RepositoryError(f"'{self.path}' cannot be read: {e}") from None
+        if row is None:
+            return None
+        kernel, rules_tiling, rules_us, tiling, time_us, candidates, check = row
+        try:
+            return Entry(kernel, json.loads(rules_tiling), rules_us, json.loads(tiling), time_us, candidates, check)
+        except json.JSONDecodeError as e:
+            raise RepositoryError(f"'{self.path}': the entry of {kernel} is not valid JSON: {e}") from None
+
+    def entry_count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
