@@ -142,6 +142,7 @@ class TuneReport:
     timed: int  # candidates timed in this run
     seconds: float  # host wall time of the timing (for candidates per second)
     workers: int
+    check_seconds: float = 0.0  # host wall time of the numerics checks of the winners
 
     @property
     def candidates_per_second(self) -> float:
@@ -151,15 +152,19 @@ class TuneReport:
         """`getune --json`: the spec's `ops` and `graph` (the first target's), with every target's graph."""
         return {"ops": [o.record() for o in self.ops], "graph": self.graphs[0].record() if self.graphs else None,
                 "graphs": [g.record() for g in self.graphs], "timed": self.timed, "workers": self.workers,
+                "timing_seconds": self.seconds, "check_seconds": self.check_seconds,
                 "candidates_per_second": self.candidates_per_second}
 
     def render(self) -> str:
         """The table getune prints: per op the rules and the best, then the graph on each target."""
-        lines = [f"{'op':<20} {'loc':<24} {'target':<12} {'rules us':>10} {'best us':>10} {'speedup':>8}  best tiling"]
-        for o in self.ops:
-            loc = str(o.op.locs[0]) + (f" (x{len(o.op.locs)})" if len(o.op.locs) > 1 else "")
+        locs = [str(o.op.locs[0]) + (f" (x{len(o.op.locs)})" if len(o.op.locs) > 1 else "") for o in self.ops]
+        width = max([24] + [len(x) for x in locs])
+        chip = max([12] + [len(o.op.target.name) for o in self.ops])
+        lines = [f"{'op':<20} {'loc':<{width}} {'target':<{chip}} {'rules us':>10} {'best us':>10} {'speedup':>8}  "
+                 f"best tiling"]
+        for o, loc in zip(self.ops, locs):
             same = o.best.to_attr() == o.op.rules.to_attr()
-            lines.append(f"{o.op.sig.name[3:]:<20} {loc:<24} {o.op.target.name:<12} {o.rules_us:>10.2f} "
+            lines.append(f"{o.op.sig.name[3:]:<20} {loc:<{width}} {o.op.target.name:<{chip}} {o.rules_us:>10.2f} "
                          f"{o.best_us:>10.2f} {o.speedup:>7.2f}x  "
                          + ("the rules' own (" + describe(o.best.to_attr()) + ")" if same
                             else f"{describe(o.best.to_attr())} (rules: {describe(o.op.rules.to_attr())})"))
@@ -167,7 +172,8 @@ class TuneReport:
             lines.append(f"graph on {g.target}: kernel time {g.rules_us:.2f} us with the rules, {g.best_us:.2f} us "
                          f"tuned ({g.speedup:.2f}x)")
         lines.append(f"timed {self.timed} candidates on {self.workers} worker{'s' * (self.workers != 1)} in "
-                     f"{self.seconds:.1f} s ({self.candidates_per_second:.1f} candidates/s of host time)")
+                     f"{self.seconds:.1f} s ({self.candidates_per_second:.1f} candidates/s of host time); the winners' "
+                     f"numerics checked in {self.check_seconds:.1f} s")
         return "\n".join(lines)
 
 
@@ -176,12 +182,21 @@ class TuneReport:
 def specialised(text: str, shapes: dict[str, tuple[int, ...]], name: str = "<input>") -> Module:
     """The module parsed from `text`, with the named arguments bound to these shapes (its sizes folded)."""
     module = parse(text, name)
-    if not shapes:
-        return module
-    known = {a.name for g in module.graphs for a in g.args}
-    unknown = sorted(set(shapes) - known)
+    known = {a.name: a.type for g in module.graphs for a in g.args}
+    unknown = sorted(set(shapes) - set(known))
     if unknown:
         raise TuneError(f"no graph takes an argument %{unknown[0]} (--shape names an argument)")
+    for arg, shape in shapes.items():
+        problem = shape_problem(known[arg], shape)
+        if problem:
+            raise TuneError(f"--shape {arg}={'x'.join(map(str, shape))}: %{arg} is {known[arg]}: {problem}")
+    for g in module.graphs:
+        for a in g.args:
+            if a.name not in shapes and not a.type.is_static:
+                raise TuneError(f"argument %{a.name} of @{g.name} is {a.type}: give its shape with "
+                                f"--shape {a.name}=DIMS (the timing needs every size)")
+    if not shapes:
+        return module
     out = []
     for g in module.graphs:
         bound = bind_shapes(g, tuple(shapes.get(a.name, a.type.shape) for a in g.args))
@@ -189,6 +204,16 @@ def specialised(text: str, shapes: dict[str, tuple[int, ...]], name: str = "<inp
         out.append(bound)
     module.graphs = out
     return module
+
+
+def shape_problem(t, shape: tuple[int, ...]) -> str | None:
+    """Why an argument of type `t` cannot take `shape` (another rank, a static dimension that differs), or None."""
+    if len(shape) != t.rank:
+        return f"it has rank {t.rank}, not {len(shape)}"
+    for i, (have, want) in enumerate(zip(t.shape, shape)):
+        if have is not None and have != want:
+            return f"dimension {i} is {have}, not {want}"
+    return None
 
 
 def ops_to_tune(module: Module, spec: str, buffers: int = 2) -> list[TuneOp]:
@@ -221,9 +246,10 @@ def ops_to_tune(module: Module, spec: str, buffers: int = 2) -> list[TuneOp]:
 
 
 def timing_jobs(ops: Sequence[TuneOp], repository: TuningRepository) -> list[tuple[TuneOp, TimingJob]]:
-    """The candidates the repository has no time for, in chunks of CHUNK."""
+    """The candidates the repository has no time for, in chunks of CHUNK; the largest ops' first, so that the
+    longest tasks do not start last and leave the other workers idle (longest-processing-time order)."""
     jobs = []
-    for op in ops:
+    for op in sorted(ops, key=lambda o: -max((t.num_elements or 0) for t in o.sig.operands + o.sig.results if t)):
         done = repository.measured(op.key, op.target_key)
         todo = [c for c in op.candidates if tiling_text(c) not in done]
         for i in range(0, len(todo), CHUNK):
@@ -231,27 +257,41 @@ def timing_jobs(ops: Sequence[TuneOp], repository: TuningRepository) -> list[tup
     return jobs
 
 
-def choose_best(op: TuneOp, times: dict[str, float], executor: Executor, repository: TuningRepository,
-                timed_now: int) -> OpResult:
-    """The fastest candidate whose numbers pass the check (the rules when none is faster), stored as the op's entry."""
-    rules_text = tiling_text(op.rules)
-    rules_us = times[rules_text]
-    order = sorted(range(len(op.candidates)), key=lambda i: (times[tiling_text(op.candidates[i])], i))
-    faster = [op.candidates[i] for i in order if times[tiling_text(op.candidates[i])] < rules_us]
-    known = repository.entry(op.sig, op.buffers, op.target)
-    best, check = op.rules, "the rules' own tiling"
-    for cand in faster:
-        if known is not None and known.tiling == cand.to_attr() and known.rules_tiling == op.rules.to_attr():
-            best, check = cand, known.check  # checked when it was stored
-            break
-        ((passed, report),) = list(executor.map(check_job, [CheckJob(op.sig, op.target, cand)]))
-        if passed:
-            best, check = cand, report
-            break
-    best_us = times[tiling_text(best)]
-    repository.store(op.sig, op.buffers, op.target_key,
-                     Entry(op.sig.name, op.rules.to_attr(), rules_us, best.to_attr(), best_us, len(op.candidates), check))
-    return OpResult(op, rules_us, best, best_us, timed_now, check)
+def choose_best(ops: Sequence[TuneOp], times: Sequence[dict[str, float]], executor: Executor,
+                repository: TuningRepository, timed_now: Sequence[int]) -> list[OpResult]:
+    """For each op the fastest candidate whose numbers pass the check (the rules when none is faster), stored as
+    the op's entry. The checks of all ops run together on the executor, round by round: an op whose best
+    fails offers its next best in the next round."""
+    queues, best, check = [], [], []
+    for op, t in zip(ops, times):
+        rules_us = t[tiling_text(op.rules)]
+        order = sorted(range(len(op.candidates)), key=lambda i: (t[tiling_text(op.candidates[i])], i))
+        queues.append([op.candidates[i] for i in order if t[tiling_text(op.candidates[i])] < rules_us])
+        best.append(op.rules)
+        check.append("the rules' own tiling")
+    open_ = [i for i in range(len(ops)) if queues[i]]
+    while open_:
+        jobs, asked = [], []
+        for i in open_:
+            op, cand = ops[i], queues[i].pop(0)
+            known = repository.entry(op.sig, op.buffers, op.target)
+            if known is not None and known.tiling == cand.to_attr() and known.rules_tiling == op.rules.to_attr():
+                best[i], check[i] = cand, known.check  # checked when it was stored
+                continue
+            jobs.append(CheckJob(op.sig, op.target, cand))
+            asked.append(i)
+        for i, (passed, report) in zip(asked, executor.map(check_job, jobs)):
+            if passed:
+                best[i], check[i] = jobs[asked.index(i)].tiling, report
+        open_ = [i for i in asked if best[i] is ops[i].rules and queues[i]]
+    out = []
+    for i, op in enumerate(ops):
+        rules_us, best_us = times[i][tiling_text(op.rules)], times[i][tiling_text(best[i])]
+        repository.store(op.sig, op.buffers, op.target_key, Entry(op.sig.name, op.rules.to_attr(), rules_us,
+                                                                   best[i].to_attr(), best_us, len(op.candidates),
+                                                                   check[i]))
+        out.append(OpResult(op, rules_us, best[i], best_us, timed_now[i], check[i]))
+    return out
 
 
 def graph_kernel_us(module: Module, spec: str, db: str | None, entry: str | None = None,
@@ -303,9 +343,11 @@ def tune(text: str, points: Sequence[Point], executor: Executor, repository: Tun
         timed[id(op)] = timed.get(id(op), 0) + len(times)
         if progress is not None:
             progress(done, len(jobs))
-    results = [choose_best(op, repository.measured(op.key, op.target_key), executor, repository,
-                           timed.get(id(op), 0)) for op in ops]
     seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    results = choose_best(ops, [repository.measured(op.key, op.target_key) for op in ops], executor, repository,
+                          [timed.get(id(op), 0) for op in ops])
+    check_seconds = time.perf_counter() - start
     graphs = []
     if graph_times:
         for p in points:
@@ -313,7 +355,7 @@ def tune(text: str, points: Sequence[Point], executor: Executor, repository: Tun
             after = graph_kernel_us(specialised(text, p.shape_map, name), p.spec, str(repository.path), entry,
                                     buffers)
             graphs.append(GraphTimes(load_target(p.spec).name, before, after, p.label))
-    return TuneReport(tuple(results), tuple(graphs), sum(timed.values()), seconds, executor.workers)
+    return TuneReport(tuple(results), tuple(graphs), sum(timed.values()), seconds, executor.workers, check_seconds)
 
 
 def geomean(values: Iterable[float]) -> float:
