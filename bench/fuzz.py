@@ -1,6 +1,6 @@
 """Long fuzz campaigns of geopt, gerun, geimport and gedoctor: runs, failures and the distinct reproducers.
 
-    python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--gedoctor 0] [--out DIR]
+    python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--gedoctor 0] [--getune 0] [--out DIR]
 
 Mutates the example and lit programs (and small ONNX models) with geir.tools.fuzz and runs each
 tool in-process on every case (gedoctor on programs and models alike). A failure is an exit code
@@ -25,11 +25,12 @@ def main() -> None:
     ap.add_argument("--gerun", type=int, default=500)
     ap.add_argument("--geimport", type=int, default=500)
     ap.add_argument("--gedoctor", type=int, default=0)
+    ap.add_argument("--getune", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write one reproducer per distinct failure here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     outcomes = campaign(args.seed, {"geopt": args.geopt, "gerun": args.gerun, "geimport": args.geimport,
-                                    "gedoctor": args.gedoctor})
+                                    "gedoctor": args.gedoctor, "getune": args.getune})
     seconds = time.perf_counter() - t0
     failures = [o for o in outcomes if o.problem]
     kinds: dict[str, list] = collections.defaultdict(list)

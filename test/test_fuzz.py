@@ -1,7 +1,7 @@
 """A bounded fuzz campaign of the tools (geir.tools.fuzz), and the harness's judge on what it must flag.
 
 The campaign (about a minute) mutates the example and lit programs and small ONNX models and runs
-geopt, gerun, geimport and gedoctor on each: none may exit other than 0, 1 or 2, print a traceback
+geopt, gerun, geimport, gedoctor and getune on each: none may exit other than 0, 1 or 2, print a traceback
 or an internal error, or point a diagnostic outside its input. `bench/fuzz.py` runs long ones.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from geir.tools import fuzz
 from geir.tools.fuzz import Case, campaign, judge, run_case, signature
 
-COUNTS = {"geopt": 4000, "gerun": 400, "geimport": 1500, "gedoctor": 200}
+COUNTS = {"geopt": 4000, "gerun": 400, "geimport": 1500, "gedoctor": 200, "getune": 60}
 
 
 def test_a_bounded_campaign_finds_nothing():

@@ -30,7 +30,7 @@ from helpers import graph_text
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = ROOT / "examples" / "attention.geir"
-TOOLS = ("geopt", "gerun", "geimport", "gedoctor")
+TOOLS = ("geopt", "gerun", "geimport", "gedoctor", "getune")
 GOOD = graph_text("  %y = ge.neg %x\n  ge.return %y")
 
 
@@ -131,7 +131,7 @@ def test_a_name_far_from_every_pass_lists_them():
     assert r.returncode == 2 and "unknown pass 'zzzzzz' (known passes: canonicalize, " in r.stderr
 
 
-@pytest.mark.parametrize("name", ["geopt", "gerun", "gedoctor"])
+@pytest.mark.parametrize("name", ["geopt", "gerun", "gedoctor", "getune"])
 def test_an_unknown_target_gets_did_you_mean(name):
     r = tool(name, ATTENTION, "--target", "ascend91b")
     no_traceback(r)
@@ -385,6 +385,7 @@ BIN = Path(sys.executable).parent
 # what a README command needs that a fresh clone with the test extras may lack
 NEEDS = [
     (re.compile(r"\.onnx\b|\bmodel\.geir\b"), "onnx", "the onnx extra"),
+    (re.compile(r"\bgetune\b(?!.*--workers 0)"), "ray", "the tune extra"),
 ]
 
 

@@ -1,7 +1,7 @@
 """A fuzz harness for the command-line tools: mutated programs and models in, the tools' manners checked.
 
 Each case mutates a program from the corpus (examples/ and test/lit/ .geir files, small ONNX models
-made here), runs geopt, gerun, geimport or gedoctor in-process on it and checks what any input must
+made here), runs geopt, gerun, geimport, gedoctor or getune in-process on it and checks what any input must
 give: an exit code of 0, 1 or 2, no Python traceback, no "internal error", and every
 `FILE:LINE:COL:` diagnostic about the input pointing inside it. `test/test_fuzz.py` runs a bounded campaign in
 the suite; `bench/fuzz.py` runs long ones and prints the distinct reproducers.
@@ -32,7 +32,7 @@ TOKENS = [
     b"1x" * 70, b"true", b"ge.return", b"ge.graph @main() -> () {", b"\x00", b"\xff", "é".encode(), b"\n", b" ",
 ]
 RUN_SECONDS = 20  # a mutated gerun or gedoctor run that simulates for longer is dropped (counted as slow), not failed
-SIMULATING = ("gerun", "gedoctor")
+SIMULATING = ("gerun", "gedoctor", "getune")
 
 
 @attrs.frozen
@@ -311,7 +311,9 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
                       ("--dot", "-")],
             "gerun": [("--check",), ("--no-fuse",), ("--profile",), ("--explain",), ("--inject-fault", "dma@0")],
             "geimport": [()],
-            "gedoctor": [(), ("--json",), ("--no-fuse",)]}[tool]
+            "gedoctor": [(), ("--json",), ("--no-fuse",)],
+            "getune": [(), ("--json",), ("--target", "ascend310p"), ("--sweep", "--set", "ub_bytes=x0.5"),
+                       ("--sweep", "--set", "l2_mib=x0.01,x2", "--json")]}[tool]
     for _ in range(count):
         name, data = rng.choice(sources)
         edit = mutate_onnx if name.endswith(".onnx") else mutate
@@ -319,9 +321,10 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
 
 
 def _tool_main(tool: str) -> Callable[[list[str]], int]:
-    from geir.tools import gedoctor, geimport, geopt, gerun
+    from geir.tools import gedoctor, geimport, geopt, gerun, getune
 
-    return {"geopt": geopt.main, "gerun": gerun.main, "geimport": geimport.main, "gedoctor": gedoctor.main}[tool]
+    return {"geopt": geopt.main, "gerun": gerun.main, "geimport": geimport.main, "gedoctor": gedoctor.main,
+            "getune": getune.main}[tool]
 
 
 class _Slow(BaseException):
@@ -335,6 +338,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     argv = [str(src), *case.args]
     if case.tool == "geimport":
         argv += ["-o", str(workdir / "out.geir")]
+    if case.tool == "getune":  # in this process, into a repository of the campaign's own
+        argv += ["--workers", "0", "--db", str(workdir / "tuning.sqlite")]
     err, out = io.StringIO(), io.StringIO()
     slow = False
     previous = signal.signal(signal.SIGALRM, _raise_slow) if case.tool in SIMULATING else None
@@ -387,7 +392,8 @@ def campaign(seed: int, counts: dict[str, int]) -> list[Outcome]:
     """Run `counts[tool]` mutated cases per tool; every outcome, in order."""
     rng = random.Random(seed)
     small = [c for c in corpus() if len(c[1]) < 4000]
-    sources = {"geopt": corpus(), "gerun": small, "geimport": onnx_models(), "gedoctor": small + onnx_models()}
+    sources = {"geopt": corpus(), "gerun": small, "geimport": onnx_models(), "gedoctor": small + onnx_models(),
+               "getune": small}
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="geir-fuzz-") as tmp:
         for tool, count in counts.items():

@@ -28,6 +28,7 @@ from geir.tools.common import (
     DiagnosticPrinter,
     ToolError,
     add_version,
+    check_target,
     read_input,
     refuse_overwrites,
     run_tool,
@@ -37,7 +38,7 @@ from geir.tools.common import (
 
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.parser import decode_source, parse
-from geir.target_npu.target import DEFAULT_TARGET, load_target
+from geir.target_npu.target import DEFAULT_TARGET
 from geir.verifier import verify_module
 
 TOOL = "getune"
@@ -153,10 +154,7 @@ def run(args: argparse.Namespace) -> int:
         raise ToolError("--csv writes a sweep's table: give --sweep", EXIT_USAGE)
     targets = args.target or [DEFAULT_TARGET]
     for t in targets:
-        try:
-            load_target(t)
-        except KeyError as e:
-            raise ToolError(f"--target: {e}", EXIT_USAGE) from None
+        check_target(t)
     axes = _axes(args)
     points, sweep_rows = _points(args, targets, axes)
     db = args.db or str(default_path())
@@ -223,3 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _progress(done: int, total: int) -> None:
     print(f"\rgetune: {done}/{total} tasks timed", end="", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
