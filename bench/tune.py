@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller suite (five ops)")
     p.add_argument("--skip-scaling", action="store_true", help="only the tuned-vs-rules gains")
+    p.add_argument("--scaling-only", action="store_true", help="only the throughput")
     p.add_argument("--json", metavar="OUT.json", help="write the figures as JSON")
     args = p.parse_args(argv)
     try:
@@ -145,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {r['setup']:<30} {r['workers']} worker(s)  {r['candidates_per_second']:7.1f} candidates/s  "
                       f"({r['seconds']:.1f} s, {r['candidates_per_second'] / base:.2f}x 1 worker)")
             out["scaling"] = rows
+        if args.scaling_only:
+            if args.json:
+                from geir.files import write_atomically
+
+                write_atomically(args.json, json.dumps(out, indent=2, allow_nan=False))
+            return 0
         t0 = time.perf_counter()
         rows, summary = gains(text, workdir)
         print(f"\ntuned vs rules, standalone kernel time ({summary['candidates']} candidates in "
