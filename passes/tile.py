@@ -10,6 +10,7 @@ import attrs
 from geir.diagnostics import Location
 from geir.ir import Module, Operation
 from geir.kernels import KERNELS
+from geir.kernels.base import Kernel
 from geir.kernels.tiling import KernelTiling, Miss, OpSignature, TilingAttrError
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.placement import AICPU, ENGINE_ATTR, Unplaceable, place_op
@@ -129,7 +130,7 @@ def tile_op(op: Operation, chip: Target, buffers: int = 2) -> KernelTiling | Mis
     return KERNELS[op.name].choose(sig, chip, buffers)
 
 
-def consult(repository: TuningRepository, kernel, sig: OpSignature, chip: Target, buffers: int,
+def consult(repository: TuningRepository, kernel: Kernel, sig: OpSignature, chip: Target, buffers: int,
             rules: KernelTiling) -> tuple[KernelTiling, str]:
     """The tiling to use for an op the rules tiled: the repository's entry when it beat these rules (and still
     fits the chip's buffers), else the rules'; its `rule` says which and why (the --explain remark)."""

@@ -16,6 +16,7 @@ Timing is a model of the chip, deterministic: the same candidates give the same 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
@@ -130,7 +131,8 @@ class GraphTimes:
         return self.rules_us / self.best_us if self.best_us > 0 else 1.0
 
     def record(self) -> dict[str, Any]:
-        return {"target": self.target, "rules_us": self.rules_us, "best_us": self.best_us, "speedup": self.speedup}
+        return {"target": self.target, "label": self.label, "rules_us": self.rules_us, "best_us": self.best_us,
+                "speedup": self.speedup}
 
 
 @attrs.frozen
@@ -325,8 +327,6 @@ def tune(text: str, points: Sequence[Point], executor: Executor, repository: Tun
          progress: Callable[[int, int], None] | None = None) -> TuneReport:
     """Tune every tiled op of the module in `text` at each point (all points' candidates timed together on the
     executor); then time the graph before and after at each point."""
-    import time
-
     per_point = [ops_to_tune(specialised(text, p.shape_map, name), p.spec, buffers) for p in points]
     # a point that shares an op with another (same chip, same types) tunes it once
     unique: dict[tuple[str, str], TuneOp] = {}

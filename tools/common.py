@@ -179,8 +179,8 @@ def run_tool(tool: str, run: Callable[[argparse.Namespace], int], args: argparse
         return EXIT_FAILURE
 
 
-def seed(text: str) -> int:
-    """argparse type of --seed: a non-negative integer (numpy's generators take no negative seed)."""
+def non_negative(text: str) -> int:
+    """argparse type of a count or a seed: a non-negative integer (numpy's generators take no negative seed)."""
     try:
         value = int(text)
     except ValueError:
@@ -188,3 +188,6 @@ def seed(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
+
+
+seed = non_negative  # --seed: numpy's generators take no negative seed

@@ -29,6 +29,7 @@ from geir.tools.common import (
     ToolError,
     add_version,
     check_target,
+    non_negative,
     read_input,
     refuse_overwrites,
     run_tool,
@@ -53,7 +54,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", action="append", default=[], metavar="T",
                    help=f"a chip to tune for (repeat for several; default {DEFAULT_TARGET}): a bundled name, a target "
                         f".toml, or a what-if chip NAME[KEY=VALUE,...]")
-    p.add_argument("--workers", type=_workers, default=None, metavar="N",
+    p.add_argument("--workers", type=non_negative, default=None, metavar="N",
                    help="CPUs of the local Ray getune starts (default: all); 0 tunes in this process, without Ray")
     p.add_argument("--address", metavar="ADDR", default=None,
                    help="an existing Ray cluster to run on (default $RAY_ADDRESS; else a local Ray)")
@@ -72,16 +73,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="OUT.csv", help="with --sweep: write the table as CSV (atomically)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     return p
-
-
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
