@@ -338,3 +338,16 @@ def test_ops_are_keyed_by_chip(tmp_path):
     (a,) = ops_to_tune(parse(ONE_MATMUL), "ascend910b")
     (b,) = ops_to_tune(parse(ONE_MATMUL), "ascend910b[ub_bytes=x2]")
     assert a.key == b.key and a.target_key != b.target_key and a.target_key == target_key(chip)
+
+
+def test_a_tiling_the_kernel_cannot_run_fails_its_check_with_the_reason(monkeypatch):
+    sig = OpSignature("ge.exp", (t(64, 512),), (t(64, 512),), {})
+    chip = load_target("ascend910b")
+    tiling = KERNELS[sig.name].choose(sig, chip)
+
+    def refuse(self, op, inputs, tl, ctx):
+        raise ValueError("no such tile")
+
+    monkeypatch.setattr(type(KERNELS[sig.name]), "run", refuse)
+    result = check_numerics(sig, tiling, chip)
+    assert not result.passed and "the kernel failed: ValueError: no such tile" in result.render()
