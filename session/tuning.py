@@ -35,6 +35,7 @@ from geir.session.executors import Executor
 from geir.session.pipeline import lowering_pipeline, run_passes, run_program
 from geir.session.plan_cache import bind_shapes
 from geir.target_npu.target import Target, load_target
+from geir.types import TensorType
 
 # GE's pipeline up to the tile pass: what decides which ops there are and what the rules give them
 TUNE_PIPELINE = "conv2d-im2col,canonicalize,fuse,layout,tile"
@@ -208,7 +209,7 @@ def specialised(text: str, shapes: dict[str, tuple[int, ...]], name: str = "<inp
     return module
 
 
-def shape_problem(t, shape: tuple[int, ...]) -> str | None:
+def shape_problem(t: TensorType, shape: tuple[int, ...]) -> str | None:
     """Why an argument of type `t` cannot take `shape` (another rank, a static dimension that differs), or None."""
     if len(shape) != t.rank:
         return f"it has rank {t.rank}, not {len(shape)}"
