@@ -140,6 +140,9 @@ def consult(repository: TuningRepository, kernel: Kernel, sig: OpSignature, chip
         return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository cannot be read ({e})"), "rules"
     if entry is None:
         return attrs.evolve(rules, rule=f"{rules.rule}; not in the tuning repository"), "rules"
+    if not entry.current:
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's entry was measured by another version "
+                                       f"of the cost model ({entry.model}): run getune again"), "rules"
     if entry.rules_tiling != rules.to_attr():
         return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's entry was measured against other "
                                        f"rules ({describe(entry.rules_tiling)}): run getune again"), "rules"

@@ -2,7 +2,9 @@
 
 An SQLite file. Each op is keyed by its kernel, operand and result types, attributes, the buffers the tile
 pass asks for, and the target (its name and a fingerprint of its numbers, so that a chip whose data
-changed is a different chip). For each key the repository keeps the simulated time of every candidate
+changed is a different chip). Every time is stored with the version of the cost model that measured it
+(a fingerprint of the kernels' and the simulator's source): times of another version are not reused,
+and an entry they made is not taken. For each key the repository keeps the simulated time of every candidate
 tiling tried (so a sweep resumes where it stopped) and, once an op is tuned, its entry: the rules'
 tiling and time, and the best tiling found with its time and the numerics check it passed. An entry is
 only ever used when it beats the rules; one whose best is the rules' own tiling says so.
@@ -10,6 +12,7 @@ only ever used when it beats the rules; one whose best is the rules' own tiling 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,10 +29,10 @@ SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS measurements (
-    op_key TEXT NOT NULL, target TEXT NOT NULL, tiling TEXT NOT NULL, time_us REAL NOT NULL,
-    PRIMARY KEY (op_key, target, tiling));
+    op_key TEXT NOT NULL, target TEXT NOT NULL, model TEXT NOT NULL, tiling TEXT NOT NULL, time_us REAL NOT NULL,
+    PRIMARY KEY (op_key, target, model, tiling));
 CREATE TABLE IF NOT EXISTS entries (
-    op_key TEXT NOT NULL, target TEXT NOT NULL,
+    op_key TEXT NOT NULL, target TEXT NOT NULL, model TEXT NOT NULL,
     kernel TEXT NOT NULL, operands TEXT NOT NULL, results TEXT NOT NULL, attributes TEXT NOT NULL,
     buffers INTEGER NOT NULL,
     rules_tiling TEXT NOT NULL, rules_us REAL NOT NULL, tiling TEXT NOT NULL, time_us REAL NOT NULL,
@@ -46,6 +49,19 @@ def default_path() -> Path:
     """Where getune keeps its repository unless told: the user's cache directory ($XDG_CACHE_HOME or ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "geir" / "tuning.sqlite"
+
+
+@functools.cache
+def cost_model_version() -> str:
+    """A fingerprint of the code that times a launch: the kernels' and the simulator's source files."""
+    import geir.kernels
+    import geir.target_npu.sim
+
+    files = sorted(Path(geir.kernels.__file__).parent.glob("*.py")) + [Path(geir.target_npu.sim.__file__)]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def target_key(target: Target) -> str:
@@ -77,6 +93,12 @@ class Entry:
     time_us: float
     candidates: int
     check: str
+    model: str = ""  # the cost model version that measured it (cost_model_version())
+
+    @property
+    def current(self) -> bool:
+        """Whether this version of the cost model measured it."""
+        return self.model == cost_model_version()
 
     @property
     def beats_rules(self) -> bool:
@@ -124,15 +146,15 @@ class TuningRepository:
 
     def measured(self, key: str, target: str) -> dict[str, float]:
         """Every candidate timed so far for this op on this target: tiling text -> microseconds."""
-        rows = self._db.execute("SELECT tiling, time_us FROM measurements WHERE op_key = ? AND target = ?",
-                                (key, target))
+        rows = self._db.execute("SELECT tiling, time_us FROM measurements WHERE op_key = ? AND target = ? AND model = ?",
+                                (key, target, cost_model_version()))
         return dict(rows.fetchall())
 
     def record(self, key: str, target: str, times: Iterable[tuple[str, float]]) -> None:
         """Store the times of some candidates (committed at once, so an interrupted sweep keeps them)."""
         with self._db:
-            self._db.executemany("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?)",
-                                 [(key, target, t, us) for t, us in times])
+            self._db.executemany("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)",
+                                 [(key, target, cost_model_version(), t, us) for t, us in times])
 
     def measurement_count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
@@ -144,8 +166,8 @@ class TuningRepository:
         name, operands, results, attributes = sig.key
         with self._db:
             self._db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (op_key(sig, buffers), target, name, json.dumps(list(operands)), json.dumps(list(results)),
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (op_key(sig, buffers), target, entry.model or cost_model_version(), name, json.dumps(list(operands)), json.dumps(list(results)),
                  attributes, buffers, json.dumps(entry.rules_tiling), entry.rules_us,  # in the attribute's order
                  json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check))
 
@@ -154,15 +176,16 @@ class TuningRepository:
         tkey = target if isinstance(target, str) else target_key(target)
         try:
             row = self._db.execute(
-                "SELECT kernel, rules_tiling, rules_us, tiling, time_us, candidates, check_report FROM entries "
+                "SELECT kernel, rules_tiling, rules_us, tiling, time_us, candidates, check_report, model FROM entries "
                 "WHERE op_key = ? AND target = ?", (op_key(sig, buffers), tkey)).fetchone()
         except sqlite3.DatabaseError as e:
             raise RepositoryError(f"'{self.path}' cannot be read: {e}") from None
         if row is None:
             return None
-        kernel, rules_tiling, rules_us, tiling, time_us, candidates, check = row
+        kernel, rules_tiling, rules_us, tiling, time_us, candidates, check, model = row
         try:
-            return Entry(kernel, json.loads(rules_tiling), rules_us, json.loads(tiling), time_us, candidates, check)
+            return Entry(kernel, json.loads(rules_tiling), rules_us, json.loads(tiling), time_us, candidates, check,
+                         model)
         except json.JSONDecodeError as e:
             raise RepositoryError(f"'{self.path}': the entry of {kernel} is not valid JSON: {e}") from None
 

@@ -278,7 +278,8 @@ def choose_best(ops: Sequence[TuneOp], times: Sequence[dict[str, float]], execut
         for i in open_:
             op, cand = ops[i], queues[i].pop(0)
             known = repository.entry(op.sig, op.buffers, op.target)
-            if known is not None and known.tiling == cand.to_attr() and known.rules_tiling == op.rules.to_attr():
+            if (known is not None and known.current and known.tiling == cand.to_attr()
+                    and known.rules_tiling == op.rules.to_attr()):
                 best[i], check[i] = cand, known.check  # checked when it was stored
                 continue
             jobs.append(CheckJob(op.sig, op.target, cand))

@@ -160,6 +160,17 @@ def test_an_entry_measured_against_other_rules_is_not_used(repo):
     assert tiled == rules and "measured against other rules" in remark and "run getune again" in remark
 
 
+def test_an_entry_of_another_cost_model_is_not_used_and_its_times_not_reused(repo):
+    import attrs
+
+    tiled, rules, _, remark = _entry_case(repo, lambda e, o: attrs.evolve(e, model="0123456789ab"))
+    assert tiled == rules and "measured by another version of the cost model (0123456789ab)" in remark
+    with sqlite3.connect(repo.path) as db:
+        db.execute("INSERT INTO measurements VALUES ('k', 't', '0123456789ab', '{}', 1.0)")
+    repo.record("k", "t", [('{"a": 1}', 2.0)])
+    assert repo.measured("k", "t") == {'{"a": 1}': 2.0}  # the other version's time is not offered
+
+
 def test_an_entry_that_does_not_fit_the_chip_is_not_used(repo):
     import attrs
 
