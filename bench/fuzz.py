@@ -37,8 +37,8 @@ def main() -> None:
     for o in failures:
         kinds[signature(o)].append(o)
     print(f"{len(outcomes)} runs in {seconds:.0f} s (seed {args.seed}): {len(failures)} failures, "
-          f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun/gedoctor runs dropped as slow")
-    for tool in ("geopt", "gerun", "geimport", "gedoctor"):
+          f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun/gedoctor/getune runs dropped as slow")
+    for tool in ("geopt", "gerun", "geimport", "gedoctor", "getune"):
         runs = [o for o in outcomes if o.case.tool == tool]
         if not runs:
             continue
