@@ -115,14 +115,20 @@ class TuningRepository:
 
     def __init__(self, path: str | os.PathLike, create: bool = False):
         self.path = Path(os.path.expanduser(str(path)))
+        if self.path.is_dir():
+            raise RepositoryError(f"'{self.path}' is a directory, not a tuning repository")
         if not self.path.exists():
             if not create:
                 raise RepositoryError(f"no tuning repository at '{self.path}' (getune --db writes one)")
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_dir():
-            raise RepositoryError(f"'{self.path}' is a directory, not a tuning repository")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RepositoryError(f"cannot make the folder of '{self.path}': {e.strerror}") from None
         try:
             self._db = sqlite3.connect(self.path)
+        except sqlite3.Error as e:
+            raise RepositoryError(f"cannot open '{self.path}': {e}") from None
+        try:
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
