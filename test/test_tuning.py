@@ -362,3 +362,17 @@ def test_a_tiling_the_kernel_cannot_run_fails_its_check_with_the_reason(monkeypa
     monkeypatch.setattr(type(KERNELS[sig.name]), "run", refuse)
     result = check_numerics(sig, tiling, chip)
     assert not result.passed and "the kernel failed: ValueError: no such tile" in result.render()
+
+
+def test_getune_tunes_an_onnx_model_through_the_frontend(tmp_path, capsys):
+    pytest.importorskip("onnx")
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parent.parent / "examples" / "onnx" / "attention.onnx"
+    code, out, err = _getune(capsys, model, "--workers", "0", "--db", tmp_path / "db.sqlite", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    ops = {o["op"] for o in report["ops"]}
+    assert "ge.flash_attention" in ops  # the exporter's attention, fused, is what gets tuned
+    assert all(o["loc"].startswith(f"{model} (as imported):") for o in report["ops"])
+    assert report["graph"]["best_us"] <= report["graph"]["rules_us"]

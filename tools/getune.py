@@ -1,7 +1,7 @@
 """getune: time every tiled op's legal candidate tilings on the simulated NPU, in parallel on Ray, and keep the
 best in a tuning repository that GE's `tile{db=DB}` consults.
 
-    getune FILE [--target T ...] [--workers N] [--address ADDR] [--db DB] [--json]
+    getune FILE|MODEL.onnx [--target T ...] [--workers N] [--address ADDR] [--db DB] [--json]
                 [--sweep] [--set KEY=V1[,V2...] ...] [--shape ARG=DIMS[,DIMS...] ...] [--csv OUT.csv]
 
 Per op it prints the rules' tiling and time, the best found and its time and the speed-up, then the whole
@@ -49,7 +49,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=TOOL, description="Tune the tilings of a graph's kernels on the simulated NPU "
                                 "(in parallel on Ray) into a repository that tile{db=DB} consults.")
     add_version(p, TOOL)
-    p.add_argument("input", metavar="FILE", help="a .geir holding a ge.graph (- for stdin)")
+    p.add_argument("input", metavar="FILE", help="a .geir holding a ge.graph (- for stdin), or an .onnx model")
     p.add_argument("--entry", metavar="NAME", help="the graph to time (default @main, else the only graph)")
     p.add_argument("--target", action="append", default=[], metavar="T",
                    help=f"a chip to tune for (repeat for several; default {DEFAULT_TARGET}): a bundled name, a target "
@@ -152,16 +152,24 @@ def run(args: argparse.Namespace) -> int:
     refuse_overwrites([("FILE", args.input)], [("--db", db), ("--csv", args.csv)])
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
-    name, data = read_input(args.input)
-    try:
-        text = decode_source(data, name)
-        sources.add(name, text)
+    if args.input.lower().endswith(".onnx"):  # through the ONNX frontend, as gedoctor reads one; weights unneeded
+        from geir.printer import print_module
+        from geir.tools.gedoctor import import_model
+
+        imported, _ = import_model(args.input, sources)
+        name, text = f"{args.input} (as imported)", print_module(imported)
         module = parse(text, name)
-    except DiagnosticError as e:
-        sources.add(name, data.decode("utf-8", errors="replace"))
-        for d in e.diagnostics:
-            printer(d)
-        raise ToolError("") from None
+    else:
+        name, data = read_input(args.input)
+        try:
+            text = decode_source(data, name)
+            sources.add(name, text)
+            module = parse(text, name)
+        except DiagnosticError as e:
+            sources.add(name, data.decode("utf-8", errors="replace"))
+            for d in e.diagnostics:
+                printer(d)
+            raise ToolError("") from None
     errors: list[Diagnostic] = []
     if not verify_module(module, errors.append):
         for d in errors:
