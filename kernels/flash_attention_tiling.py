@@ -37,6 +37,7 @@ from geir.kernels.tiling import (
     resized,
     with_shapes,
 )
+from geir.kernels.flash_attention_a2 import a2_template
 from geir.ops.linalg import bnsd
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
@@ -328,10 +329,21 @@ def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, TensorType, bool
 
 
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Miss:
-    """The rule's tiling for one flash_attention, or why there is none."""
+    """The rule's tiling for one flash_attention, or why there is none; on a chip whose cube and vector units are
+    separate cores (Atlas A2) its prose adds the template ops-transformer's design document picks there."""
     q, k, v, causal, has_mask, layout, mask_itemsize = _problem(sig)
-    return choice(lambda: choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
-                                              mask_itemsize=mask_itemsize))
+    chosen = choice(lambda: choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
+                                                mask_itemsize=mask_itemsize))
+    if isinstance(chosen, Miss) or not chip.separate_cube_vector or chosen.template == FLASH_DECODE:
+        return chosen
+    b, n, s1, d = bnsd(q, layout)
+    n2, s2 = bnsd(k, layout)[1], bnsd(k, layout)[2]
+    if None in (b, n, s1, d, n2, s2) or not n2 or n % n2:
+        return chosen
+    a2 = a2_template(b, n2, n // n2, s1, s2, d, q.dtype, chip.vector_cores)
+    return attrs.evolve(chosen, rule=f"{chosen.rule}; on Atlas A2 ops-transformer's FlashAttentionScore picks the "
+                                     f"{a2.render()}, cube and vector exchanging S and P through GM: GEIR runs "
+                                     f"its on-chip schedule instead (P from UB to L1 on one core)")
 
 
 def budget(tiling: FlashTiling, sig: OpSignature, chip: Target) -> Budget:

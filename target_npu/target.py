@@ -34,6 +34,12 @@ class Target:
         return self.data["cores"]["vector"]
 
     @property
+    def separate_cube_vector(self) -> bool:
+        """Whether the cube and vector units are separate cores exchanging data only through GM ([cores]
+        separate_cube_vector: Atlas A2's AIC and AIV), rather than units of one AI core."""
+        return bool(self.data["cores"].get("separate_cube_vector", False))
+
+    @property
     def aicore_dtypes(self) -> tuple[str, ...]:
         """The element types the AI Core computes ([aicore] dtypes); without the table, every one but f64."""
         return tuple(self.data.get("aicore", {}).get("dtypes", AICORE_DTYPES))
