@@ -11,7 +11,7 @@ from typing import Callable
 from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
 from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
 
-from geir.diagnostics import Diagnostic, Location, SourceManager
+from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
 from geir.ir import Graph, Module
 
 from geir.files import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, ToolError, read_input, write_atomically  # noqa: F401
@@ -28,6 +28,38 @@ class DiagnosticPrinter:
 
     def __call__(self, diag: Diagnostic) -> None:
         print(self.sources.render(diag), file=self.stream)
+
+
+def print_all(e: DiagnosticError, printer: DiagnosticPrinter) -> None:
+    """Print every diagnostic an error carries."""
+    for d in e.diagnostics:
+        printer(d)
+
+
+def parse_verified(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> tuple[Module, str]:
+    """A file's bytes decoded, parsed and verified, with its text (registered in `sources` for carets);
+    on failure the diagnostics are printed and ToolError('') raised."""
+    from geir.parser import decode_source, parse
+    from geir.verifier import verify_module
+
+    try:
+        text = decode_source(data, name)
+    except DiagnosticError as e:
+        sources.add(name, data.decode("utf-8", errors="replace"))
+        print_all(e, printer)
+        raise ToolError("") from None
+    sources.add(name, text)
+    try:
+        module = parse(text, name)
+    except DiagnosticError as e:
+        print_all(e, printer)
+        raise ToolError("") from None
+    errors: list[Diagnostic] = []
+    if not verify_module(module, errors.append):
+        for d in errors:
+            printer(d)
+        raise ToolError("")
+    return module, text
 
 
 def tool_error(tool: str, message: str) -> None:

@@ -34,6 +34,7 @@ from geir.tools.common import (
     add_version,
     check_target,
     checked_pipeline,
+    parse_verified,
     read_input,
     run_tool,
     select_graph,
@@ -41,9 +42,8 @@ from geir.tools.common import (
 
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.ir import Module
-from geir.parser import decode_source, parse
+from geir.parser import parse
 from geir.printer import print_module
-from geir.verifier import verify_module
 
 if TYPE_CHECKING:
     from geir.session.doctor import Diagnosis, KernelView
@@ -94,20 +94,7 @@ def read_module(args: argparse.Namespace, sources: SourceManager,
             raise ToolError("--weights applies to a .geir file; an ONNX model carries its own weights", EXIT_USAGE)
         return import_model(args.input, sources)
     name, data = read_input(args.input)
-    try:
-        text = decode_source(data, name)
-        sources.add(name, text)
-        module = parse(text, name)
-    except DiagnosticError as e:
-        sources.add(name, data.decode("utf-8", errors="replace"))
-        for d in e.diagnostics:
-            printer(d)
-        raise ToolError("") from None
-    errors: list[Diagnostic] = []
-    if not verify_module(module, errors.append):
-        for d in errors:
-            printer(d)
-        raise ToolError("")
+    module, _ = parse_verified(name, data, sources, printer)
     return module, None
 
 

@@ -47,6 +47,8 @@ from geir.tools.common import (
     add_version,
     check_target,
     checked_pipeline,
+    parse_verified,
+    print_all,
     read_input,
     refuse_overwrites,
     run_tool,
@@ -59,9 +61,8 @@ from geir.files import npz_bytes
 from geir.attributes import DenseResourceAttr
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
 from geir.ir import Graph, Module
-from geir.parser import decode_source, parse
+from geir.parser import parse
 from geir.types import DType, TensorType
-from geir.verifier import verify_module
 
 TOOL = "gerun"
 FAULT_KINDS = ("dma", "core", "ub_overflow")
@@ -133,33 +134,6 @@ def parse_fault(text: str) -> tuple[str, int]:
 
 
 # --- input file ----------------------------------------------------------------------------------------
-
-def _parse(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> tuple[Module, str]:
-    """Parse and verify; diagnostics printed and ToolError('') on failure."""
-    try:
-        text = decode_source(data, name)
-    except DiagnosticError as e:
-        sources.add(name, data.decode("utf-8", errors="replace"))
-        _print_all(e, printer)
-        raise ToolError("") from None
-    sources.add(name, text)
-    try:
-        module = parse(text, name)
-    except DiagnosticError as e:
-        _print_all(e, printer)
-        raise ToolError("") from None
-    errors: list[Diagnostic] = []
-    if not verify_module(module, errors.append):
-        for d in errors:
-            printer(d)
-        raise ToolError("")
-    return module, text
-
-
-def _print_all(e: DiagnosticError, printer: DiagnosticPrinter) -> None:
-    for d in e.diagnostics:
-        printer(d)
-
 
 # --- weights ---------------------------------------------------------------------------------------------
 
@@ -541,7 +515,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     from geir.session import Session, ShapeMismatch
 
     name, data = read_input(args.input)
-    module, text = _parse(name, data, sources, printer)
+    module, text = parse_verified(name, data, sources, printer)
     graph = select_graph(module, args.entry, name)
     is_program = graph.kind == "rt.program"
     if is_program and args.check:
@@ -710,7 +684,7 @@ def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, we
                             parts=args.overlap_compile, pipeline=pipeline, target=args.target,
                             timing_only=args.timing_only)
     except DiagnosticError as e:
-        _print_all(e, DiagnosticPrinter(SourceManager()))
+        print_all(e, DiagnosticPrinter(SourceManager()))
         return EXIT_FAILURE
     summary = run.summary()
     result_types = list(graph.result_types)

@@ -30,6 +30,7 @@ from geir.tools.common import (
     add_version,
     check_target,
     non_negative,
+    parse_verified,
     read_input,
     refuse_overwrites,
     run_tool,
@@ -37,10 +38,8 @@ from geir.tools.common import (
     write_atomically,
 )
 
-from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
-from geir.parser import decode_source, parse
+from geir.diagnostics import DiagnosticError, SourceManager
 from geir.target_npu.target import DEFAULT_TARGET
-from geir.verifier import verify_module
 
 TOOL = "getune"
 
@@ -156,25 +155,11 @@ def run(args: argparse.Namespace) -> int:
         from geir.printer import print_module
         from geir.tools.gedoctor import import_model
 
-        imported, _ = import_model(args.input, sources)
-        name, text = f"{args.input} (as imported)", print_module(imported)
-        module = parse(text, name)
+        module, _ = import_model(args.input, sources)
+        name, text = f"{args.input} (as imported)", print_module(module)
     else:
         name, data = read_input(args.input)
-        try:
-            text = decode_source(data, name)
-            sources.add(name, text)
-            module = parse(text, name)
-        except DiagnosticError as e:
-            sources.add(name, data.decode("utf-8", errors="replace"))
-            for d in e.diagnostics:
-                printer(d)
-            raise ToolError("") from None
-    errors: list[Diagnostic] = []
-    if not verify_module(module, errors.append):
-        for d in errors:
-            printer(d)
-        raise ToolError("")
+        module, text = parse_verified(name, data, sources, printer)
     graph = select_graph(module, args.entry, args.input)
     if graph.kind != "ge.graph":
         raise ToolError(f"@{graph.name} in {args.input} is an {graph.kind}: getune tunes a ge.graph before it is "
