@@ -27,7 +27,7 @@ REQUIRED = object()
 OPS: dict[str, type[Operation]] = {}
 
 # Attributes that passes may put on any op (they are not errors where an op does not declare them).
-PASS_ATTRIBUTES = {"engine", "mem_offset", "tiling"}
+PASS_ATTRIBUTES = {"engine", "mem_offset", "tiling", "workspace"}
 
 
 class ShapeError(ValueError):

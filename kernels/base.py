@@ -116,6 +116,11 @@ class Kernel:
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[KernelTiling]:
         return []
 
+    def workspace_bytes(self, tiling: KernelTiling, sig: OpSignature) -> int:
+        """Bytes of GM workspace a launch of this tiling needs beside its operands and results (the memory plan
+        reserves them for the launch). By default none."""
+        return 0
+
     def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
         """A small op on which `tiling` does per result element the arithmetic it does on `sig`: where a tuned
         tiling's numbers are checked against the reference before it is stored. By default the op itself."""

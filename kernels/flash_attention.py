@@ -23,6 +23,8 @@ import numpy as np
 from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
+from geir.kernels.flash_attention_a2 import PRELOAD, cv_budget, vector_rows
+from geir.kernels.flash_attention_cv import cv_grid, time_cv_split
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
@@ -93,6 +95,9 @@ class FlashAttentionKernel(Kernel):
     def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
         return tiling_rules.check_instance(sig, tiling)
 
+    def workspace_bytes(self, tiling: FlashTiling, sig: OpSignature) -> int:
+        return tiling_rules.workspace_bytes(tiling, sig)
+
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: FlashTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
         q, k, v = inputs[:3]
@@ -116,9 +121,28 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     if ctx.fault == "ub_overflow":
         raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
                             "the injected fault's score tile")
-    check_fits(target, s1, s2, D, q.dtype, nbuf, causal, _bytes(mask.dtype) if mask is not None else 0)
+    cv = target.separate_cube_vector and tiling.template != FLASH_DECODE
+    mask_isz = _bytes(mask.dtype) if mask is not None else 0
+    if cv:
+        preload = tiling.preload or PRELOAD
+        v_rows = tiling.v_rows or vector_rows(s2, -(-s1 // target.data["cores"].get("vector_per_cube", 1)))
+        allocate(target, cv_budget(s1, s2, D, v_rows, DType.from_numpy(q.dtype), target, buffers=nbuf,
+                                   causal=causal, mask_itemsize=mask_isz), f"the {s1} x {s2} CV block (d = {D})")
+    else:
+        check_fits(target, s1, s2, D, q.dtype, nbuf, causal, mask_isz)
     if mask is not None:
         mask = np.broadcast_to(mask, (B, N, Sq, Skv))
+    if cv:
+        grid = cv_grid(q.shape, k.shape, s1, s2)
+        roles = [("q", ctx.operand_names[0], grid["q"]), ("k", ctx.operand_names[1], grid["k"]),
+                 ("v", ctx.operand_names[2], grid["v"]),
+                 ("mask", ctx.operand_names[3] if mask is not None else None, grid["mask"]),
+                 ("o", ctx.result_names[0], grid["o"])]
+        time_cv_split(q.shape, k.shape, q.dtype, mask, causal, s1, s2, v_rows, preload, ctx,
+                      _role_names(ctx.gm, roles), nbuf)
+        if not ctx.compute:
+            return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
+        return _compute(q, k, v, mask, causal, scale, s1, s2, 1)
     q_grid, causal_rows = q.shape, None
     if tiling.template == FLASH_DECODE:
         # flash-decoding: the query heads sharing a K/V head are one unit's rows, so the units are timed

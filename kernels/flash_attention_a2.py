@@ -15,15 +15,20 @@ f32 vector blocks). Templates are matched from the vector side, highest priority
 5. B (Bn2gs1s2_b): otherwise (small S1, S2 and D: the batch is cut across cores).
 
 S2 is never split across cores; decode (flash-decoding) is IncreFlashAttention's, not this document's.
-This is the document's decision only. GEIR's kernel does not yet run the CV-split schedule (issue 17):
-the tile pass reports this choice beside the tiling it runs.
+
+`cv_blocks` turns the document's choice into the blocks GEIR's CV-split schedule runs
+(kernels/flash_attention_cv.py): the CV block S1.i x S2.i, the vector sub-block of `v_rows` rows per
+AIV (the document's 8 x 1024 f32 = 32 KiB), and `cv_budget`, what an AIC and each of its AIVs keep on
+chip for them. Where GEIR differs from the document (SameAB and B are run with the S1S2 / S1 schedule,
+which computes the same numbers), `A2Choice.runs` says so.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from geir.kernels.tiling import align
+from geir.kernels.tiling import F32_BYTES, Budget, align, fractal
+from geir.target_npu.target import Target
 from geir.types import DType
 
 SAME_AB, S1S2, S1, B_SPLIT = "SameAB", "S1S2", "S1", "B"
@@ -31,6 +36,10 @@ S2_BLOCK = 1024  # S2.i of the S1S2 template
 CV_BLOCK = 128 * 1024  # score elements of the document's cube result per CV exchange (128 x 1024)
 L1_BOUND = 256 * 1024  # bytes: the S1 template's table conditions
 PROBS_BOUND = 65536 * 2
+VECTOR_BLOCK = 32 * 1024  # bytes of f32 scores in one vector sub-block (8 x 1024: the largest UB share)
+CUBE_CHUNK = 128  # keys per cube pass of a CV block: an s1 x 128 f32 result fills L0C's half
+PRELOAD = 2  # mm1 issued ahead of mm2 ("cube double-issue")
+ROW_VECTORS = 3  # running max, running sum, rescale factor: one f32 per row each
 
 
 @attrs.frozen
@@ -47,11 +56,76 @@ class A2Choice:
         block = f"; CV block {self.s1_i} x {self.s2_i}" if self.s1_i and self.s2_i else ""
         return f"{self.template} template: {self.condition}{block}"
 
+    @property
+    def runs(self) -> str:
+        """Which of GEIR's schedules runs this template, where it is not the template itself."""
+        if self.template == SAME_AB:
+            return "GEIR has no SameAB kernel: it runs these shapes with the S1S2 / S1 CV-split schedule (same numbers)"
+        if self.template == B_SPLIT:
+            return "GEIR runs B as the S1 schedule with every query row of a head in one block (one unit per batch and head)"
+        return ""
 
-def a2_template(b: int, n2: int, g: int, s1: int, s2: int, d: int, dtype: DType, vector_cores: int) -> A2Choice:
+
+def cv_budget(s1: int, s2: int, d: int, v_rows: int, dtype: DType, chip: Target, *, buffers: int = 2,
+              causal: bool = False, mask_itemsize: int = 0) -> Budget:
+    """What the CV-split schedule keeps on chip for an s1 x s2 CV block: UB is one AIV's (it takes half the rows,
+    v_rows at a time), L1 and L0 the AIC's (a CV block's matmuls in passes of CUBE_CHUNK keys); `buffers` 2
+    double-buffers every stage so each move overlaps the work on the previous one."""
+    fm, fk, _ = fractal(chip, dtype)
+    s1, s2, d = align(s1, fm), align(s2, fm), align(d, fm)
+    b = dtype.itemsize
+    half = -(-s1 // chip.data["cores"].get("vector_per_cube", 1))
+    # UB: S in (f32) and P out (input dtype) of a sub-block, with its mask tiles; the f32 O accumulator of the
+    # AIV's rows and one landing buffer for each block's P V
+    score = v_rows * s2 * (F32_BYTES + b + (1 if causal else 0) + mask_itemsize) * buffers
+    out = half * d * 2 * F32_BYTES
+    vectors = ROW_VECTORS * half * chip.data["memory"]["ub_block_bytes"]
+    # L1: Q of the block, K chunks for mm1 and P and V chunks for mm2
+    chunk = cube_chunk(s1, s2, d, b, buffers, chip)
+    l1 = (s1 * d + buffers * chunk * d + buffers * (s1 * chunk + chunk * d)) * b
+    kq, kp = _k_pass(s1, chunk, d, fk, b, buffers, chip), _k_pass(s1, d, chunk, fk, b, buffers, chip)
+    l0a = max(s1 * kq, s1 * kp) * b * buffers
+    l0b = max(kq * chunk, kp * d) * b * buffers
+    l0c = max(s1 * chunk, s1 * d) * F32_BYTES * buffers
+    return Budget(score + out + vectors, l1, l0a, l0b, l0c)
+
+
+def cube_chunk(s1: int, s2: int, d: int, itemsize: int, buffers: int, chip: Target) -> int:
+    """Keys per cube pass of a CV block: CUBE_CHUNK, halved (to 16) while the pass's L1 operands or its L0C result
+    do not fit (a long head dim in f32)."""
+    chunk = min(CUBE_CHUNK, align(s2, 16))
+    while chunk > 16 and ((s1 * d + buffers * (2 * chunk * d + s1 * chunk)) * itemsize > chip.buffer_bytes("l1")
+                          or s1 * chunk * F32_BYTES * buffers > chip.buffer_bytes("l0c")):
+        chunk //= 2
+    return chunk
+
+
+def _k_pass(m: int, n: int, k: int, kmin: int, nbytes: int, buffers: int, chip: Target) -> int:
+    """The longest contraction pass (k, halved down to kmin) whose L0A (m x pass) and L0B (pass x n) fragments
+    fit with their buffers; kmin when none does (the budget then overflows and says so)."""
+    c = align(k, kmin)
+    while c > kmin and (m * c * nbytes * buffers > chip.buffer_bytes("l0a")
+                        or c * n * nbytes * buffers > chip.buffer_bytes("l0b")):
+        c = max(kmin, align(c // 2, kmin))
+    return c
+
+
+def workspace_per_core(s1: int, s2: int, d: int, itemsize: int, preload: int) -> int:
+    """GM workspace bytes of one AIC and its AIVs: preload + 1 S slots (f32), preload P slots (input dtype) and
+    two slots of each block's P V (f32), one per block in flight."""
+    return (preload + 1) * s1 * s2 * F32_BYTES + preload * s1 * s2 * itemsize + 2 * s1 * d * F32_BYTES
+
+
+def vector_rows(s2: int, half_rows: int) -> int:
+    """Rows of one vector sub-block: VECTOR_BLOCK bytes of f32 scores (8 rows of 1024), at most the AIV's rows."""
+    return max(1, min(half_rows, VECTOR_BLOCK // (align(s2, 16) * F32_BYTES)))
+
+def a2_template(b: int, n2: int, g: int, s1: int, s2: int, d: int, dtype: DType, vector_cores: int,
+                same_ab: bool = True) -> A2Choice:
     """The document's template for attention of B batches, N2 K/V heads with G query heads each, S1 query and S2
-    key rows and head dim D, on a chip with this many vector cores."""
-    if dtype != DType.f32:
+    key rows and head dim D, on a chip with this many vector cores (`same_ab` False: the first template below
+    SameAB, whose blocks GEIR runs SameAB's shapes with)."""
+    if dtype != DType.f32 and same_ab:
         if s2 >= 512 and (d % 16 != 0 or d == 96):
             why = f"D = {d} % 16 != 0" if d % 16 else "D = 96"
             return A2Choice(SAME_AB, f"{dtype}, S2 = {s2} >= 512 and {why}", None, None)

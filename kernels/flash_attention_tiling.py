@@ -37,7 +37,18 @@ from geir.kernels.tiling import (
     resized,
     with_shapes,
 )
-from geir.kernels.flash_attention_a2 import a2_template
+from geir.kernels.flash_attention_a2 import (
+    B_SPLIT,
+    PRELOAD,
+    S1S2,
+    S2_BLOCK,
+    SAME_AB,
+    A2Choice,
+    a2_template,
+    cv_budget,
+    vector_rows,
+    workspace_per_core,
+)
 from geir.ops.linalg import bnsd
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
@@ -79,7 +90,18 @@ class FlashTiling(KernelTiling):
     l0c_bytes: int
     work_units: int | None = printed_if_set(None)
     skipped_blocks: int = printed_if_set(0)
+    # the CV-split schedule of a chip whose cube and vector units are separate cores (Atlas A2): how many mm1
+    # the AIC issues ahead of mm2, and the rows of each AIV's vector sub-block; 0: the on-chip schedule
+    preload: int = printed_if_set(0)
+    v_rows: int = printed_if_set(0)
     rule: str = never_printed("")
+    # the template ops-transformer's design document picks and the condition that picked it (CV-split tilings)
+    design: A2Choice | None = never_printed(None)
+
+    @property
+    def cv_split(self) -> bool:
+        """Whether this tiling runs the CV-split schedule (cube and vector cores exchanging S and P through GM)."""
+        return self.preload > 0
 
     @property
     def kv_splits(self) -> int:
@@ -254,6 +276,8 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
     s1_pref = BLOCK if sq is None else max(1, min(BLOCK, sq))
     nkv = bnsd(k_type, layout)[1]
     decode = decode_plan(bsz, n, nkv, sq, skv, fm, cube)
+    if decode is None and chip.separate_cube_vector:
+        return choose_cv_tiling(bsz, n, nkv, sq, skv, d, dtype, causal, mask_bytes, chip, buffers=buffers)
     if decode is not None:
         template = FLASH_DECODE
         s1_pref, s2_options, rule = decode
@@ -310,12 +334,68 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
             if skipped:
                 rule += f"; causal skips {skipped} fully masked blocks per head"
             return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, segments, budget.l1, budget.l0a,
-                               budget.l0b, budget.l0c, work, skipped, rule)
+                               budget.l0b, budget.l0c, work, skipped, rule=rule)
     s1, s2, (buf, need, cap) = last
     raise TilingError(f"no flash_attention tiling fits {chip.name}: even the smallest block s1 = {s1}, s2 = {s2} "
                       f"with head dim {d} ({dtype}, {buffers} buffers) needs {need} bytes of {buf}, which holds {cap}")
 
 
+
+def a2_design(bsz: int | None, n: int | None, nkv: int | None, sq: int | None, skv: int | None, d: int,
+              dtype: DType, chip: Target) -> tuple[A2Choice, A2Choice]:
+    """(the design document's template, the template whose blocks GEIR runs) for one attention on an A2 chip."""
+    if None in (bsz, n, nkv, sq, skv) or not nkv or n % nkv:
+        dynamic = A2Choice(S1S2, "a sequence length or head count is dynamic: the blocks of S2 > 1024, valid at "
+                                 "every length (the runtime re-tiles once it knows the shape)", BLOCK, S2_BLOCK)
+        return dynamic, dynamic
+    design = a2_template(bsz, nkv, n // nkv, sq, skv, d, dtype, chip.vector_cores)
+    runs = design if design.template != SAME_AB else \
+        a2_template(bsz, nkv, n // nkv, sq, skv, d, dtype, chip.vector_cores, same_ab=False)
+    if runs.template == B_SPLIT:
+        runs = A2Choice(B_SPLIT, runs.condition, align(sq, 16), skv)
+    return design, runs
+
+
+def choose_cv_tiling(bsz: int | None, n: int | None, nkv: int | None, sq: int | None, skv: int | None, d: int,
+                     dtype: DType, causal: bool, mask_bytes: int, chip: Target, preload: int = PRELOAD,
+                     blocks: tuple[int, int] | None = None, buffers: int = 2) -> FlashTiling:
+    """The CV-split tiling on a chip whose cube and vector units are separate cores: the design document's
+    template and CV block (`blocks` instead when given), the vector sub-block that fits UB, shrunk where a
+    buffer overflows (v_rows, then S1.i)."""
+    design, runs = a2_design(bsz, n, nkv, sq, skv, d, dtype, chip)
+    s1_0, s2 = blocks or (runs.s1_i, runs.s2_i)
+    s1_0, s2 = max(s1_0, SMALLEST_BLOCK), max(s2, 1)  # empty sequences still get a (never used) block
+    template = SPLIT_KV if s2 < (skv or s2 + 1) else WHOLE_ROW
+    rule = design.render() + (f" ({design.runs})" if design.runs else "")
+    first = None
+    vpc = chip.data["cores"].get("vector_per_cube", 1)
+    for s1 in halvings(s1_0, SMALLEST_BLOCK):
+        for v_rows in halvings(vector_rows(s2, -(-s1 // vpc)), 1):
+            budget = cv_budget(s1, s2, d, v_rows, dtype, chip, buffers=buffers, causal=causal,
+                               mask_itemsize=mask_bytes)
+            miss = budget.overflow(chip)
+            if miss is not None:
+                first = first or (s1, v_rows, miss)
+                last = (s1, v_rows, miss)
+                continue
+            if first is not None:
+                p1, pv, (buf, need, cap) = first
+                rule += (f"; S1.i {p1} with {pv}-row vector blocks needs {need} bytes of {buf}, which holds {cap} on "
+                         f"{chip.name} ({dtype}, d = {d}): shrunk to S1.i {s1}, {v_rows}-row vector blocks")
+            work = None if None in (bsz, n, sq) else bsz * n * -(-sq // s1)
+            cores = chip.cube_cores if work is None else min(work, chip.cube_cores)
+            skipped = causal_skipped(sq, skv, s1, s2) if causal and sq is not None and skv is not None else 0
+            ws = workspace_per_core(s1, s2, d, dtype.itemsize, preload)
+            rule += (f"; each AIV takes {-(-s1 // vpc)} rows in {v_rows} x {s2} f32 vector blocks; the cube issues "
+                     f"{preload} mm1 ahead; {'an unknown number of' if work is None else work} work units over "
+                     f"{cores} AIC ({vpc} AIV each); GM workspace {ws} bytes per AIC")
+            if skipped:
+                rule += f"; causal skips {skipped} fully masked blocks per head"
+            return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, 1, budget.l1, budget.l0a, budget.l0b,
+                               budget.l0c, work, skipped, preload, v_rows, rule, design)
+    s1, v_rows, (buf, need, cap) = last
+    raise TilingError(f"no flash_attention tiling fits {chip.name}: even S1.i = {s1} x S2.i = {s2} with {v_rows}-row "
+                      f"vector blocks (head dim {d}, {dtype}) needs {need} bytes of {buf}, which holds {cap}")
 
 
 # --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------
@@ -329,26 +409,29 @@ def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, TensorType, bool
 
 
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Miss:
-    """The rule's tiling for one flash_attention, or why there is none; on a chip whose cube and vector units are
-    separate cores (Atlas A2) its prose adds the template ops-transformer's design document picks there."""
+    """The rule's tiling for one flash_attention, or why there is none (on a chip whose cube and vector units are
+    separate cores, Atlas A2, the CV-split tiling of ops-transformer's design document)."""
     q, k, v, causal, has_mask, layout, mask_itemsize = _problem(sig)
-    chosen = choice(lambda: choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
-                                                mask_itemsize=mask_itemsize))
-    if isinstance(chosen, Miss) or not chip.separate_cube_vector or chosen.template == FLASH_DECODE:
-        return chosen
-    b, n, s1, d = bnsd(q, layout)
-    n2, s2 = bnsd(k, layout)[1], bnsd(k, layout)[2]
-    if None in (b, n, s1, d, n2, s2) or not n2 or n % n2:
-        return chosen
-    a2 = a2_template(b, n2, n // n2, s1, s2, d, q.dtype, chip.vector_cores)
-    return attrs.evolve(chosen, rule=f"{chosen.rule}; on Atlas A2 ops-transformer's FlashAttentionScore picks the "
-                                     f"{a2.render()}, cube and vector exchanging S and P through GM: GEIR runs "
-                                     f"its on-chip schedule instead (P from UB to L1 on one core)")
+    return choice(lambda: choose_flash_tiling(q, k, v, causal, has_mask, chip, buffers, layout=layout,
+                                              mask_itemsize=mask_itemsize))
 
 
 def budget(tiling: FlashTiling, sig: OpSignature, chip: Target) -> Budget:
     """What one work unit of this tiling keeps on chip for this op."""
+    if tiling.cv_split:
+        q, _, _, causal, has_mask, _, mask_itemsize = _problem(sig)
+        return cv_budget(tiling.s1, tiling.s2, tiling.d, tiling.v_rows, q.dtype, chip, buffers=tiling.buffers,
+                         causal=causal, mask_itemsize=(mask_itemsize or q.dtype.itemsize) if has_mask else 0)
     return _budget(tiling.s1, tiling.s2, tiling.d, tiling.buffers, sig, chip)
+
+
+def workspace_bytes(tiling: FlashTiling, sig: OpSignature) -> int:
+    """GM workspace the launch needs beside its operands and results: the CV-split schedule's S, P and P V slots
+    of every AIC it runs on (0 on the on-chip schedule)."""
+    if not tiling.cv_split:
+        return 0
+    return tiling.cores * workspace_per_core(tiling.s1, tiling.s2, tiling.d, sig.operands[0].dtype.itemsize,
+                                             tiling.preload)
 
 
 def _budget(s1: int, s2: int, d: int, buffers: int, sig: OpSignature, chip: Target) -> Budget:
@@ -388,6 +471,8 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
                                        rule, decode_units(bsz, n, nkv, sq, s1) * segments,
                                        decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0))
         return out
+    if chip.separate_cube_vector:
+        return cv_candidates(bsz, n, nkv, sq, skv, d, q.dtype, causal, has_mask, mask_itemsize, chip, buffers)
     if skv <= SHORT_KV:
         template, options = WHOLE_ROW, whole_row_options(skv, fm)
     else:  # the rule's blocks and larger ones, up to a key block of 4 x BLOCK
@@ -401,6 +486,26 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
     return out
 
 
+def cv_candidates(bsz: int, n: int, nkv: int, sq: int, skv: int, d: int, dtype: DType, causal: bool, has_mask: bool,
+                  mask_itemsize: int | None, chip: Target, buffers: int = 2) -> list[FlashTiling]:
+    """The CV-split tilings to try on an A2 chip: CV blocks of S1.i 32 to 256 and S2.i 256 to 1024 (or the whole
+    key row when shorter), each with preload 1 and 2, where they fit."""
+    mask_bytes = (mask_itemsize or dtype.itemsize) if has_mask else 0
+    widths = sorted({min(w, skv) for w in (256, 512, S2_BLOCK)}, reverse=True)
+    out = []
+    for s2 in widths:
+        for s1 in halvings(max(16, min(2 * BLOCK, align(sq, 16))), 32):
+            for preload in (1, 2):
+                try:
+                    t = choose_cv_tiling(bsz, n, nkv, sq, skv, d, dtype, causal, mask_bytes, chip, preload, (s1, s2),
+                                         buffers)
+                except TilingError:
+                    continue
+                if t.s1 == s1:  # not shrunk into another candidate
+                    out.append(attrs.evolve(t, rule=f"candidate CV-split {s1} x {s2}, preload {preload}"))
+    return out
+
+
 def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int, bsz: int, n: int, sq: int,
             skv: int, causal: bool, chip: Target, sig: OpSignature, rule: str, work: int | None = None,
             skipped: int | None = None) -> FlashTiling:
@@ -409,7 +514,7 @@ def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int
     if skipped is None:
         skipped = causal_skipped(sq, skv, s1, s2) if causal else 0
     return FlashTiling(template, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub, segments, b.l1, b.l0a, b.l0b,
-                       b.l0c, work, skipped, rule)
+                       b.l0c, work, skipped, rule=rule)
 
 
 def check_instance(sig: OpSignature, tiling: FlashTiling) -> OpSignature:

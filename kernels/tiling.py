@@ -88,7 +88,7 @@ class OpSignature:
     @classmethod
     def of(cls, op: Operation) -> "OpSignature":
         """The signature of an op in a graph (its `tiling` and `mem_offset` are not part of it)."""
-        attributes = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset")}
+        attributes = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", "workspace")}
         return cls(op.name, tuple(v.type for v in op.operands), tuple(r.type for r in op.results), attributes)
 
     @classmethod
@@ -100,7 +100,7 @@ class OpSignature:
             inferred = op.infer(*operands)
             results = inferred if isinstance(inferred, tuple) else (inferred,)
         return cls(op.name, operands, results,
-                   {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset")})
+                   {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", "workspace")})
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attributes.get(key, default)

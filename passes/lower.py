@@ -117,7 +117,13 @@ def lower_graph(graph: Graph) -> Graph:
             for user in pages.take(offset, r.type.nbytes, r, op):
                 if b.stream_of.get(id(user)) not in (None, stream):
                     b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
-        attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", ENGINE_ATTR)}
+        if "workspace" in op.attributes and op.results:
+            # the launch's GM workspace: who used those bytes on another stream must be done first
+            ws_offset, ws_bytes = op.attributes["workspace"]
+            for user in pages.take(ws_offset, ws_bytes, op.results[0], op):
+                if b.stream_of.get(id(user)) not in (None, stream):
+                    b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
+        attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", "workspace", ENGINE_ATTR)}
         launch_attrs: dict[str, Any] = {"kernel": op.name}
         if engine_of(op) == AICPU:
             # GE placed it on the AI CPU: the Runtime runs the op's semantics there, ordered by the same streams

@@ -17,6 +17,10 @@ neither a graph input nor a constant, and nothing later reads it). Offsets are c
 size (largest first, each into the best-fitting gap among the placed tensors whose lifetimes
 overlap its own), as TensorFlow Lite's arena planner does.
 
+A launch that needs a GM workspace (FlashAttention's CV-split schedule on Atlas A2: S and P between the
+cube and vector cores) gets it in the arena too, live only while its op runs, printed as `workspace =
+[offset, bytes]` on the op.
+
 `arena_lower_bound` is the most bytes, at aligned sizes, that the arena holds live at any one op
 (a tensor in place of its operand counts once), so no plan of these tensors with this alignment
 can be smaller and `arena_size / arena_lower_bound` measures the placement alone.
@@ -31,6 +35,8 @@ import attrs
 import numpy as np
 
 from geir.ir import Graph, Module, Operation, Value
+from geir.kernels.base import KERNELS
+from geir.kernels.tiling import OpSignature, TilingAttrError
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.traits import InPlaceCapable
 
@@ -62,6 +68,8 @@ class MemoryPlan:
     arena_size: int
     arena_lower_bound: int
     alignment: int
+    # by op index, the ops whose launch needs a GM workspace: (offset, aligned bytes), live while the op runs
+    workspaces: dict[int, tuple[int, int]] = attrs.field(factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -93,6 +101,7 @@ def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> Mem
     buf_values: list[list[Value]] = []
     buf_start: list[int] = []
     buf_end: list[int] = []
+    buf_size_ws: dict[int, int] = {}
     inplace_of: dict[Value, Value] = {}
     for i, op in enumerate(ops):
         if op.name == "ge.const":
@@ -118,12 +127,35 @@ def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> Mem
                 buf_values[b].append(r)
                 buf_end[b] = end
                 inplace_of[r] = taken
-    buf_size = [sizes[vs[0]] for vs in buf_values]
+    workspaces: dict[int, int] = {}  # op index -> its workspace's buffer
+    for i, op in enumerate(ops):
+        need = workspace_of(op)
+        if need:  # the launch's workspace lives while the op runs, beside its operands and results
+            workspaces[i] = len(buf_values)
+            buf_values.append([])
+            buf_start.append(i)
+            buf_end.append(i)
+            buf_size_ws[len(buf_values) - 1] = align(need, alignment)
+    buf_size = [sizes[vs[0]] if vs else buf_size_ws[b] for b, vs in enumerate(buf_values)]
     buf_offset = assign_offsets(buf_size, buf_start, buf_end)
     offsets = {v: buf_offset[b] for b, vs in enumerate(buf_values) for v in vs}
     arena = max((o + s for o, s in zip(buf_offset, buf_size)), default=0)
+    ws = {i: (buf_offset[b], buf_size[b]) for i, b in workspaces.items()}
     return MemoryPlan(offsets, sizes, lifetimes, inplace_of, arena,
-                      live_bytes_peak(buf_size, buf_start, buf_end), alignment)
+                      live_bytes_peak(buf_size, buf_start, buf_end), alignment, ws)
+
+
+def workspace_of(op: Operation) -> int:
+    """Bytes of GM workspace the launch of a tiled op needs beside its operands and results (its kernel says)."""
+    kernel = KERNELS.get(op.name)
+    attr = op.attributes.get("tiling")
+    if kernel is None or not attr:
+        return 0
+    try:
+        tiling = kernel.decode(attr)
+    except TilingAttrError:
+        return 0  # the verifier and the Runtime report a malformed tiling; the plan does not
+    return kernel.workspace_bytes(tiling, OpSignature.of(op))
 
 
 def live_bytes_peak(sizes: list[int], starts: list[int], ends: list[int]) -> int:
@@ -169,6 +201,7 @@ def _clear(graph: Graph) -> None:
     graph.attributes.pop("arena_lower_bound", None)
     for op in graph.ops:
         op.attributes.pop("mem_offset", None)
+        op.attributes.pop("workspace", None)
 
 
 @register_pass("plan")
@@ -200,9 +233,11 @@ class Plan(Pass):
                 ctx.remark(f"plan: not planned: {e}; the Runtime plans this graph once the input shapes are known",
                            e.value.loc)
                 continue
-            for op in g.ops:
+            for i, op in enumerate(g.ops):
                 if op.results and op.name != "ge.const":
                     op.attributes["mem_offset"] = [plan.offsets[r] for r in op.results]
+                if i in plan.workspaces:
+                    op.attributes["workspace"] = list(plan.workspaces[i])
             g.attributes["arena_size"] = plan.arena_size
             g.attributes["arena_lower_bound"] = plan.arena_lower_bound
             ctx.remark(f"plan: arena {plan.ratio:.2f}x the lower bound (arena_size {plan.arena_size} B, "

@@ -115,7 +115,7 @@ OP_SUMMARY_COLUMNS: tuple[str, ...] = tuple(name for name, _ in _COLUMNS)
 
 # the pipes only a cube core (AIC) has, and those only a vector core (AIV) has; MTE2 is on both
 _AIC_PIPES = ("CUBE", "MTE1", "FIXP")
-_AIV_PIPES = ("VECTOR", "MTE3")
+_AIV_PIPES = ("VECTOR", "MTE3", "AIV_MTE2")
 _INTEGER_FIELDS = {"device_id", "task_id", "stream_id", "block_dim", "mix_block_dim", "aic_total_cycles",
                    "aiv_total_cycles"}
 
@@ -262,7 +262,8 @@ def _fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: 
     aic_mte2 = side("MTE2", aic and mte2_side == "aic")
     vec = side("VECTOR", aiv)
     mte3 = side("MTE3", aiv)
-    aiv_mte2 = side("MTE2", aiv and mte2_side == "aiv")
+    # a kernel whose vector cores load on their own engine (the CV-split FlashAttention) reports it as theirs
+    aiv_mte2 = side("AIV_MTE2", aiv) if k.busy.get("AIV_MTE2", 0.0) > 0 else side("MTE2", aiv and mte2_side == "aiv")
     aic_total = k.cycles * aic_cores
     # msprof's cube_utilization(%): aic_total_cycles / (clock x the chip's AI cube cores x duration)
     cube_use = (100.0 * aic_total * us_per_cycle / (target.cube_cores * duration)

@@ -34,13 +34,13 @@ from geir.target_npu.target import Target
 
 PROFILE_KEYS = (
     "simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us", "mte2_ratio",
-    "mte1_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio", "overlap_ratio",
+    "mte1_ratio", "cube_ratio", "vec_ratio", "mte3_ratio", "fixp_ratio", "aiv_mte2_ratio", "overlap_ratio",
     "memory_bound", "gm_read_bytes", "gm_write_bytes", "hbm_read_bytes", "hbm_write_bytes", "tflops",
     "cube_peak_fraction", "kernels", "plan_cache", "faults",
 )
 _RATIO_PIPES = {"mte2_ratio": "MTE2", "mte1_ratio": "MTE1", "cube_ratio": "CUBE", "vec_ratio": "VECTOR",
                 "mte3_ratio": "MTE3",
-                "fixp_ratio": "FIXP"}
+                "fixp_ratio": "FIXP", "aiv_mte2_ratio": "AIV_MTE2"}
 
 
 def cube_peak_flops(target: Target) -> float:
@@ -130,6 +130,7 @@ _LEGEND = {
     "vec_ratio": "vector unit busy, likewise",
     "mte3_ratio": "MTE3 (global memory out) busy, likewise",
     "fixp_ratio": "FIXP (cube results out of L0C) busy, likewise",
+    "aiv_mte2_ratio": "the vector cores' own MTE2 (GM to UB) busy where they are separate cores, likewise",
     "gm_read_bytes": "bytes the cores read from global memory",
     "gm_write_bytes": "bytes the cores wrote to global memory",
     "hbm_read_bytes": "bytes of those reads that missed L2 and came from HBM",

@@ -63,6 +63,9 @@ OVERRIDE_KEYS: dict[str, Quantity] = {
     "gm_read_hbm": Quantity("memory", "gm_read_bytes_per_cycle_hbm", Fraction(1), "number"),
     "dma_latency_cycles": Quantity("memory", "dma_latency_cycles", Fraction(1), "count"),
     "pcie_gb_per_s": Quantity("host", "pcie_gb_per_s", Fraction(10**9), "rate"),
+    # 0: the cube and vector units as one AI core (GEIR's on-chip FlashAttention schedule), 1: separate cores
+    # exchanging data through GM (Atlas A2's AIC and AIV); how the two models of one chip compare
+    "separate_cube_vector": Quantity("cores", "separate_cube_vector", Fraction(1), "flag"),
 }
 
 # The canonical friendly key of each quantity that has one (the first listed above)
@@ -90,6 +93,7 @@ _FRACTIONAL_OK = {
     ("host", "pcie_gb_per_s"), ("host", "copy_latency_us"), ("host", "launch_latency_us"),
 }
 
+_FLAGS = {"0": 0, "1": 1, "false": 0, "true": 1}
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _MULTIPLIER = re.compile(rf"[xX]({_NUMBER})|({_NUMBER})[xX]")
 _QUANTITY = re.compile(rf"([+-]?{_NUMBER})([A-Za-z][A-Za-z/]*)?")
@@ -154,6 +158,10 @@ def _fraction(key: str, text: str, number: str) -> Fraction:
 
 def _parse_value(key: str, q: Quantity, text: str) -> _Value:
     """One value of `key`: a multiplier, or a number (with an optional unit suffix) converted to data units."""
+    if q.dimension == "flag":
+        if text.lower() not in _FLAGS:
+            raise OverrideError(f"{key}={text}: {key} takes 0 or 1 (or false, true), not '{text}'")
+        return _Value(None, Fraction(_FLAGS[text.lower()]))
     m = _MULTIPLIER.fullmatch(text)
     if m:
         return _Value(_fraction(key, text, m.group(1) or m.group(2)), None)
@@ -297,6 +305,8 @@ def _apply_one(key: str, text: str, data: dict[str, Any]) -> tuple[int | float, 
         raise _unknown_key(key, data)  # with the target's dotted keys among the guesses
     q = _check_key(key)
     section = data.get(q.table)
+    if q.dimension == "flag" and isinstance(section, dict):  # stored as 0 or 1; absent reads as 0
+        return int(_parse_value(key, q, text).absolute), (q.table, q.key)
     if not isinstance(section, dict) or not _is_number(section.get(q.key)):
         if isinstance(section, dict) and q.key in section:
             raise OverrideError(f"{key}: [{q.table}] {q.key} is {section[q.key]!r}, not a number to override")

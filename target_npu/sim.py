@@ -17,7 +17,9 @@ import numpy as np
 
 from geir.target_npu.target import Target
 
-PIPES = ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "SCALAR")
+# AIV_MTE2: on a chip whose cube and vector units are separate cores (Atlas A2), the vector core's own
+# GM -> UB engine; a core's MTE2 is then the cube core's (GM -> L1). Elsewhere one MTE2 serves both units.
+PIPES = ("MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "AIV_MTE2", "SCALAR")
 PIPE_INDEX = {name: i for i, name in enumerate(PIPES)}
 
 
@@ -139,6 +141,26 @@ class GlobalMemory:
         self.gm_write_bytes = 0
         self.hbm_read_bytes = 0
         self.hbm_write_bytes = 0
+        self.scratch: set[str] = set()  # kernels' workspaces: rewritten in place while the L2 holds them
+
+    def workspace(self, name: str, blocks: int, nbytes: int) -> None:
+        """Register a kernel's GM workspace of `blocks` blocks and `nbytes` bytes, never touched yet.
+
+        A workspace is a few slots rewritten over and over: its traffic touches no more than `nbytes` distinct
+        bytes, so it does not advance the reuse-distance clock (which counts distinct bytes); while it is in
+        use its lines hold that much of the L2, which holds that much less of everything else."""
+        self.last_touch[name] = np.full(blocks, -np.inf)
+        self.tensor_clock[name] = -np.inf
+        self.scratch.add(name)
+        self.sizes[name] = nbytes
+        self.l2_bytes -= min(nbytes, self.l2_bytes)
+
+    def release(self, name: str) -> None:
+        """A workspace's launch is over: its L2 share returns to the other tensors."""
+        self.scratch.discard(name)
+        self.l2_bytes += self.sizes.pop(name, 0)
+        self.last_touch.pop(name, None)
+        self.tensor_clock.pop(name, None)
 
     def tensor(self, name: str, blocks: int, resident: bool = False) -> None:
         """Register a fresh tensor cut into `blocks` blocks; `resident` when it was just written to L2."""
@@ -187,7 +209,8 @@ class GlobalMemory:
         moved = int(total.sum())
         self.gm_read_bytes += moved
         self.hbm_read_bytes += int(miss.sum())
-        self.clock += moved
+        if name not in self.scratch:
+            self.clock += moved
         last[blocks[valid]] = self.clock
         self.tensor_clock[name] = self.clock
         return cost
@@ -197,18 +220,25 @@ class GlobalMemory:
 
         Writes land in L2 and are written back to HBM. A tensor larger than the L2 cannot stay
         there: its lines are written back as it streams out, so it is written at the HBM rate,
-        which the writing cores share (L2 is a write-back cache; CANN's L2 cache docs).
+        which the writing cores share (L2 is a write-back cache; CANN's L2 cache docs). A workspace
+        block rewritten while its dirty lines are still in L2 replaces them there: only a block
+        written for the first time, or after it left the L2, adds a write-back to HBM.
         """
         total = nbytes.sum(axis=1)
         moved = int(total.sum())
         self.gm_write_bytes += moved
-        self.hbm_write_bytes += moved
-        self.clock += moved
+        if name in self.scratch:
+            last = self.last_touch[name]
+            gone = (self.clock - last[blocks]) >= self.l2_bytes
+            self.hbm_write_bytes += int(np.where((nbytes > 0) & gone, nbytes, 0).sum())
+        else:
+            self.hbm_write_bytes += moved
+            self.clock += moved
         if name in self.last_touch:
             self.last_touch[name][blocks[nbytes > 0]] = self.clock
         self.tensor_clock[name] = self.clock
         rate = self.l2_rate
-        if self.sizes.get(name, 0) > self.l2_bytes:
+        if name not in self.scratch and self.sizes.get(name, 0) > self.l2_bytes:
             rate = min(self.hbm_rate, self.chip_hbm_rate / max(int(np.count_nonzero(total)), 1))
         return np.where(total > 0, self.latency, 0) + total / rate
 
