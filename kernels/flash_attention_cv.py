@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from geir.kernels.base import LaunchContext, issue
+from geir.kernels.base import LaunchContext
 from geir.kernels.flash_attention_a2 import cube_chunk, workspace_per_core
 from geir.kernels.tiling import align
-from geir.target_npu.sim import cube_cycles, local_copy_cycles, vector_cycles
+from geir.target_npu.sim import PIPE_INDEX, PipeInterval, cube_cycles, local_copy_cycles, vector_cycles
 from geir.target_npu.target import Target
 
 # vector passes over a score sub-block (scale, mask, row max, subtract, exp, row sum, cast to P) and over the O
@@ -45,40 +45,43 @@ F32 = 4
 
 
 class _Ring:
-    """A ring of buffer slots on every core: a producer takes the next slot once its old contents were consumed."""
+    """A ring of buffer slots on every lane: a producer takes the next slot once its old contents were consumed.
 
-    def __init__(self, slots: int, cores: int):
+    The lanes still working at a step are the leading ones (lanes are sorted by their block count) and every one
+    of them did the same ring operations so far, so one producer and one consumer count serve them all."""
+
+    def __init__(self, slots: int, lanes: int):
         self.slots = slots
-        self.free = np.zeros((slots, cores))
-        self.head = np.zeros(cores, dtype=np.int64)  # the producer's next slot
-        self.tail = np.zeros(cores, dtype=np.int64)  # the consumer's next slot
+        self.free = np.zeros((slots, lanes))
+        self.head = 0  # the producer's next slot
+        self.tail = 0  # the consumer's next slot
 
-    def take(self, on: np.ndarray) -> np.ndarray:
-        """When the producer's next slot on each core is free (an event to wait for); advances the producer."""
-        ready = self.free[self.head[on] % self.slots, on]
-        self.head[on] += 1
+    def take(self, n: int) -> np.ndarray:
+        """When the producer's next slot on the first n lanes is free (an event to wait for); advances the producer."""
+        ready = self.free[self.head % self.slots, :n]
+        self.head += 1
         return ready
 
-    def give(self, on: np.ndarray, when: np.ndarray) -> None:
-        """The consumer is done with its next slot on each core at `when`."""
-        self.free[self.tail[on] % self.slots, on] = when
-        self.tail[on] += 1
+    def give(self, n: int, when: np.ndarray) -> None:
+        """The consumer is done with its next slot on the first n lanes at `when`."""
+        self.free[self.tail % self.slots, :n] = when
+        self.tail += 1
 
 
 class _Rings:
-    """Every buffer ring of the schedule, kept per core across waves (a core's next unit reuses them)."""
+    """Every buffer ring of the schedule."""
 
-    def __init__(self, cores: int, preload: int, buffers: int):
-        self.l1_k = _Ring(buffers, cores)   # K chunks in L1 (mm1)
-        self.l1_pv = _Ring(buffers, cores)  # P and V chunks in L1 (mm2)
-        self.l0 = _Ring(buffers, cores)     # L0A / L0B fragments
-        self.l0c = _Ring(buffers, cores)    # L0C results
-        self.ws_s = _Ring(preload + 1, cores)  # workspace: S blocks
-        self.ws_p = _Ring(preload, cores)      # workspace: P blocks
-        self.ws_o = _Ring(2, cores)            # workspace: P V blocks
-        self.ub_in = _Ring(buffers, cores)   # UB: S sub-blocks in
-        self.ub_out = _Ring(buffers, cores)  # UB: P sub-blocks out
-        self.ub_o = _Ring(1, cores)      # UB: landing buffer of P V
+    def __init__(self, lanes: int, preload: int, buffers: int):
+        self.l1_k = _Ring(buffers, lanes)   # K chunks in L1 (mm1)
+        self.l1_pv = _Ring(buffers, lanes)  # P and V chunks in L1 (mm2)
+        self.l0 = _Ring(buffers, lanes)     # L0A / L0B fragments
+        self.l0c = _Ring(buffers, lanes)    # L0C results
+        self.ws_s = _Ring(preload + 1, lanes)  # workspace: S blocks
+        self.ws_p = _Ring(preload, lanes)      # workspace: P blocks
+        self.ws_o = _Ring(2, lanes)            # workspace: P V blocks
+        self.ub_in = _Ring(buffers, lanes)   # UB: S sub-blocks in
+        self.ub_out = _Ring(buffers, lanes)  # UB: P sub-blocks out
+        self.ub_o = _Ring(1, lanes)          # UB: landing buffer of P V
 
 
 def _split(cost: np.ndarray, parts: int, latency: float) -> np.ndarray:
@@ -105,7 +108,7 @@ class _Layout:
         self.ws = f"{self.o}:workspace"
         gm.workspace(self.ws, cores * self.per_core, cores * workspace_per_core(s1, s2, d, isz, preload))
 
-    def ws_ids(self, kind: int, slot: np.ndarray, on: np.ndarray) -> np.ndarray:
+    def ws_ids(self, kind: int, slot: int, on: np.ndarray) -> np.ndarray:
         """[lane, half] ids of workspace slot `slot` of kind 0 (S), 1 (P) or 2 (P V) on cores `on`."""
         base = on * self.per_core + 2 * (sum(self.slots[:kind]) + slot)
         return np.stack([base, base + 1], axis=1)
@@ -121,7 +124,7 @@ def cv_grid(q_shape, k_shape, s1: int, s2: int) -> dict[str, int]:
 
 def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, v_rows: int,
                   preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2) -> None:
-    """Issue the CV-split schedule of every work unit (batch, head, query row block), wave by wave."""
+    """Issue the CV-split schedule of every work unit (batch, head, query row block) on the cores that run them."""
     target, cores, gm = ctx.target, ctx.cores, ctx.gm
     B, N, Sq, D = q_shape
     Nkv, Skv = k_shape[1], k_shape[2]
@@ -130,44 +133,32 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
     nq, nk = -(-Sq // s1), -(-Skv // s2)
     units = B * N * nq
+    if not units or not nk:
+        return  # nothing to load or compute (an empty sequence)
     lay = _Layout(gm, names, nk, cores.count, preload, s1, s2, D, isz)
-    rings = _Rings(cores.count, preload, buffers)
-    c = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers)
-    mask_bytes = 0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize
-    lat = gm.latency
-    qi_all = np.arange(units) % nq
-    trips_all = np.full(units, nk)
+    trips = np.full(units, nk)
     if causal:  # key blocks wholly above the diagonal are skipped
-        trips_all = np.minimum(trips_all, -(-((qi_all + 1) * s1) // s2))
-    for ids, on in balanced(trips_all, cores.count):
-        qi, bn = ids % nq, ids // nq
-        kv_head = (bn // N) * Nkv + (bn % N) // group
-        _Wave(ctx, lay, rings, c, on, bn * nq + qi, kv_head * nk, trips_all[ids], mask_bytes, lat, preload).run()
+        trips = np.minimum(trips, -(-((np.arange(units) % nq + 1) * s1) // s2))
+    bn = np.arange(units) // nq
+    kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk  # a unit's first K/V block
+    mask_bytes = 0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize
+    _Program(ctx, lay, _Costs(target, dname, s1, s2, D, isz, v_rows, buffers), balanced(trips, cores.count), trips,
+             kv_first, mask_bytes, preload, buffers).run()
     gm.release(lay.ws)
 
 
-def balanced(blocks: np.ndarray, cores: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Work units dealt to cores as contiguous ranges of about equal block count, in waves of one unit per core:
-    (unit ids, core ids) per wave.
+def balanced(blocks: np.ndarray, cores: int) -> np.ndarray:
+    """Where each core's units start: contiguous ranges of about equal block count ([cores + 1] bounds).
 
     As ops-transformer's FlashAttentionScore tiling splits them: a core walks consecutive row blocks of one
     head, so it reads that head's K and V from HBM once and from the L2 after, and a causal mask's short
     rows and long rows are spread by their block counts.
     """
     units = len(blocks)
-    if not units:
-        return []
     total = np.cumsum(blocks, dtype=np.float64)
     # core c starts at the first unit whose preceding blocks reach c / cores of the total
     starts = np.searchsorted(total - blocks, np.arange(cores) * total[-1] / cores, side="left")
-    starts = np.minimum(np.maximum.accumulate(starts), units)
-    ends = np.append(starts[1:], units)
-    count = ends - starts
-    waves = []
-    for w in range(int(count.max(initial=0))):
-        on = np.nonzero(count > w)[0]
-        waves.append((starts[on] + w, on))
-    return waves
+    return np.append(np.minimum(np.maximum.accumulate(starts), units), units)
 
 
 class _Costs:
@@ -192,149 +183,188 @@ class _Costs:
         self.q_block, self.kv_block, self.out_block = s1 * D * isz, s2 * D * isz, s1 * D * isz
 
 
-class _Wave:
-    """One wave's units, one per lane, through the AIC's and the AIVs' programs."""
+class _Program:
+    """Every core's blocks in order, one lane per core: the AIC's and the AIVs' programs over them.
 
-    def __init__(self, ctx: LaunchContext, lay: _Layout, rings: _Rings, c: _Costs, on: np.ndarray,
-                 q_block: np.ndarray, kv_first: np.ndarray, trips: np.ndarray, mask_bytes: int, lat: float,
-                 preload: int):
-        self.ctx, self.lay, self.r, self.c = ctx, lay, rings, c
-        self.on, self.q_block, self.kv_first, self.trips = on, q_block, kv_first, trips
-        self.mask_bytes, self.lat, self.preload = mask_bytes, lat, preload
-        L = len(on)
-        # the cross-core flags of the blocks in flight, by block index: when S_t, P_t and (P V)_t are in GM
+    A core's units follow one another without a break: the AIC preloads mm1 across a unit's end into the next
+    unit's blocks, as the kernel's loop over its (unit, block) pairs does. Step j is every core's j-th block.
+    Lanes are sorted by their block count (most first), so the lanes working at a step are a leading slice of
+    the state arrays; the pipes' state is written back to the cores at the end.
+    """
+
+    def __init__(self, ctx: LaunchContext, lay: _Layout, c: _Costs, bounds: np.ndarray, trips: np.ndarray,
+                 kv_first: np.ndarray, mask_bytes: int, preload: int, buffers: int):
+        self.ctx, self.lay, self.c = ctx, lay, c
+        self.trips, self.kv_first, self.mask_bytes, self.preload = trips, kv_first, mask_bytes, preload
+        self.lat = ctx.gm.latency
+        cores = ctx.cores
+        length = np.array([int(trips[bounds[i]:bounds[i + 1]].sum()) for i in range(cores.count)])
+        self.order = np.argsort(-length, kind="stable")  # lane i is core order[i]
+        L = cores.count
+        self.steps = int(length.max(initial=0))
+        self.n_at = [int(np.count_nonzero(length > j)) for j in range(self.steps)]
+        # [step, lane]: the unit and its block each lane does at step j (-1: the lane is done)
+        self.unit = np.full((self.steps, L), -1, dtype=np.int64)
+        self.block = np.zeros((self.steps, L), dtype=np.int64)
+        for lane, core in enumerate(self.order):
+            ids = np.arange(bounds[core], bounds[core + 1])
+            n = int(length[core])
+            self.unit[:n, lane] = np.repeat(ids, trips[ids])
+            self.block[:n, lane] = np.arange(n) - np.repeat(np.cumsum(trips[ids]) - trips[ids], trips[ids])
+        self.r = _Rings(L, preload, buffers)
+        self.free = cores.free[:, self.order].copy()  # [pipe, lane]: when each pipe is free
+        self.busy = np.zeros_like(self.free)
+        self.intervals: list | None = [] if cores.record else None
+        # the cross-core flags of the blocks in flight, by step: when S_j, P_j and (P V)_j are in GM
         self.s_ready: dict[int, np.ndarray] = {}
         self.p_ready: dict[int, np.ndarray] = {}
         self.o_ready: dict[int, np.ndarray] = {}
-        self.q_in_l1 = np.zeros(L)
+        self.q_ready = np.zeros(L)
+        self.q_free = np.zeros(L)  # L1's Q: free for the next unit once the last mm1 of this one took it to L0A
 
-    def ins(self, pipe: str, idx: np.ndarray, cost, flags=(), slots=(), name: str = "") -> np.ndarray:
-        return issue(self.ctx.cores, self.ctx.waits, pipe, self.on[idx], cost, flags, slots, name=name)
+    def ins(self, pipe: str, lanes, cost, flags=(), slots=(), name: str = "") -> np.ndarray:
+        """One instruction on `pipe` of some lanes (a count n: the first n; or an index array): it starts when the
+        pipe, its flags and its slots are all ready; returns its end times."""
+        p = PIPE_INDEX[pipe]
+        at = slice(0, lanes) if isinstance(lanes, int) else lanes
+        free = self.free[p, at]
+        ready = free
+        for e in flags:
+            ready = np.maximum(ready, e)
+        start = ready
+        for e in slots:
+            start = np.maximum(start, e)
+        end = start + cost
+        waits = self.ctx.waits
+        if waits is not None:
+            waits.flag[pipe] += float(np.sum(ready - free))
+            waits.slot[pipe] += float(np.sum(start - ready))
+        if self.intervals is not None:
+            self.intervals.append((p, name, at, np.array(start, dtype=float), end))
+        self.free[p, at] = end
+        self.busy[p, at] += cost
+        return end
 
     def run(self) -> None:
-        gm, c, lay, on = self.ctx.gm, self.c, self.lay, self.on
-        every = np.arange(len(on))
-        q_cost = gm.read(lay.q, self.q_block, c.q_block)
-        self.q_in_l1 = self.ins("MTE2", every, q_cost, name="load Q")
-        steps = int(self.trips.max(initial=0))
         d = self.preload
-        for t in range(min(d, steps)):
-            self.mm1(t)
-        for t in range(min(d, steps)):
-            self.softmax(t)
-        for t in range(steps):
-            if t + d < steps:
-                self.mm1(t + d)
-            self.mm2(t)
-            if t + d < steps:
-                self.softmax(t + d)
-            self.accumulate(t)
-        done = self.ins("VECTOR", every, c.o_l, name="O / l")
-        self.ins("MTE3", every, self._pair(gm.write_pieces, lay.o, self.q_block, c.out_block), [done], name="store O")
+        for j in range(min(d, self.steps)):
+            self.mm1(j)
+        for j in range(min(d, self.steps)):
+            self.softmax(j)
+        for j in range(self.steps):
+            if j + d < self.steps:
+                self.mm1(j + d)
+            self.mm2(j)
+            if j + d < self.steps:
+                self.softmax(j + d)
+            self.accumulate(j)
+        cores = self.ctx.cores
+        cores.free[:, self.order] = self.free
+        cores.busy[:, self.order] += self.busy
+        if self.intervals is not None:
+            for p, name, at, start, end in self.intervals:
+                cores.intervals.append(PipeInterval(p, name, self.order[at], start, end))
 
-    def _active(self, t: int) -> np.ndarray:
-        return np.nonzero(self.trips > t)[0]
-
-    def _ws_read(self, kind: int, ring: _Ring, idx: np.ndarray, nbytes: int, by_aiv: bool) -> np.ndarray:
-        """Cycles to read a workspace block on each lane (by the AIV pair, each its half, or by the AIC)."""
-        gm, on = self.ctx.gm, self.on[idx]
-        ids = self.lay.ws_ids(kind, ring.tail[on] % ring.slots, on)
+    def _ws(self, write: bool, kind: int, slot: int, n: int, nbytes: int, by_aiv: bool) -> np.ndarray:
+        """Cycles to move a workspace block on each of the first n lanes (by the AIV pair, each its half, side by
+        side, or by the AIC)."""
+        gm = self.ctx.gm
+        move = gm.write_pieces if write else gm.read_pieces
+        ids = self.lay.ws_ids(kind, slot, self.order[:n])
         half = np.full(ids.shape, nbytes // 2, dtype=np.int64)
         if by_aiv:
-            return gm.read_pieces(self.lay.ws, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
-        return gm.read_pieces(self.lay.ws, ids, half)
-
-    def _ws_write(self, kind: int, ring: _Ring, idx: np.ndarray, nbytes: int, by_aiv: bool) -> np.ndarray:
-        """Cycles to write a workspace block on each lane (slot: the ring's producer slot, before `take`)."""
-        gm, on = self.ctx.gm, self.on[idx]
-        ids = self.lay.ws_ids(kind, ring.head[on] % ring.slots, on)
-        half = np.full(ids.shape, nbytes // 2, dtype=np.int64)
-        if by_aiv:
-            return gm.write_pieces(self.lay.ws, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
-        return gm.write_pieces(self.lay.ws, ids, half)
-
-    def mm1(self, t: int) -> None:
-        """S_t = Q K_t^T on the AIC, pass by pass, each pass's scores to the workspace."""
-        idx = self._active(t)
-        if not len(idx):
-            return
-        gm, c, r, lay, on = self.ctx.gm, self.c, self.r, self.lay, self.on[idx]
-        k_cost = _split(gm.read(lay.k, self.kv_first[idx] + t, c.kv_block), c.chunks, self.lat)
-        s_cost = _split(self._ws_write(0, r.ws_s, idx, c.s_block, False), c.chunks, self.lat)
-        slot_free = r.ws_s.take(on)
-        end = None
-        for j in range(c.chunks):
-            k_in = self.ins("MTE2", idx, k_cost, slots=[r.l1_k.take(on)], name="load K chunk")
-            l0 = self.ins("MTE1", idx, c.mm1_l0, [k_in, self.q_in_l1[idx]], [r.l0.take(on)], name="Q, K to L0")
-            r.l1_k.give(on, l0)
-            s = self.ins("CUBE", idx, c.mm1, [l0], [r.l0c.take(on)], name="S = Q K^T")
-            r.l0.give(on, s)
-            end = self.ins("FIXP", idx, s_cost, [s], [slot_free] if j == 0 else [], name="S to workspace")
-            r.l0c.give(on, end)
-        self.s_ready[t] = end
-
-    def softmax(self, t: int) -> None:
-        """The online softmax of block t on the AIV pair, sub-block by sub-block, P to the workspace."""
-        idx = self._active(t)
-        if not len(idx):
-            return
-        gm, c, r, lay, on = self.ctx.gm, self.c, self.r, self.lay, self.on[idx]
-        s_cost = self._ws_read(0, r.ws_s, idx, c.s_block, True)
-        if lay.mask is not None:  # each AIV reads its rows of the block's mask tile with its scores
-            s_cost = s_cost + self._pair(gm.read_pieces, lay.mask, self.q_block[idx] * lay.nk + t, self.mask_bytes)
-        p_cost = self._ws_write(1, r.ws_p, idx, c.p_block, True)
-        p_slot = r.ws_p.take(on)
-        ready = self.s_ready.pop(t)
-        loaded = end = None
-        for j, rows in enumerate(c.rows):
-            share = rows / c.half
-            loaded = self.ins("AIV_MTE2", idx, _share(s_cost, share, self.lat), [ready], [r.ub_in.take(on)],
-                              name="load S")
-            sm = self.ins("VECTOR", idx, c.softmax[j], [loaded], [r.ub_out.take(on)], name="online softmax")
-            r.ub_in.give(on, sm)
-            end = self.ins("MTE3", idx, _share(p_cost, share, self.lat), [sm], [p_slot] if j == 0 else [],
-                           name="P to workspace")
-            r.ub_out.give(on, end)
-        r.ws_s.give(on, loaded)
-        self.p_ready[t] = end
+            return move(self.lay.ws, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
+        return move(self.lay.ws, ids, half)
 
     def _pair(self, move, name: str, blocks: np.ndarray, nbytes: int) -> np.ndarray:
         """Cycles of the AIV pair moving halves of one block each on every lane (side by side: the slower half)."""
         ids = np.repeat(blocks, 2)[:, None]
         return move(name, ids, np.full(ids.shape, nbytes // 2, dtype=np.int64)).reshape(-1, 2).max(axis=1)
 
-    def mm2(self, t: int) -> None:
-        """(P V)_t on the AIC: P and V pass by pass, accumulated in L0C, the result to the workspace."""
-        idx = self._active(t)
-        if not len(idx):
-            return
-        gm, c, r, lay, on = self.ctx.gm, self.c, self.r, self.lay, self.on[idx]
-        v_cost = gm.read(lay.v, self.kv_first[idx] + t, c.kv_block)
-        pv_cost = _split(v_cost + self._ws_read(1, r.ws_p, idx, c.p_block, False), c.chunks, self.lat)
-        o_cost = self._ws_write(2, r.ws_o, idx, c.o_block, False)
-        ready = self.p_ready.pop(t)
-        acc_free = r.l0c.take(on)
-        loaded = cube = None
-        for j in range(c.chunks):
-            loaded = self.ins("MTE2", idx, pv_cost, [ready], [r.l1_pv.take(on)], name="load P, V chunk")
-            l0 = self.ins("MTE1", idx, c.mm2_l0, [loaded], [r.l0.take(on)], name="P, V to L0")
-            r.l1_pv.give(on, l0)
-            cube = self.ins("CUBE", idx, c.mm2, [l0], [acc_free] if j == 0 else [], name="P V")
-            r.l0.give(on, cube)
-        r.ws_p.give(on, loaded)
-        end = self.ins("FIXP", idx, o_cost, [cube],
-                       [r.ws_o.take(on)], name="P V to workspace")
-        r.l0c.give(on, end)
-        self.o_ready[t] = end
+    def mm1(self, j: int) -> None:
+        """S_j = Q K_j^T on the AIC, pass by pass, each pass's scores to the workspace (Q first, at a unit's start)."""
+        n = self.n_at[j]
+        unit, t = self.unit[j, :n], self.block[j, :n]
+        gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
+        first = np.nonzero(t == 0)[0]
+        if len(first):  # a new unit: its Q into L1, once the last one left for L0A
+            cost = gm.read(lay.q, unit[first], c.q_block)
+            self.q_ready[first] = self.ins("MTE2", first, cost, slots=[self.q_free[first]], name="load Q")
+        k_cost = _split(gm.read(lay.k, self.kv_first[unit] + t, c.kv_block), c.chunks, self.lat)
+        s_cost = _split(self._ws(True, 0, r.ws_s.head % r.ws_s.slots, n, c.s_block, False), c.chunks, self.lat)
+        slot_free = r.ws_s.take(n)
+        q_ready = self.q_ready[:n]
+        end = l0 = None
+        for chunk in range(c.chunks):
+            k_in = self.ins("MTE2", n, k_cost, slots=[r.l1_k.take(n)], name="load K chunk")
+            l0 = self.ins("MTE1", n, c.mm1_l0, [k_in, q_ready], [r.l0.take(n)], name="Q, K to L0")
+            r.l1_k.give(n, l0)
+            s = self.ins("CUBE", n, c.mm1, [l0], [r.l0c.take(n)], name="S = Q K^T")
+            r.l0.give(n, s)
+            end = self.ins("FIXP", n, s_cost, [s], [slot_free] if chunk == 0 else [], name="S to workspace")
+            r.l0c.give(n, end)
+        last = np.nonzero(t == self.trips[unit] - 1)[0]
+        self.q_free[last] = l0[last]  # the unit's Q has gone to L0A for the last time
+        self.s_ready[j] = end
 
-    def accumulate(self, t: int) -> None:
-        """O = O * exp(m_old - m_new) + (P V)_t on the AIV pair."""
-        idx = self._active(t)
-        if not len(idx):
-            return
-        c, r, on = self.c, self.r, self.on[idx]
-        cost = self._ws_read(2, r.ws_o, idx, c.o_block, True)
-        loaded = self.ins("AIV_MTE2", idx, cost, [self.o_ready.pop(t)], [r.ub_o.take(on)], name="load P V")
-        r.ws_o.give(on, loaded)
-        done = self.ins("VECTOR", idx, c.acc, [loaded], name="rescale and accumulate O")
-        r.ub_o.give(on, done)
+    def softmax(self, j: int) -> None:
+        """The online softmax of block j on the AIV pair, sub-block by sub-block, P to the workspace."""
+        n = self.n_at[j]
+        unit, t = self.unit[j, :n], self.block[j, :n]
+        gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
+        s_cost = self._ws(False, 0, r.ws_s.tail % r.ws_s.slots, n, c.s_block, True)
+        if lay.mask is not None:  # each AIV reads its rows of the block's mask tile with its scores
+            s_cost = s_cost + self._pair(gm.read_pieces, lay.mask, unit * lay.nk + t, self.mask_bytes)
+        p_cost = self._ws(True, 1, r.ws_p.head % r.ws_p.slots, n, c.p_block, True)
+        p_slot = r.ws_p.take(n)
+        ready = self.s_ready.pop(j)
+        loaded = end = None
+        for sub, rows in enumerate(c.rows):
+            share = rows / c.half
+            loaded = self.ins("AIV_MTE2", n, _share(s_cost, share, self.lat), [ready], [r.ub_in.take(n)],
+                              name="load S")
+            sm = self.ins("VECTOR", n, c.softmax[sub], [loaded], [r.ub_out.take(n)], name="online softmax")
+            r.ub_in.give(n, sm)
+            end = self.ins("MTE3", n, _share(p_cost, share, self.lat), [sm], [p_slot] if sub == 0 else [],
+                           name="P to workspace")
+            r.ub_out.give(n, end)
+        r.ws_s.give(n, loaded)
+        self.p_ready[j] = end
+
+    def mm2(self, j: int) -> None:
+        """(P V)_j on the AIC: P and V pass by pass, accumulated in L0C, the result to the workspace."""
+        n = self.n_at[j]
+        unit, t = self.unit[j, :n], self.block[j, :n]
+        gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
+        v_cost = gm.read(lay.v, self.kv_first[unit] + t, c.kv_block)
+        p_cost = self._ws(False, 1, r.ws_p.tail % r.ws_p.slots, n, c.p_block, False)
+        pv_cost = _split(v_cost + p_cost, c.chunks, self.lat)
+        o_cost = self._ws(True, 2, r.ws_o.head % r.ws_o.slots, n, c.o_block, False)
+        ready = self.p_ready.pop(j)
+        acc_free = r.l0c.take(n)
+        loaded = cube = None
+        for chunk in range(c.chunks):
+            loaded = self.ins("MTE2", n, pv_cost, [ready], [r.l1_pv.take(n)], name="load P, V chunk")
+            l0 = self.ins("MTE1", n, c.mm2_l0, [loaded], [r.l0.take(n)], name="P, V to L0")
+            r.l1_pv.give(n, l0)
+            cube = self.ins("CUBE", n, c.mm2, [l0], [acc_free] if chunk == 0 else [], name="P V")
+            r.l0.give(n, cube)
+        r.ws_p.give(n, loaded)
+        end = self.ins("FIXP", n, o_cost, [cube], [r.ws_o.take(n)], name="P V to workspace")
+        r.l0c.give(n, end)
+        self.o_ready[j] = end
+
+    def accumulate(self, j: int) -> None:
+        """O = O * exp(m_old - m_new) + (P V)_j on the AIV pair; after a unit's last block, O / l and O to GM."""
+        n = self.n_at[j]
+        unit, t = self.unit[j, :n], self.block[j, :n]
+        gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
+        cost = self._ws(False, 2, r.ws_o.tail % r.ws_o.slots, n, c.o_block, True)
+        loaded = self.ins("AIV_MTE2", n, cost, [self.o_ready.pop(j)], [r.ub_o.take(n)], name="load P V")
+        r.ws_o.give(n, loaded)
+        done = self.ins("VECTOR", n, c.acc, [loaded], name="rescale and accumulate O")
+        r.ub_o.give(n, done)
+        last = np.nonzero(t == self.trips[unit] - 1)[0]
+        if len(last):
+            out = self.ins("VECTOR", last, c.o_l, name="O / l")
+            self.ins("MTE3", last, self._pair(gm.write_pieces, lay.o, unit[last], c.out_block), [out], name="store O")

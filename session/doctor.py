@@ -586,9 +586,13 @@ def kernel_findings(views: list[KernelView], target: Target,
         else:
             where = f"moves data only; {r.bound}-bound"
         pipe = f"{busiest} {100 * busy:.0f} % busy"
+        split = cv_split_schedule(k, target)
+        if split:
+            evidence["cv_split"] = split
+        design = f"; {render_cv_split(split)}" if split else ""
         if r.fraction >= ROOFLINE_FAR:
             out.append(Finding("kernel", "near_roofline", "info", f"{v.name} reaches {100 * r.fraction:.0f} % of "
-                                                                  f"its roofline ({where}); busiest pipe {pipe}",
+                                                                  f"its roofline ({where}); busiest pipe {pipe}{design}",
                                evidence, v.loc))
             continue
         if k.cores < target.cube_cores:
@@ -599,9 +603,32 @@ def kernel_findings(views: list[KernelView], target: Target,
             limit = f"its pipes are idle much of the time (the busiest, {pipe})"
         severity, note = _after_fusion(v, absorbed, "high")
         out.append(Finding("kernel", "far_from_roofline", severity,
-                           f"{v.name} reaches {100 * r.fraction:.0f} % of its roofline ({where}); {limit}{note}",
+                           f"{v.name} reaches {100 * r.fraction:.0f} % of its roofline ({where}); {limit}{design}{note}",
                            evidence, v.loc))
     return out
+
+
+def cv_split_schedule(k: KernelStats, target: Target) -> dict[str, Any] | None:
+    """What a FlashAttention launch on split cube and vector cores (Atlas A2) did across the split: its CV block,
+    preload, workspace and the pipes on each side of the GM exchange; None for any other launch."""
+    t = k.tiling
+    if not getattr(t, "cv_split", False) or not k.cycles or not k.cores:
+        return None
+    ratio = {p: k.busy[p] / (k.cycles * k.cores) for p in ("MTE2", "CUBE", "FIXP", "VECTOR", "AIV_MTE2", "MTE3")}
+    exchange = max(("MTE2", "FIXP"), key=ratio.get)
+    return {"cv_block": [t.s1, t.s2], "v_rows": t.v_rows, "preload": t.preload,
+            "vector_per_cube": int(target.data["cores"].get("vector_per_cube", 1)), "pipe_ratios": ratio,
+            "exchange_pipe": exchange}
+
+
+def render_cv_split(split: dict[str, Any]) -> str:
+    """The CV-split schedule's figures as a sentence for the kernel finding."""
+    r = split["pipe_ratios"]
+    s1, s2 = split["cv_block"]
+    return (f"Atlas A2 CV split: each AIC and its {split['vector_per_cube']} AIVs exchange S and P through GM, "
+            f"CV block {s1} x {s2}, cube preload {split['preload']}: AIC MTE2 {100 * r['MTE2']:.0f} %, cube "
+            f"{100 * r['CUBE']:.0f} %, FIXP {100 * r['FIXP']:.0f} %, AIV vector {100 * r['VECTOR']:.0f} % busy "
+            f"(the exchange through L2 is bound by the AIC's {split['exchange_pipe']} first)")
 
 
 def aicpu_findings(views: list[KernelView], target: Target, device_us: float,

@@ -396,6 +396,8 @@ def tilings(path: Path) -> dict[str, dict[str, Any]]:
 def tiling_cell(t: dict[str, Any]) -> str:
     """One cell of step 4's table: the template and s1 x s2 block, or the unfused softmax's row pieces."""
     segments = t.get("segments", 1)
+    if t["op"] == "ge.flash_attention" and t.get("preload"):  # the CV-split schedule (Atlas A2)
+        return f"CV {t['s1']}x{t['s2']}, vector {t['v_rows']} rows"
     if t["op"] == "ge.flash_attention":
         return f"{t['template']} {t['s1']}x{t['s2']}" + (f", {segments} segments" if segments > 1 else "")
     return f"unfused; softmax {segments} x {t['cols']}"
@@ -415,7 +417,8 @@ def step4(t: Tour) -> Step:
     t.say(f"{'graph':<22}" + "".join(f"{target:<30}" for target in TARGETS).rstrip())
     for graph, row in table.items():
         t.say(f"{graph:<22}" + "".join(f"{tiling_cell(row[target]):<30}" for target in TARGETS).rstrip())
-    ran = t.tool("gerun", STEP4, "--entry", SEGMENTED_ENTRY, "--check", "--profile")
+    # key segments are the on-chip schedule's (the 910A's); the 910B's CV-split schedule never splits a row's keys
+    ran = t.tool("gerun", STEP4, "--entry", SEGMENTED_ENTRY, "--target", "ascend910a", "--check", "--profile")
     step.ran.append(ran)
     step.facts["segmented_check"] = "check: PASS" in ran.stdout
     return step
