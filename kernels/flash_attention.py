@@ -175,11 +175,20 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     mg = None if mask is None else mask.reshape(B, Nkv, R, Skv)
     rows = np.tile(np.arange(Sq), group)
     out = np.empty((B, Nkv, R, Dv), dtype=_F32)
-    chunk = max(s1, (_CACHE_SCORES // max(B * Nkv * s2, 1)) // s1 * s1)
-    for c0 in range(0, R, chunk):
-        c1 = min(c0 + chunk, R)
-        out[:, :, c0:c1] = _rows(qg[:, :, c0:c1], kf, vf, None if mg is None else mg[:, :, c0:c1], rows[c0:c1],
-                                 causal, scale, q.dtype, s1, s2, segments)
+    # The chunks depend on the blocks alone, never on how many batches and heads there are: a row's matmuls then
+    # see the same operand shapes in any op of these blocks (BLAS's summation order may follow the shapes), so a
+    # check instance of fewer heads computes its rows bit for bit as the whole op does.
+    chunk = max(s1, (_CACHE_SCORES // max(s2, 1)) // s1 * s1)
+    heads = max(1, _CACHE_SCORES // max(chunk * s2, 1))
+    flat = lambda x: x.reshape(B * Nkv, 1, *x.shape[2:])  # noqa: E731 ((batch, K/V head) pairs as one axis)
+    qf, kff, vff, of = flat(qg), flat(kf), flat(vf), flat(out)
+    mf = None if mg is None else flat(mg)
+    for h0 in range(0, B * Nkv, heads):
+        h = slice(h0, min(h0 + heads, B * Nkv))
+        for c0 in range(0, R, chunk):
+            c1 = min(c0 + chunk, R)
+            of[h, :, c0:c1] = _rows(qf[h, :, c0:c1], kff[h], vff[h], None if mf is None else mf[h, :, c0:c1],
+                                    rows[c0:c1], causal, scale, q.dtype, s1, s2, segments)
     return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 

@@ -113,7 +113,7 @@ def _k_pass(m: int, n: int, k: int, kmin: int, nbytes: int, buffers: int, chip: 
 def workspace_per_core(s1: int, s2: int, d: int, itemsize: int, preload: int) -> int:
     """GM workspace bytes of one AIC and its AIVs: preload + 1 S slots (f32), preload P slots (input dtype) and
     two slots of each block's P V (f32), one per block in flight."""
-    return (preload + 1) * s1 * s2 * F32_BYTES + preload * s1 * s2 * itemsize + 2 * s1 * d * F32_BYTES
+    return (preload + 1) * s1 * s2 * (F32_BYTES + itemsize) + 2 * s1 * d * F32_BYTES
 
 
 def vector_rows(s2: int, half_rows: int) -> int:

@@ -77,7 +77,7 @@ class _Rings:
         self.l0 = _Ring(buffers, lanes)     # L0A / L0B fragments
         self.l0c = _Ring(buffers, lanes)    # L0C results
         self.ws_s = _Ring(preload + 1, lanes)  # workspace: S blocks
-        self.ws_p = _Ring(preload, lanes)      # workspace: P blocks
+        self.ws_p = _Ring(preload + 1, lanes)  # workspace: P blocks
         self.ws_o = _Ring(2, lanes)            # workspace: P V blocks
         self.ub_in = _Ring(buffers, lanes)   # UB: S sub-blocks in
         self.ub_out = _Ring(buffers, lanes)  # UB: P sub-blocks out
@@ -103,7 +103,7 @@ class _Layout:
         self.q, self.k, self.v, self.mask, self.o = names
         self.nk = nk
         # per core: S slots, P slots, P V slots, each cut in two halves (one per AIV)
-        self.slots = (preload + 1, preload, 2)
+        self.slots = (preload + 1, preload + 1, 2)
         self.per_core = 2 * sum(self.slots)
         self.ws = f"{self.o}:workspace"
         gm.workspace(self.ws, cores * self.per_core, cores * workspace_per_core(s1, s2, d, isz, preload))
@@ -142,23 +142,46 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     bn = np.arange(units) // nq
     kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk  # a unit's first K/V block
     mask_bytes = 0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize
-    _Program(ctx, lay, _Costs(target, dname, s1, s2, D, isz, v_rows, buffers), balanced(trips, cores.count), trips,
+    # A core walking one head keeps that head's K and V in the L2 only while the heads all cores walk at once fit
+    # beside the workspace; otherwise the cores take turns on each head's row blocks, sharing its K and V
+    heads_at_once = min(cores.count, B * Nkv) * 2 * Skv * D * isz
+    if heads_at_once <= gm.l2_bytes:
+        assignment = contiguous(trips, cores.count)
+    else:
+        assignment = interleaved(units, cores.count)
+    _Program(ctx, lay, _Costs(target, dname, s1, s2, D, isz, v_rows, buffers), assignment, trips,
              kv_first, mask_bytes, preload, buffers).run()
     gm.release(lay.ws)
 
 
-def balanced(blocks: np.ndarray, cores: int) -> np.ndarray:
-    """Where each core's units start: contiguous ranges of about equal block count ([cores + 1] bounds).
+def contiguous(blocks: np.ndarray, cores: int) -> list[np.ndarray]:
+    """Each core's units: contiguous ranges of about equal block count.
 
     As ops-transformer's FlashAttentionScore tiling splits them: a core walks consecutive row blocks of one
     head, so it reads that head's K and V from HBM once and from the L2 after, and a causal mask's short
     rows and long rows are spread by their block counts.
     """
     units = len(blocks)
+    used = min(cores, units)  # fewer units than cores: one each on the first cores
     total = np.cumsum(blocks, dtype=np.float64)
-    # core c starts at the first unit whose preceding blocks reach c / cores of the total
-    starts = np.searchsorted(total - blocks, np.arange(cores) * total[-1] / cores, side="left")
-    return np.append(np.minimum(np.maximum.accumulate(starts), units), units)
+    # core c starts at the first unit whose preceding blocks reach c / used of the total
+    starts = np.searchsorted(total - blocks, np.arange(used) * total[-1] / used, side="left")
+    starts = np.minimum(np.maximum.accumulate(starts), units)
+    bounds = np.concatenate([starts, np.full(cores - used + 1, units)])
+    return [np.arange(bounds[c], bounds[c + 1]) for c in range(cores)]
+
+
+def interleaved(units: int, cores: int) -> list[np.ndarray]:
+    """Each core's units dealt in turn (unit i to core i mod cores, in a snake so that a causal mask's long rows
+    do not all land on the last cores): the cores work on neighbouring row blocks of one head at a time and
+    share its K and V in the L2 (GEIR's choice where the heads of a contiguous split would not fit the L2)."""
+    out: list[list[int]] = [[] for _ in range(cores)]
+    for w, first in enumerate(range(0, units, cores)):
+        ids = range(first, min(first + cores, units))
+        lanes = range(len(ids)) if w % 2 == 0 else range(cores - 1, cores - 1 - len(ids), -1)
+        for unit, core in zip(ids, lanes):
+            out[core].append(unit)
+    return [np.array(x, dtype=np.int64) for x in out]
 
 
 class _Costs:
@@ -192,13 +215,13 @@ class _Program:
     the state arrays; the pipes' state is written back to the cores at the end.
     """
 
-    def __init__(self, ctx: LaunchContext, lay: _Layout, c: _Costs, bounds: np.ndarray, trips: np.ndarray,
+    def __init__(self, ctx: LaunchContext, lay: _Layout, c: _Costs, assignment: list[np.ndarray], trips: np.ndarray,
                  kv_first: np.ndarray, mask_bytes: int, preload: int, buffers: int):
         self.ctx, self.lay, self.c = ctx, lay, c
         self.trips, self.kv_first, self.mask_bytes, self.preload = trips, kv_first, mask_bytes, preload
         self.lat = ctx.gm.latency
         cores = ctx.cores
-        length = np.array([int(trips[bounds[i]:bounds[i + 1]].sum()) for i in range(cores.count)])
+        length = np.array([int(trips[assignment[i]].sum()) for i in range(cores.count)])
         self.order = np.argsort(-length, kind="stable")  # lane i is core order[i]
         L = cores.count
         self.steps = int(length.max(initial=0))
@@ -207,7 +230,7 @@ class _Program:
         self.unit = np.full((self.steps, L), -1, dtype=np.int64)
         self.block = np.zeros((self.steps, L), dtype=np.int64)
         for lane, core in enumerate(self.order):
-            ids = np.arange(bounds[core], bounds[core + 1])
+            ids = assignment[core]
             n = int(length[core])
             self.unit[:n, lane] = np.repeat(ids, trips[ids])
             self.block[:n, lane] = np.arange(n) - np.repeat(np.cumsum(trips[ids]) - trips[ids], trips[ids])
@@ -276,6 +299,16 @@ class _Program:
             return move(self.lay.ws, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
         return move(self.lay.ws, ids, half)
 
+    def _shared(self, name: str, blocks: np.ndarray, nbytes: int, j: int) -> np.ndarray:
+        """Cycles of each lane's read of one block, where lanes may read the same block together: the one that
+        brings a block into the L2 (the first of its readers) takes turns with the step, so no core pays for
+        every block its neighbours share (which core's request reaches the L2 first is not the model's to know)."""
+        n = len(blocks)
+        turn = np.roll(np.arange(n), -(j % max(n, 1)))
+        cost = np.empty(n)
+        cost[turn] = self.ctx.gm.read(name, blocks[turn], nbytes)
+        return cost
+
     def _pair(self, move, name: str, blocks: np.ndarray, nbytes: int) -> np.ndarray:
         """Cycles of the AIV pair moving halves of one block each on every lane (side by side: the slower half)."""
         ids = np.repeat(blocks, 2)[:, None]
@@ -290,7 +323,7 @@ class _Program:
         if len(first):  # a new unit: its Q into L1, once the last one left for L0A
             cost = gm.read(lay.q, unit[first], c.q_block)
             self.q_ready[first] = self.ins("MTE2", first, cost, slots=[self.q_free[first]], name="load Q")
-        k_cost = _split(gm.read(lay.k, self.kv_first[unit] + t, c.kv_block), c.chunks, self.lat)
+        k_cost = _split(self._shared(lay.k, self.kv_first[unit] + t, c.kv_block, j), c.chunks, self.lat)
         s_cost = _split(self._ws(True, 0, r.ws_s.head % r.ws_s.slots, n, c.s_block, False), c.chunks, self.lat)
         slot_free = r.ws_s.take(n)
         q_ready = self.q_ready[:n]
@@ -336,7 +369,7 @@ class _Program:
         n = self.n_at[j]
         unit, t = self.unit[j, :n], self.block[j, :n]
         gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
-        v_cost = gm.read(lay.v, self.kv_first[unit] + t, c.kv_block)
+        v_cost = self._shared(lay.v, self.kv_first[unit] + t, c.kv_block, j)
         p_cost = self._ws(False, 1, r.ws_p.tail % r.ws_p.slots, n, c.p_block, False)
         pv_cost = _split(v_cost + p_cost, c.chunks, self.lat)
         o_cost = self._ws(True, 2, r.ws_o.head % r.ws_o.slots, n, c.o_block, False)

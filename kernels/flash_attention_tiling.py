@@ -367,6 +367,8 @@ def choose_cv_tiling(bsz: int | None, n: int | None, nkv: int | None, sq: int | 
     s1_0, s2 = max(s1_0, SMALLEST_BLOCK), max(s2, 1)  # empty sequences still get a (never used) block
     template = SPLIT_KV if s2 < (skv or s2 + 1) else WHOLE_ROW
     rule = design.render() + (f" ({design.runs})" if design.runs else "")
+    if not design.s1_i:  # the document gives no block for this template: say which one GEIR runs
+        rule += f"; CV block {s1_0} x {s2}"
     first = None
     vpc = chip.data["cores"].get("vector_per_cube", 1)
     for s1 in halvings(s1_0, SMALLEST_BLOCK):

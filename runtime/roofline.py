@@ -3,7 +3,8 @@
 The roof is the tightest of three floors under a kernel's time, all from the target's data file:
 - compute: its FLOPs at the cube's f16 peak (every AIC, 2 FLOPs per multiply-add);
 - global memory: the bytes its cores moved, at the L2 rate of every port the kernel's cores have
-  (the cube cores' for cube kernels, every vector unit's for vector kernels; MTE2 reads and MTE3/FIXP
+  (the cube cores' for cube kernels, every vector unit's for vector kernels, both for the CV-split
+  FlashAttention whose vector cores load and store on their own; MTE2 reads and MTE3/FIXP
   writes run on separate pipes, so the larger of the two directions counts);
 - HBM: the reads that missed L2, at the chip's HBM bandwidth (or every port's HBM rate, if lower).
   Writes land in L2 and are written back behind the kernel (the cost model charges them at the L2
@@ -89,11 +90,17 @@ class Roofline:
         }
 
 
-def bandwidths(target: Target, kernel: str = "ge.matmul") -> tuple[float, float]:
-    """(global-memory bytes/s of the kernel's ports at the L2 rate, HBM bytes/s they can draw) from the target."""
+def bandwidths(target: Target, kernel: str = "ge.matmul", both_sides: bool = False) -> tuple[float, float]:
+    """(global-memory bytes/s of the kernel's ports at the L2 rate, HBM bytes/s they can draw) from the target.
+
+    `both_sides`: a kernel that moves data through the cube cores' and the vector cores' own ports (the CV-split
+    FlashAttention of a chip whose cube and vector units are separate cores) has the ports of both."""
     mem = target.data["memory"]
-    ports = target.cube_cores if kernel in CUBE_KERNELS else target.cube_cores * \
-        target.data["cores"].get("vector_per_cube", 1)
+    vector_ports = target.cube_cores * target.data["cores"].get("vector_per_cube", 1)
+    if both_sides:
+        ports = target.cube_cores + vector_ports
+    else:
+        ports = target.cube_cores if kernel in CUBE_KERNELS else vector_ports
     gm = mem["gm_read_bytes_per_cycle_l2"] * ports * target.clock_hz
     hbm = min(mem["hbm_tb_per_s"] * 1e12, mem["gm_read_bytes_per_cycle_hbm"] * ports * target.clock_hz)
     return gm, hbm
@@ -102,7 +109,7 @@ def bandwidths(target: Target, kernel: str = "ge.matmul") -> tuple[float, float]
 def roofline(k: KernelStats, target: Target) -> Roofline:
     """Where one launched kernel stands against the target's roofline."""
     peak = cube_peak_flops(target)
-    gm_bw, hbm_bw = bandwidths(target, k.name)
+    gm_bw, hbm_bw = bandwidths(target, k.name, bool(getattr(k.tiling, "cv_split", False)))
     floors = {
         "compute": k.flops / peak,
         "global memory": max(k.gm_read_bytes, k.gm_write_bytes) / gm_bw,

@@ -25,7 +25,7 @@ from geir.target_npu.sim import PIPES
 # One colour per pipe, the same in every panel and picture (the legend lists them in pipeline order).
 PIPE_COLOURS = {
     "MTE2": "#1f77b4", "MTE1": "#17becf", "CUBE": "#d62728", "FIXP": "#ff7f0e", "VECTOR": "#2ca02c",
-    "MTE3": "#9467bd", "SCALAR": "#7f7f7f",
+    "MTE3": "#9467bd", "AIV_MTE2": "#8c564b", "SCALAR": "#7f7f7f",
 }
 TASK_COLOURS = {"h2d": "#6baed6", "d2h": "#9e9ac8", "kernel": "#636363"}
 PASS_COLOURS = ("#c6dbef", "#fdd0a2", "#c7e9c0", "#dadaeb", "#fcbba1", "#d9d9d9")

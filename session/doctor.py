@@ -628,7 +628,7 @@ def render_cv_split(split: dict[str, Any]) -> str:
     return (f"Atlas A2 CV split: each AIC and its {split['vector_per_cube']} AIVs exchange S and P through GM, "
             f"CV block {s1} x {s2}, cube preload {split['preload']}: AIC MTE2 {100 * r['MTE2']:.0f} %, cube "
             f"{100 * r['CUBE']:.0f} %, FIXP {100 * r['FIXP']:.0f} %, AIV vector {100 * r['VECTOR']:.0f} % busy "
-            f"(the exchange through L2 is bound by the AIC's {split['exchange_pipe']} first)")
+            f"(of the AIC's ends of the exchange through L2, {split['exchange_pipe']} is the busier)")
 
 
 def aicpu_findings(views: list[KernelView], target: Target, device_us: float,

@@ -117,8 +117,9 @@ def test_step2_fused_attention_beats_the_op_by_op_graph(tour, step2):
     assert f["kernels"]["unfused"] == ["ge.matmul", "ge.mul", "ge.softmax", "ge.matmul"]
     assert f["ratio"] > 1
     fused, unfused = (run_tour.read_json(tour.file(f"step2_{k}.json")) for k in ("fused", "unfused"))
-    # op by op, the scores and probabilities go through global memory
-    assert unfused["gm_write_bytes"] > 10 * fused["gm_write_bytes"]
+    # op by op, the scores and probabilities go out to HBM; the fused kernel's (through its GM workspace on the
+    # 910B's split cores) stay in the L2, rewritten in place
+    assert unfused["hbm_write_bytes"] > 2 * fused["hbm_write_bytes"]
     assert "remark: flash_attention fused" in step2.ran[0].stderr
     assert "check: PASS" in step2.ran[0].stdout
 
