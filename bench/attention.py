@@ -3,6 +3,7 @@
     python bench/attention.py            # the full run (a few minutes)
     python bench/attention.py --quick    # S up to 2048 (well under a minute)
     python bench/attention.py --json figures.json
+    python bench/attention.py --only 6    # one section (here the A2 side by side, about a minute)
 
 1. Fusion payoff: written-out attention (matmul, scale, softmax, matmul) compiled without fusion
    (`NO_FUSE_PIPELINE`: one kernel per op) and with it (one `ge.flash_attention`), B=1, N=8, D=128,
@@ -21,6 +22,11 @@
    scaled_dot_product_attention beside it when torch is importable.
 5. Peak memory of `gerun` (ru_maxrss of the subprocess) at S = 16384 (B=1, N=8, D=64), with S = 8192
    and a tiny run for the baseline, to show growth O(S). Goal: < 1.5 GB and growth O(S).
+
+6. The A2 design side by side (timing only, B=1, N=24, f16, D 64 and 128, S 1024 to 16384): the 910B's
+   numbers with cube and vector on one core (the on-chip schedule) beside the 910B's CV-split schedule
+   with cube preload 1 and 2: kernel time, cube peak fraction, GM and HBM bytes, workspace, the busiest
+   pipe. Goal: >= 75 % of cube peak at S >= 8192, D = 128, preload 2.
 
 A kernel that does not exist yet ("no kernel implements ge.X") makes its figure n/a (MISS), not a crash.
 """
@@ -267,11 +273,15 @@ def a2_side_by_side(sizes: list[int], dims: list[int], heads: int) -> None:
                 rows.append({"D": d, "S": s, "N": heads, "model": model, **{k: v for k, v in f.items()},
                              "pass": ok})
     RESULTS["a2_side_by_side"] = rows
-    say("   why (the cited constants): per 128-key pass of a 128-row block the cube takes 128*D*128/4096 cycles")
-    say("   while FIXP writes 128*128*4 bytes of f32 scores to the workspace at the L2 rate of 110 B/cycle (platform")
-    say("   ini): 596 cycles against the cube's 512 at D = 128 (and 256 at D = 64), and the AIC's MTE2 brings K, V")
-    say("   and P back at the same per-core rate; so the CV exchange through L2 - not the cube - bounds the A2")
-    say("   kernel at D <= 128, which preloading hides only as far as the MTE2 and FIXP queues have slack.")
+    say("   why (the cited constants): a 128-key pass of a 128-row CV block costs the cube 128*D*128/4096 cycles")
+    say("   (512 at D = 128); for it the AIC's MTE2 brings a K chunk (32 KiB) for mm1 and a P and a V chunk (64 KiB)")
+    say("   for mm2 at the platform ini's L2 rate of 110 B/cycle plus the DMA start latency: 1022 cycles of loads")
+    say("   against 1024 of cube. So at D = 128 the AIC's MTE2, the inbound end of the CV exchange, bounds the A2")
+    say("   kernel with the cube (the design document's 'MTE2-bound, then cube-bound'); at D = 64 the cube's work")
+    say("   halves while the softmax's 7 vector passes per score do not, and the AIVs bound it. Preload 2 hides")
+    say("   the exchange where the queues have slack (most at D = 64 and short S). At S = 16384, D = 128 the 24")
+    say("   heads' K and V (8 MiB each) and the workspace do not fit the 192 MiB L2 together, so the cores take")
+    say("   turns on each head instead of one head each, which is what keeps K and V in the L2.")
     say()
 
 
