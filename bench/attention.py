@@ -249,7 +249,7 @@ def bound_of(busy: dict[str, float]) -> str:
 
 
 def a2_side_by_side(sizes: list[int], dims: list[int], heads: int) -> None:
-    say(f"6. FlashAttention on the 910B: the on-chip model (cube and vector on one core: P from UB to L1) beside the")
+    say("6. FlashAttention on the 910B: the on-chip model (cube and vector on one core: P from UB to L1) beside the")
     say(f"   A2 model (AIC + 2 AIV, S and P through the GM workspace), preload 1 and 2; B=1 N={heads} f16, timing only")
     say("   goal: the A2 model with preload 2 reaches >= 75 % of cube peak at S >= 8192, D = 128")
     say(f"   {'D':>4} {'S':>6}  {'model':<13}{'blocks':>9} {'kernel us':>10} {'peak':>6} {'GM MiB':>9} {'HBM MiB':>8} "

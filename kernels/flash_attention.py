@@ -24,7 +24,7 @@ from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
 from geir.kernels.flash_attention_a2 import PRELOAD, cv_budget, vector_rows
-from geir.kernels.flash_attention_cv import cv_grid, time_cv_split
+from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, SOFTMAX_PASSES, cv_grid, time_cv_split
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
@@ -47,10 +47,6 @@ from geir.target_npu.sim import (
 from geir.target_npu.target import Target
 from geir.types import DType
 
-# vector passes over the score tile per block: scale, mask, row max, subtract, exp, row sum, cast to P
-SOFTMAX_PASSES = 7
-# vector passes over the O tile per block: rescale by exp(m_old - m_new), add P V
-ACCUMULATE_PASSES = 2
 _F32 = np.float32
 
 

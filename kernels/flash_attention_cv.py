@@ -18,9 +18,14 @@ cost is one AIV's, the two running side by side). Per CV block t of S1.i x S2.i:
 
 The AIC runs mm1 `preload` blocks ahead of mm2 ("cube double-issue": mm1(t + preload) before mm2(t)), so the
 cube computes the next scores while the AIVs work; the AIVs likewise run sm(t + preload) before acc(t).
-Workspace slots (preload + 1 for S, preload for P, 2 for P V per AIC) are reused in turn: a block waits for
+Workspace slots (preload + 1 for S and for P, 2 for P V per AIC) are reused in turn: a block waits for
 its slot's previous contents to be consumed (the cross-core wait flags). The flags themselves cost no
 cycles beyond the data they wait for: no public source gives their latency.
+
+Work units (batch, head, query row block) go to the cores in contiguous ranges of equal block count, as
+ops-transformer's tiling splits them, so a core walks one head and keeps its K and V in the L2; where the
+heads walked at once would not fit the L2 beside the workspace, the cores take turns on each head's row
+blocks instead (GEIR's choice). A core's units run back to back, mm1 preloaded across a unit's end.
 
 The arithmetic is the on-chip kernel's (flash_attention._compute): the same blocks, online softmax and
 roundings, so both schedules give bit-identical results. A block's GM moves are costed in one access
@@ -37,8 +42,8 @@ from geir.kernels.tiling import align
 from geir.target_npu.sim import PIPE_INDEX, PipeInterval, cube_cycles, local_copy_cycles, vector_cycles
 from geir.target_npu.target import Target
 
-# vector passes over a score sub-block (scale, mask, row max, subtract, exp, row sum, cast to P) and over the O
-# rows per block (rescale by exp(m_old - m_new), add P V): the on-chip kernel's counts
+# vector passes over a score tile (scale, mask, row max, subtract, exp, row sum, cast to P) and over the O rows
+# per block (rescale by exp(m_old - m_new), add P V): the same work in both schedules (flash_attention.py)
 SOFTMAX_PASSES = 7
 ACCUMULATE_PASSES = 2
 F32 = 4
@@ -368,7 +373,7 @@ class _Program:
         """(P V)_j on the AIC: P and V pass by pass, accumulated in L0C, the result to the workspace."""
         n = self.n_at[j]
         unit, t = self.unit[j, :n], self.block[j, :n]
-        gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
+        c, r, lay = self.c, self.r, self.lay
         v_cost = self._shared(lay.v, self.kv_first[unit] + t, c.kv_block, j)
         p_cost = self._ws(False, 1, r.ws_p.tail % r.ws_p.slots, n, c.p_block, False)
         pv_cost = _split(v_cost + p_cost, c.chunks, self.lat)
