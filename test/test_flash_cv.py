@@ -23,6 +23,7 @@ from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipel
 from geir.target_npu import load_target
 from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory
 from geir.types import DType, TensorType
+from helpers.attention import attention_inputs
 
 A2 = "ascend910b"
 ONCHIP = "ascend910b[separate_cube_vector=0]"  # the same chip's numbers, cube and vector on one core
@@ -36,18 +37,7 @@ def _context(target: str, record: bool = False) -> LaunchContext:
 
 
 def _arrays(b, n, sq, d, nkv=None, skv=None, dtype=np.float16, mask_kind=None, seed=0):
-    rng = np.random.default_rng(seed)
-    nkv, skv = nkv or n, skv or sq
-    q = (0.5 * rng.standard_normal((b, n, sq, d))).astype(dtype)
-    k = (0.5 * rng.standard_normal((b, nkv, skv, d))).astype(dtype)
-    v = rng.standard_normal((b, nkv, skv, d)).astype(dtype)
-    mask = None
-    if mask_kind == "additive":
-        mask = rng.standard_normal((1, 1, sq, skv)).astype(np.float32)
-    elif mask_kind == "boolean":
-        mask = rng.random((b, 1, sq, skv)) > 0.2
-        mask[..., 0] = True
-    return q, k, v, mask
+    return attention_inputs(b, n, sq, d, nkv=nkv, skv=skv, dtype=dtype, mask_kind=mask_kind, seed=seed)
 
 
 def _cv_tiling(q, k, causal, mask, blocks=None, preload=2) -> FlashTiling:

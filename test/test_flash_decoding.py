@@ -19,6 +19,7 @@ from geir.ops.numerics import round_to
 from geir.target_npu import load_target
 from geir.target_npu.sim import Cores, GlobalMemory
 from geir.types import DType, TensorType
+from helpers.attention import attention_inputs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -60,17 +61,7 @@ def run(q, k, v, mask, causal, tiling, target="ascend910b"):
 
 
 def inputs(b, n, nkv, sq, skv, d=128, dtype=np.float16, mask_kind=None, seed=0):
-    rng = np.random.default_rng(seed)
-    q = (0.5 * rng.standard_normal((b, n, sq, d))).astype(dtype)
-    k = (0.5 * rng.standard_normal((b, nkv, skv, d))).astype(dtype)
-    v = rng.standard_normal((b, nkv, skv, d)).astype(dtype)
-    mask = None
-    if mask_kind == "additive":
-        mask = rng.standard_normal((1, 1, sq, skv)).astype(np.float32)
-    elif mask_kind == "boolean":
-        mask = rng.random((b, 1, sq, skv)) > 0.3
-        mask[..., 0] = True  # every row keeps a key
-    return q, k, v, mask
+    return attention_inputs(b, n, sq, d, nkv=nkv, skv=skv, dtype=dtype, mask_kind=mask_kind, keep=0.7, seed=seed)
 
 
 # --- the rule ---------------------------------------------------------------------------------------

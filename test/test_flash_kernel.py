@@ -15,6 +15,7 @@ from geir.kernels.flash_attention_tiling import FlashTiling, choose_flash_tiling
 from geir.target_npu import load_target
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.types import DType, TensorType
+from helpers.attention import attention_inputs
 
 # the on-chip schedule (one AI core holds cube and vector) on the 910B's numbers; the 910B itself runs the CV-split
 # schedule, whose bytes and overlap test_flash_cv.py checks
@@ -42,17 +43,7 @@ def _blocks(s1: int, s2: int, buffers: int = 2) -> FlashTiling:
 
 def _run(b, n, sq, d, *, nkv=None, skv=None, dtype=np.float16, causal=False, mask_kind=None, target="ascend910b",
          buffers=2, tiling=None, seed=0):
-    rng = np.random.default_rng(seed)
-    nkv, skv = nkv or n, skv or sq
-    q = (0.5 * rng.standard_normal((b, n, sq, d))).astype(dtype)
-    k = (0.5 * rng.standard_normal((b, nkv, skv, d))).astype(dtype)
-    v = rng.standard_normal((b, nkv, skv, d)).astype(dtype)
-    mask = None
-    if mask_kind == "additive":
-        mask = rng.standard_normal((1, 1, sq, skv)).astype(np.float32)
-    elif mask_kind == "boolean":
-        mask = rng.random((b, 1, sq, skv)) > 0.2
-        mask[..., 0] = True  # every row keeps a key: no all-masked rows
+    q, k, v, mask = attention_inputs(b, n, sq, d, nkv=nkv, skv=skv, dtype=dtype, mask_kind=mask_kind, seed=seed)
     ctx = _context(target)
     tiling = tiling or _tiling(q, k, causal, mask, target, buffers)
     scale = 1 / math.sqrt(d)
