@@ -1,20 +1,27 @@
-"""Matmul on the cube: ge.matmul and ge.fused_matmul (bias and activation epilogue), tiled in base blocks.
+"""Matmul on the cube: ge.matmul and ge.fused_matmul (bias and activation epilogue), as CANN's MatMul runs it.
 
-Output tiles m x n of every batch item are the work units, dealt round-robin to the cube cores
-(ops-transformer's BMM basic-block scheme); a wave runs one unit per core, all of them in one
-batched numpy step per k step:
+The tiling is Ascend C's TCubeTiling (kernels/matmul_tiling.py). C is split over the cube cores in 2-D
+blocks of single_core_m x single_core_n (batch items whole when there are as many as cores); each core
+walks its base blocks (base_m x base_n of C) in `iterate_order`, and for each runs the K loop of
+pto-isa's gemm_performance kernel (its README: TLOAD, TEXTRACT, TMATMUL, TSTORE):
 
-    MTE2  the A block (m x k) and the B block (k x n), GM -> L1 slot (step % buffers), through ctx.gm
-    MTE1  both blocks L1 -> L0A / L0B     CUBE  mmad, f32 accumulate in L0C (slot per unit)
-    ...   next k step: with 2 buffers its loads wait only for the slot the step before last freed,
-          so they overlap this step's MTE1 and CUBE (the slot-free events of the FlashAttention kernel)
-    FIXP  L0C -> GM, rounded to the result dtype; or, with an activation, L0C -> UB in f32, VECTOR
-          the activation and the cast, MTE3 UB -> GM (template MatmulEpilogue)
+    MTE2  one load brings step_ka base_k slices of A (base_m x step_ka*base_k) into an L1 buffer, one
+          brings step_kb slices of B; L1 holds depth / step such loads (2: double-buffered, a load waits
+          only for the buffer the load before last used, freed once MTE1 has taken its last slice)
+    MTE1  each slice L1 -> L0A / L0B, into the ping-pong half the slice before last freed
+    CUBE  mmad of each slice, f32 accumulate in L0C
+    FIXP  after the K loop: L0C -> GM rounded to the result dtype (a bias joins on the way out). L0C holds
+          two accumulators where they fit, so the drain overlaps the next block's K loop; one (128 x 256
+          f32 fills the 910B's 128 KiB) makes the next block's first mmad wait for the drain.
+    with an activation (MatmulEpilogue): FIXP L0C -> UB in f32, VECTOR the activation and the cast,
+          MTE3 UB -> GM. On Atlas A2 (MatmulMixEpilogue) the vector units are the AIC's two AIVs: FIXP
+          writes the f32 block to a GM workspace, a cross-core flag tells the AIVs, each reads its half of
+          the rows (AIV_MTE2), runs the activation (VECTOR) and stores C (MTE3): a mixed AIC + AIV kernel.
 
 Numbers: the cube takes its operands in their dtype (f16, bf16 = ml_dtypes.bfloat16, f32) and
-accumulates in f32 across the k steps; the epilogue is `FusedMatmul.epilogue` (bias add, then the
-activation op's own compute) on the f32 accumulator, before the one rounding. The bias tile is
-loaded into L1 with the first k step and joins the accumulator on its way out of L0C.
+accumulates in f32 across the base_k slices in order; the epilogue is `FusedMatmul.epilogue` (bias add,
+then the activation op's own compute) on the f32 accumulator, before the one rounding. Neither the core
+split, the iteration order nor the L1 steps change the order any element is summed in.
 
 Layouts: transpose_a / transpose_b read the stored matrices' blocks transposed (the cube's load
 path transposes fractals for free). A matrix stored NZ (fractal-major) holds the same values as
@@ -32,7 +39,7 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels import matmul_tiling as tiling_rules
-from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
 from geir.kernels.data_movement import (
     FRACTAL,
     GmTensor,
@@ -45,26 +52,17 @@ from geir.kernels.data_movement import (
     result_dtype,
     share_pieces,
 )
-from geir.kernels.matmul_tiling import MatmulTiling, matmul_budget
+from geir.kernels.matmul_tiling import MIX_EPILOGUE, N_FIRST, MatmulTiling, core_split, l0c_slots, tiling_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.kernels.vector import elementwise_passes
 from geir.ops.numerics import round_to
-from geir.target_npu.sim import (
-    PIPES,
-    Cores,
-    GlobalMemory,
-    PipeInterval,
-    SetPool,
-    Transfer,
-    spread,
-    vector_cycles,
-    whole_sums,
-)
+from geir.target_npu.sim import GlobalMemory, SetPool, Transfer, vector_cycles
 from geir.target_npu.target import Target
 
 _F32 = np.float32
 _CUBE_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 _ACTIVATION_OPS = {"relu": "ge.relu", "gelu": "ge.gelu", "gelu_tanh": "ge.gelu", "silu": "ge.silu"}
+WORKSPACE_SLOTS = 2  # f32 blocks in flight between an AIC and its AIVs (MatmulMixEpilogue)
 
 
 @register_kernel
@@ -92,6 +90,12 @@ class MatmulKernel(Kernel):
     def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
         return tiling_rules.check_instance(sig, tiling)
 
+    def workspace_bytes(self, tiling: KernelTiling, sig: OpSignature) -> int:
+        """A mixed AIC + AIV epilogue's f32 blocks in GM, WORKSPACE_SLOTS per cube core."""
+        if tiling.template != MIX_EPILOGUE:
+            return 0
+        return workspace_bytes(tiling)
+
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: MatmulTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
         check_fault(ctx)
@@ -105,10 +109,16 @@ class MatmulKernel(Kernel):
         return [out]
 
 
-def check_fits(target, m: int, n: int, k: int, itemsize: int, buffers: int, epilogue: bool, bias: bool) -> None:
-    """Allocate one cube core's buffers for this base block (the kernel's matmul_budget)."""
-    budget = matmul_budget(m, n, k, itemsize, buffers, target, epilogue=epilogue, bias=bias)
-    allocate(target, budget, f"the {m} x {n} x {k} matmul block ({buffers} buffers)")
+def workspace_bytes(tiling: MatmulTiling) -> int:
+    """GM workspace of a MatmulMixEpilogue launch: WORKSPACE_SLOTS f32 base blocks per cube core."""
+    return tiling.cores * WORKSPACE_SLOTS * tiling.base_m * tiling.base_n * 4
+
+
+def check_fits(target, tiling: MatmulTiling, itemsize: int, epilogue: bool, bias: bool) -> None:
+    """Allocate one cube core's buffers for this tiling (the kernel's budget)."""
+    budget = tiling_budget(tiling, itemsize, target, epilogue=epilogue, bias=bias)
+    allocate(target, budget, f"the {tiling.base_m} x {tiling.base_n} x {tiling.base_k} matmul block "
+                             f"({tiling.buffers} buffers, L1 depth {tiling.depth_a1} / {tiling.depth_b1})")
 
 
 def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,
@@ -116,12 +126,12 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
                    activation: str = "none") -> np.ndarray:
     """The kernel proper; timing goes to ctx.cores and ctx.gm."""
     target, gm = ctx.target, ctx.gm
-    m, n, k, nbuf = tiling.m, tiling.n, tiling.k, tiling.buffers
+    m, n, k = tiling.base_m, tiling.base_n, tiling.base_k
     dt = a.dtype
     isz = dt.itemsize
     dname = _CUBE_DTYPES[dt.name]  # the cube's modes (the tile pass leaves other dtypes untiled)
     vector_act = activation != "none"  # bias only: applied as L0C drains, no vector pass
-    check_fits(target, m, n, k, isz, nbuf, vector_act, bias is not None)
+    check_fits(target, tiling, isz, vector_act, bias is not None)
 
     A = np.swapaxes(a, -1, -2) if transpose_a else a  # logical [.., M, K]
     B = np.swapaxes(b, -1, -2) if transpose_b else b  # logical [.., K, N]
@@ -131,7 +141,6 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     nbat = math.prod(batch)
     a_of = np.broadcast_to(np.arange(math.prod(A.shape[:-2])).reshape(A.shape[:-2]), batch).reshape(-1)
     b_of = np.broadcast_to(np.arange(math.prod(B.shape[:-2])).reshape(B.shape[:-2]), batch).reshape(-1)
-    tm, tn, tk = -(-M // m), -(-N // n), max(-(-K // k), 1)
     if M == 0 or N == 0 or nbat == 0:
         return np.empty(batch + (M, N), dtype=out_dt)
 
@@ -141,15 +150,12 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     bg = gm_tensor(gm, bn, b.shape, isz)
     og = gm_tensor(gm, on, batch + (M, N), np.dtype(out_dt).itemsize)
     biasg = None if bias is None else gm_tensor(gm, ctx.operand_names[2], bias.shape, bias.dtype.itemsize)
-    ra, rb = a.shape[-2], b.shape[-2]  # stored rows of one batch item
-
-    grid = _Grid(M, N, K, m, n, k, nbuf, tm, tn, tk, a_of, b_of, transpose_a, transpose_b, ra, rb)
-    _time(ctx, grid, ag, bg, og, biasg, None if bias is None else bias.shape, isz, dname, activation)
+    g = _grid(tiling, target, M, N, K, a_of, b_of, transpose_a, transpose_b, a.shape[-2], b.shape[-2], ctx.cores.count)
+    _time(ctx, g, tiling, ag, bg, og, biasg, None if bias is None else bias.shape, isz, dname, activation)
 
     if not ctx.compute:
         return np.empty(batch + (M, N), dtype=out_dt)
     return _compute(A, B, bias, batch, k, m, out_dt, epilogue)
-
 
 def _compute(A: np.ndarray, B: np.ndarray, bias: np.ndarray | None, batch: tuple, k: int, m: int,
              out_dt: np.dtype, epilogue) -> np.ndarray:
@@ -189,30 +195,33 @@ def _read_bias(gm: GlobalMemory, biasg: GmTensor, shape: tuple[int, ...], wave: 
     return gm_read(gm, biasg, share_pieces(biasg, wave, units, m_eff * (n_eff if cols_vary else 1)))
 
 
+
 # --- the timing --------------------------------------------------------------------------------------
 #
-# The schedule is the one the module docstring describes, issued wave by wave and k step by k step.
-# It is computed in three parts that never feed back into each other: the GM reads and writes (their
-# cycles depend only on the order of the moves, which is fixed: a wave's bias tile, then A and B of
-# each k step, then C), each wave's pipe recurrence (an instruction starts at the latest of its pipe
-# and the events it waits for), and the accounting (busy cycles, recorded intervals, booked waits),
-# which only needs the start and end times. Each part is exactly the arithmetic of issuing one
-# instruction at a time, in the same order where order matters (float sums), on whole waves at once.
+# The schedule is the one the module docstring describes, issued one instruction at a time on every core
+# that has a base block in the wave (a wave: each core's w-th base block). The GM moves of a wave are timed
+# together first (_Moves: their cycles depend only on the order of the moves, which is fixed: the bias
+# tile, then A and B of each L1 load, then C), then the pipes' recurrence runs on them.
 
 @attrs.frozen
 class _Grid:
-    """A matmul's problem and base block: the work units and k steps the schedule runs."""
+    """A matmul's problem and tiling: base blocks, L1 loads (k = base_k x step: the k of one load) and slots."""
 
     M: int
     N: int
     K: int
-    m: int
-    n: int
-    k: int
-    nbuf: int
+    m: int  # base_m
+    n: int  # base_n
+    k: int  # the k of one L1 load: step x base_k
+    base_k: int
+    step: int  # base_k slices per L1 load
     tm: int
     tn: int
-    tk: int
+    tk: int  # L1 loads per base block
+    l1_slots: int  # L1 buffers per operand (depth / step)
+    l0_slots: int  # L0A / L0B ping-pong halves
+    l0c_slots: int
+    order: np.ndarray = attrs.field(eq=False)  # [core, w]: the unit of each core's w-th base block, -1 past its end
     a_of: np.ndarray = attrs.field(eq=False)  # A's matrix for each batch item
     b_of: np.ndarray = attrs.field(eq=False)
     transpose_a: bool = False
@@ -225,53 +234,178 @@ class _Grid:
         return len(self.a_of) * self.tm * self.tn
 
 
-def _time(ctx: LaunchContext, g: _Grid, ag: GmTensor, bg: GmTensor, og: GmTensor, biasg: GmTensor | None,
-          bias_shape: tuple[int, ...] | None, isz: int, dname: str, activation: str) -> None:
+def _grid(t: MatmulTiling, target: Target, M: int, N: int, K: int, a_of: np.ndarray, b_of: np.ndarray,
+          transpose_a: bool, transpose_b: bool, ra: int, rb: int, count: int) -> _Grid:
+    """The launch's grid: the tiling's blocks on this problem (a single_core size of 0 is decided here)."""
+    m, n = t.base_m, t.base_n
+    step = min(t.step_ka, t.step_kb)  # a load of each operand per L1 step (the rules make the steps equal)
+    kg = step * t.base_k
+    tm, tn = -(-M // m), -(-N // n)
+    nbat = len(a_of)
+    if t.single_core_m and t.single_core_n:
+        sm, sn = max(min(t.single_core_m // m, tm), 1), max(min(t.single_core_n // n, tn), 1)
+    else:
+        split = core_split(nbat, M, N, m, n, count)
+        sm, sn = split.single_core_m // m, split.single_core_n // n
+    order = _order(nbat, tm, tn, sm, sn, t.iterate_order, count)
+    return _Grid(M, N, K, m, n, kg, t.base_k, step, tm, tn, max(-(-K // kg), 1),
+                 min(t.l1_buffers_a, t.l1_buffers_b), t.buffers, l0c_slots(m, n, target), order, a_of, b_of,
+                 transpose_a, transpose_b, ra, rb)
+
+
+def _order(nbat: int, tm: int, tn: int, sm: int, sn: int, iterate_order: int, count: int) -> np.ndarray:
+    """[core, w]: the unit (batch item, row block, column block) of each core's w-th base block, -1 past its end.
+
+    C's blocks of sm x sn base blocks (per batch item, row-major) are dealt to the cores in turn; a core walks
+    each of its blocks N first (along a row of C) or M first."""
+    gm, gn = -(-tm // sm), -(-tn // sn)
+    blocks = np.arange(nbat * gm * gn)
+    bo, bi, bj = blocks // (gm * gn), (blocks // gn) % gm, blocks % gn
+    ii, jj = np.meshgrid(np.arange(sm), np.arange(sn), indexing="ij")
+    if iterate_order != N_FIRST:
+        ii, jj = ii.T, jj.T
+    ii, jj = ii.reshape(-1), jj.reshape(-1)
+    rows = bi[:, None] * sm + ii[None, :]  # [block, tile]
+    cols = bj[:, None] * sn + jj[None, :]
+    units = np.where((rows < tm) & (cols < tn), bo[:, None] * tm * tn + rows * tn + cols, -1)
+    per_core = [units[c::count].reshape(-1) for c in range(min(count, len(blocks)))]
+    per_core = [u[u >= 0] for u in per_core]
+    out = np.full((len(per_core), max((len(u) for u in per_core), default=0)), -1, dtype=np.int64)
+    for c, u in enumerate(per_core):
+        out[c, :len(u)] = u
+    return out
+
+
+def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: GmTensor, og: GmTensor,
+          biasg: GmTensor | None, bias_shape: tuple[int, ...] | None, isz: int, dname: str, activation: str) -> None:
     """Issue every wave's instructions on ctx.cores and its moves on ctx.gm (the kernel's timing)."""
-    target, cores = ctx.target, ctx.cores
+    target, cores, waits = ctx.target, ctx.cores, ctx.waits
     count = cores.count
+    mix = tiling.template == MIX_EPILOGUE
     vector_act = activation != "none"
     act_passes = (elementwise_passes(_ACTIVATION_OPS[activation]) if vector_act else 0) + 1  # + the cast
-    kk = np.arange(g.tk)
-    k_eff = np.maximum(np.minimum(g.K - kk * g.k, g.k), 0)
     fm, fk, fn = target.data["cube"][dname]
     onchip = target.data["memory"].get("onchip_bytes_per_cycle", 256)
+    latency = target.data["memory"].get("dma_latency_cycles", 0)
+    sync = _cross_core_sync_cycles(target) if mix else 0.0
     moves = _Moves(ctx, g, ag, bg, og, biasg, bias_shape)
-    state = _State(count, g.nbuf)
-    on_chip: dict[bytes, tuple] = {}  # by the lanes' block sizes: most waves are all whole blocks
-    # MTE1 and cube cycles are whole numbers: where the counters are too, a wave's busy cycles add as one
-    # sum per lane (exact in any order), not one instruction at a time
-    per_core = -(-g.units // count) * g.tk
-    most = max(np.ceil((g.m + g.n) * g.k * isz / onchip), -(-g.m // fm) * -(-g.n // fn) * -(-g.k // fk))
-    whole = whole_sums(cores.busy[1:3], per_core * most)
-    for w, (wave, lanes) in enumerate(spread(g.units, count)):
-        mi, ni = (wave // g.tn) % g.tm, wave % g.tn
+    ws = _Workspace(ctx, og.name, len(g.order), g.m * g.n * 4) if mix else None
+    lanes_all = np.arange(len(g.order))
+    l1_free = np.zeros((g.l1_slots, count))  # an L1 buffer (A's and B's of one load): free once MTE1 took its last slice
+    l0_free = np.zeros((g.l0_slots, count))  # an L0A / L0B half: free once the cube used it
+    l0c_free = np.zeros((g.l0c_slots, count))  # an accumulator: free once FIXP drained it
+    ub_free = np.zeros((g.l0_slots, count))  # the epilogue's UB tiles: free once MTE3 stored them
+    on_chip: dict[bytes, tuple] = {}
+    loads = slices = 0  # L1 loads and base_k slices issued so far by every core in the waves before
+    for w in range(g.order.shape[1] if g.order.size else 0):
+        # cores reading the same panel in a wave share it and the first of them brings it into the L2; which core's
+        # request reaches the L2 first is not the model's to know, so the first one rotates with the wave (as in the
+        # CV-split FlashAttention) rather than putting every miss on the lowest core
+        lanes = lanes_all[g.order[:, w] >= 0]
+        lanes = np.roll(lanes, -(w % max(len(lanes), 1)))
+        units = g.order[lanes, w]
+        mi, ni = (units // g.tn) % g.tm, units % g.tn
         m_eff, n_eff = np.minimum(g.M - mi * g.m, g.m), np.minimum(g.N - ni * g.n, g.n)
-        bias_cost, load_a, load_b, store = moves.wave(w, wave)
+        bias_cost, load_a, load_b, store = moves.wave(w, units)
         key = m_eff.tobytes() + n_eff.tobytes()
         if key not in on_chip:
-            # the on-chip costs of every k step, [k step, lane] (local_copy_cycles and cube_cycles, elementwise)
+            # per base_k slice: MTE1's and the cube's cycles [slice, lane]
+            kk = np.arange(-(-g.K // g.base_k) if g.K else 1)
+            k_eff = np.maximum(np.minimum(g.K - kk * g.base_k, g.base_k), 0)
             to_l0 = np.ceil((m_eff + n_eff)[None, :] * k_eff[:, None] * isz / onchip)
             mmad = ((-(-m_eff // fm) * -(-n_eff // fn))[None, :] * -(-k_eff // fk)[:, None]).astype(np.float64)
-            drain = (np.ceil(m_eff * n_eff * 4 / onchip), vector_cycles(target, m_eff * n_eff * 4, act_passes)) \
-                if vector_act else ()
-            sums = (to_l0.sum(axis=0), mmad.sum(axis=0)) if whole else None
-            on_chip[key] = (to_l0, mmad, drain, sums)
-        to_l0, mmad, drain, sums = on_chip[key]
-        _run_wave(cores, ctx.waits, state, lanes, w, g, bias_cost, load_a, load_b, to_l0, mmad, drain + (store,),
-                  activation, sums)
+            on_chip[key] = (to_l0, mmad)
+        to_l0, mmad = on_chip[key]
+        bias_ready = None
+        if bias_cost is not None:
+            bias_ready = issue(cores, waits, "MTE2", lanes, bias_cost, name="load bias")
+        cs = w % g.l0c_slots
+        mm = None
+        for j in range(g.tk):
+            s1 = (loads + j) % g.l1_slots
+            a_in = issue(cores, waits, "MTE2", lanes, load_a[j], slots=[l1_free[s1, lanes]], name="load A")
+            b_in = issue(cores, waits, "MTE2", lanes, load_b[j], slots=[l1_free[s1, lanes]], name="load B")
+            for i in range(j * g.step, min((j + 1) * g.step, len(to_l0))):
+                s0 = (slices + i) % g.l0_slots
+                to = issue(cores, waits, "MTE1", lanes, to_l0[i], [a_in, b_in], [l0_free[s0, lanes]],
+                           name="A, B to L0A, L0B")
+                first = i == 0
+                flags = [to] if not first or bias_ready is None else [to, bias_ready]
+                mm = issue(cores, waits, "CUBE", lanes, mmad[i], flags, [l0c_free[cs, lanes]] if first else [],
+                           name="mmad")
+                l0_free[s0, lanes] = mm
+            l1_free[s1, lanes] = to
+        loads += g.tk
+        slices += len(to_l0)
+        if mix:
+            l0c_free[cs, lanes], ub_free[cs, lanes] = _mix_drain(
+                cores, waits, ws, lanes, cs, mm, m_eff, n_eff, store, ub_free[cs, lanes], sync, latency,
+                vector_cycles(target, -(-m_eff // 2) * n_eff * 4, act_passes), activation)
+        elif vector_act:
+            to_ub = issue(cores, waits, "FIXP", lanes, np.ceil(m_eff * n_eff * 4 / onchip), [mm],
+                          [ub_free[cs, lanes]], name="L0C to UB")
+            l0c_free[cs, lanes] = to_ub
+            act = issue(cores, waits, "VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes),
+                        [to_ub], name=f"{activation} and cast")
+            ub_free[cs, lanes] = issue(cores, waits, "MTE3", lanes, store, [act], name="store C")
+        else:
+            l0c_free[cs, lanes] = issue(cores, waits, "FIXP", lanes, store, [mm], name="L0C to GM")
     moves.commit()
+    if ws is not None:
+        ws.release()
 
 
-class _State:
-    """The buffer-slot events of every core, kept across waves: a core's next unit reuses its last one's slots."""
+def _cross_core_sync_cycles(target: Target) -> float:
+    """Cycles an AIV waits beyond the data for a flag its AIC set (the target's [cores] cross_core_sync_cycles)."""
+    return float(target.data["cores"].get("cross_core_sync_cycles", 0))
 
-    def __init__(self, count: int, nbuf: int):
-        self.l1_free = np.zeros((nbuf, count))   # L1 slot: free once MTE1 moved its blocks to L0
-        self.l0_free = np.zeros((nbuf, count))   # L0A/L0B slot: free once the cube used it
-        self.l0c_free = np.zeros((nbuf, count))  # L0C accumulator: free once FIXP drained it
-        self.ub_free = np.zeros((nbuf, count))   # epilogue UB tile: free once MTE3 stored it
-        self.template = [0]  # the pipe regime that held last (_Steps), tried first in the next wave
+
+class _Workspace:
+    """A MatmulMixEpilogue launch's GM workspace: WORKSPACE_SLOTS f32 blocks per core, each cut in two halves
+    (one per AIV)."""
+
+    def __init__(self, ctx: LaunchContext, out: str, cores: int, block_bytes: int):
+        self.gm = ctx.gm
+        self.name = f"{out}:workspace"
+        self.block_bytes = block_bytes
+        self.gm.workspace(self.name, cores * WORKSPACE_SLOTS * 2, cores * WORKSPACE_SLOTS * block_bytes)
+
+    def ids(self, lanes: np.ndarray, slot: int) -> np.ndarray:
+        """[lane, half] ids of one slot on these cores."""
+        base = (lanes * WORKSPACE_SLOTS + slot) * 2
+        return np.stack([base, base + 1], axis=1)
+
+    def write(self, lanes: np.ndarray, slot: int, nbytes: np.ndarray) -> np.ndarray:
+        """FIXP's cycles writing each lane's f32 block (both halves, by the AIC)."""
+        half = np.repeat((nbytes // 2)[:, None], 2, axis=1)
+        return self.gm.write_pieces(self.name, self.ids(lanes, slot), half)
+
+    def read(self, lanes: np.ndarray, slot: int, nbytes: np.ndarray) -> np.ndarray:
+        """The AIV pair's cycles reading its halves side by side (the slower half)."""
+        ids = self.ids(lanes, slot)
+        half = np.repeat((nbytes // 2)[:, None], 2, axis=1)
+        return self.gm.read_pieces(self.name, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
+
+    def release(self) -> None:
+        self.gm.release(self.name)
+
+
+def _mix_drain(cores, waits, ws: _Workspace, lanes: np.ndarray, slot: int, mm: np.ndarray, m_eff: np.ndarray,
+               n_eff: np.ndarray, store: np.ndarray, ub_free: np.ndarray, sync: float, latency: float,
+               act: np.ndarray, activation: str) -> tuple[np.ndarray, np.ndarray]:
+    """Drain one base block through the AIVs (MatmulMixEpilogue): FIXP to the workspace, the cross-core flag,
+    each AIV's half of the rows in, the activation, its half of C out. Returns (L0C free, UB free)."""
+    nbytes = m_eff * n_eff * 4
+    drained = issue(cores, waits, "FIXP", lanes, ws.write(lanes, slot, nbytes), [mm], name="L0C to workspace")
+    flagged = drained + sync  # the AIVs see the AIC's flag this much after the data landed
+    loaded = issue(cores, waits, "AIV_MTE2", lanes, ws.read(lanes, slot, nbytes), [flagged], [ub_free],
+                   name="load block from workspace")
+    done = issue(cores, waits, "VECTOR", lanes, act, [loaded], name=f"{activation} and cast")
+    top = -(-m_eff // 2)
+    # each AIV stores its half of the rows side by side: the DMA start and its share of the bytes
+    half_store = np.where(store > 0, latency + (store - latency) * top / np.maximum(m_eff, 1), 0.0)
+    stored = issue(cores, waits, "MTE3", lanes, half_store, [done], name="store C")
+    return drained, stored
 
 
 class _Moves:
@@ -361,252 +495,3 @@ class _Moves:
         if self.sets is not None:
             self.pool.commit(self.gm)
 
-
-def _run_wave(cores: Cores, waits: PipeWaits | None, state: _State, lanes: np.ndarray, w: int, g: _Grid,
-              bias_cost: np.ndarray | None, load_a: np.ndarray, load_b: np.ndarray, to_l0: np.ndarray,
-              mmad: np.ndarray, drain: tuple, activation: str, sums: tuple | None) -> None:
-    """One wave's instructions on its lanes: the k steps' recurrence, the drain of L0C, the accounting
-    (`sums`: each lane's MTE1 and cube cycles of the wave, where they may be added as one sum)."""
-    nbuf, tk = g.nbuf, g.tk
-    step0 = w * tk  # k steps issued before this wave (every wave has tk of them)
-    cs = w % nbuf
-    P = cores.free[:, lanes]  # [pipe, lane], updated below and written back
-    l1, l0 = state.l1_free[:, lanes], state.l0_free[:, lanes]
-    mte2_0 = P[0].copy()
-    mte2 = mte2_0
-    bias_ready = np.zeros(len(lanes))
-    if bias_cost is not None:
-        bias_ready = mte2 = mte2_0 + bias_cost
-    mte1, cube = P[1].copy(), P[2].copy()
-    slots = [(step0 + j) % nbuf for j in range(nbuf)]
-    l1_0 = [l1[s] for s in slots]  # by k step: the slot step j finds is l1_0[j % nbuf]
-    l0_0 = [l0[s] for s in slots]
-    l0c = state.l0c_free[cs, lanes]
-    steps = _Steps(nbuf, mte2, mte1, cube, l1_0, l0_0, bias_ready, l0c, load_a, load_b, to_l0, mmad)
-    steps.solve(state.template)
-    A, B, L, Mm = steps.A, steps.B, steps.L, steps.M
-    last = Mm[-1]
-    # drain L0C: straight to GM, or through UB with the activation
-    if len(drain) == 3:
-        c_ub, c_act, c_store = drain
-        ub = state.ub_free[cs, lanes]
-        fix_ready = np.maximum(P[3], last)
-        fix_start = np.maximum(fix_ready, ub)
-        U = fix_start + c_ub
-        vec_start = np.maximum(P[4], U)
-        V = vec_start + c_act
-        st_start = np.maximum(P[5], V)
-        S = st_start + c_store
-        tail = [(3, "L0C to UB", c_ub, P[3].copy(), fix_ready, fix_start, U),
-                (4, f"{activation} and cast", c_act, P[4].copy(), vec_start, vec_start, V),
-                (5, "store C", c_store, P[5].copy(), st_start, st_start, S)]
-        state.l0c_free[cs, lanes] = U
-        state.ub_free[cs, lanes] = S
-    else:
-        (c_store,) = drain
-        fix_start = np.maximum(P[3], last)
-        F = fix_start + c_store
-        tail = [(3, "L0C to GM", c_store, P[3].copy(), fix_start, fix_start, F)]
-        state.l0c_free[cs, lanes] = F
-    if cores.record or waits is not None:
-        _account(cores, waits, lanes, nbuf, mte2_0, mte2, bias_cost, mte1, cube, l1_0, l0_0, bias_ready, l0c,
-                 load_a, load_b, to_l0, mmad, A, B, L, Mm, tail)
-    # the pipes' and slots' new state
-    P[0], P[1], P[2] = B[-1], L[-1], last
-    for p, _, _, _, _, _, end in tail:
-        P[p] = end
-    cores.free[:, lanes] = P
-    for j in range(max(tk - nbuf, 0), tk):
-        s = (step0 + j) % nbuf
-        l1[s], l0[s] = L[j], Mm[j]
-    state.l1_free[:, lanes], state.l0_free[:, lanes] = l1, l0
-    # busy cycles: each pipe's costs added one instruction at a time, in issue order (cumsum adds in order)
-    busy = cores.busy[:, lanes]
-    mte2_costs = np.empty((2 * tk + 2, len(lanes)))
-    mte2_costs[0] = busy[0]
-    mte2_costs[1] = bias_cost if bias_cost is not None else 0.0  # x + 0.0 == x
-    mte2_costs[2::2], mte2_costs[3::2] = load_a, load_b
-    busy[0] = np.cumsum(mte2_costs, axis=0)[-1]
-    if sums is not None:
-        busy[1] += sums[0]
-        busy[2] += sums[1]
-    else:
-        busy[1] = np.cumsum(np.concatenate([busy[1][None, :], to_l0]), axis=0)[-1]
-        busy[2] = np.cumsum(np.concatenate([busy[2][None, :], mmad]), axis=0)[-1]
-    for p, _, cost, _, _, _, _ in tail:
-        busy[p] += cost
-    cores.busy[:, lanes] = busy
-
-
-class _Steps:
-    """The end times of one wave's k steps, [k step, lane] each: load A, load B (MTE2, each waiting for its
-    L1 slot), A, B to L0A, L0B (MTE1: both loads and the L0 slot), mmad (CUBE; the first step also waits
-    for the bias tile and the unit's L0C slot).
-
-    Each end is fl(max(what it waits for) + cost), one instruction after another; a float sum depends on
-    its order, so the only exact way to get them is that recurrence. But where a pipe never waits, its
-    ends are a running sum (np.cumsum adds in order: the same floats), and the instructions hanging off
-    it are one add each. `solve` guesses such a regime (a template: which pipe streams) for the rest of
-    the wave, then checks every instruction's equation on the guess at once; every step before the first
-    one that fails is then exact (each equation only looks back), and the failing step onwards is redone
-    by the plain recurrence for a few steps before guessing again. Costs are >= 0, so load B's wait for
-    the slot load A already waited for, and MTE1's for load A (before load B), change nothing.
-    """
-
-    LOOP = 3  # steps done one by one where a guess failed, before guessing again
-
-    def __init__(self, nbuf, mte2, mte1, cube, l1_0, l0_0, bias_ready, l0c, load_a, load_b, to_l0, mmad):
-        self.nbuf = nbuf
-        self.init = (mte2, mte1, cube, l1_0, l0_0, bias_ready, l0c)
-        self.costs = (load_a, load_b, to_l0, mmad)
-        tk, lanes = load_a.shape
-        self.A, self.B, self.L, self.M = (np.empty((tk, lanes)) for _ in range(4))
-        self.templates = [self._mte2_streams, self._cube_streams] if nbuf > 1 else \
-            [self._through_mte1, self._cube_loop]
-
-    def solve(self, pref: list[int]) -> None:
-        """Fill A, B, L, M; `pref` holds the index of the template that worked last (kept across waves)."""
-        tk = len(self.A)
-        j = 0
-        while j < tk:
-            if j >= self.nbuf and tk - j > self.LOOP:
-                order = [pref[0]] + [i for i in range(len(self.templates)) if i != pref[0]]
-                for i in order:
-                    self.templates[i](j)
-                    f = self._check(j)
-                    if f > j:
-                        pref[0] = i
-                        break
-                if f > j:
-                    j = f
-                    continue
-            # the first nbuf steps look back into the last wave, whose state the guesses do not read
-            run = self.LOOP if j else self.nbuf
-            self._loop(j, min(j + run, tk))
-            j += run
-
-    def _loop(self, j0: int, j1: int) -> None:
-        """Steps [j0, j1) one instruction at a time (the recurrence itself)."""
-        mx = np.maximum
-        A, B, L, M, nbuf = self.A, self.B, self.L, self.M, self.nbuf
-        mte2, mte1, cube, l1_0, l0_0, bias_ready, l0c = self.init
-        load_a, load_b, to_l0, mmad = self.costs
-        for j in range(j0, j1):
-            a_free = B[j - 1] if j else mte2
-            l1 = L[j - nbuf] if j >= nbuf else l1_0[j]
-            a = mx(a_free, l1, out=A[j])
-            a += load_a[j]
-            b = np.add(a, load_b[j], out=B[j])
-            l = mx(L[j - 1] if j else mte1, b, out=L[j])
-            mx(l, M[j - nbuf] if j >= nbuf else l0_0[j], out=l)
-            l += to_l0[j]
-            c = mx(M[j - 1] if j else cube, l, out=M[j])
-            if j == 0:
-                mx(c, bias_ready, out=c)
-                mx(c, l0c, out=c)
-            c += mmad[j]
-
-    def _check(self, j0: int) -> int:
-        """The first step from j0 on (j0 >= nbuf) whose instructions do not satisfy their equations; tk if none."""
-        A, B, L, M, nbuf = self.A, self.B, self.L, self.M, self.nbuf
-        load_a, _, to_l0, mmad = self.costs
-        mx = np.maximum
-        tk = len(A)
-        a, b, l, m = A[j0:], B[j0:], L[j0:], M[j0:]
-        # every template sets B = A + cost, and A >= its L1 slot, so load B's equation holds with A's
-        ok = a == mx(B[j0 - 1:tk - 1], L[j0 - nbuf:tk - nbuf]) + load_a[j0:]
-        ok &= l == mx(mx(L[j0 - 1:tk - 1], b), M[j0 - nbuf:tk - nbuf]) + to_l0[j0:]
-        ok &= m == mx(M[j0 - 1:tk - 1], l) + mmad[j0:]
-        rows = ok.all(axis=1)
-        return tk if rows.all() else j0 + int(np.argmin(rows))
-
-    def _chain(self, start: np.ndarray, parts: list[np.ndarray], j0: int) -> list[np.ndarray]:
-        """A running sum from `start` through the steps' costs `parts` (interleaved per step), split back per part."""
-        n = len(parts)
-        seq = np.empty((1 + n * (len(parts[0]) - j0), start.shape[0]))
-        seq[0] = start
-        for i, p in enumerate(parts):
-            seq[1 + i::n] = p[j0:]
-        run = np.cumsum(seq, axis=0)
-        return [run[1 + i::n] for i in range(n)]
-
-    def _mte2_streams(self, j0: int) -> None:
-        """MTE2 never waits: the loads run back to back, MTE1 and the cube follow each load B."""
-        A, B, L, M, nbuf = self.A, self.B, self.L, self.M, self.nbuf
-        load_a, load_b, to_l0, mmad = self.costs
-        A[j0:], B[j0:] = self._chain(np.maximum(B[j0 - 1], L[j0 - nbuf]), [load_a, load_b], j0)
-        np.add(B[j0:], to_l0[j0:], out=L[j0:])
-        np.add(L[j0:], mmad[j0:], out=M[j0:])
-
-    def _cube_streams(self, j0: int) -> None:
-        """The cube never waits: MTE1 waits for the L0 slot the cube frees, the loads for the L1 slot MTE1 frees."""
-        A, B, L, M, nbuf = self.A, self.B, self.L, self.M, self.nbuf
-        load_a, load_b, to_l0, mmad = self.costs
-        tk = len(A)
-        (M[j0:],) = self._chain(M[j0 - 1], [mmad], j0)
-        np.add(M[j0 - nbuf:tk - nbuf], to_l0[j0:], out=L[j0:])
-        np.add(L[j0 - nbuf:tk - nbuf], load_a[j0:], out=A[j0:])
-        np.add(A[j0:], load_b[j0:], out=B[j0:])
-
-    def _through_mte1(self, j0: int) -> None:
-        """One buffer, memory bound: each load waits for MTE1 to free the slot, MTE1 for the loads; the cube follows."""
-        A, B, L, M = self.A, self.B, self.L, self.M
-        load_a, load_b, to_l0, mmad = self.costs
-        A[j0:], B[j0:], L[j0:] = self._chain(np.maximum(B[j0 - 1], L[j0 - 1]), [load_a, load_b, to_l0], j0)
-        np.add(L[j0:], mmad[j0:], out=M[j0:])
-
-    def _cube_loop(self, j0: int) -> None:
-        """One buffer, cube bound: MTE1 waits for the cube to free L0, the cube for MTE1; the loads follow MTE1."""
-        A, B, L, M = self.A, self.B, self.L, self.M
-        load_a, load_b, to_l0, mmad = self.costs
-        tk = len(A)
-        L[j0:], M[j0:] = self._chain(M[j0 - 1], [to_l0, mmad], j0)
-        np.add(L[j0 - 1:tk - 1], load_a[j0:], out=A[j0:])
-        np.add(A[j0:], load_b[j0:], out=B[j0:])
-
-
-def _account(cores, waits, lanes, nbuf, mte2_0, mte2, bias_cost, mte1, cube, l1_0, l0_0, bias_ready, l0c,
-             load_a, load_b, to_l0, mmad, A, B, L, Mm, tail) -> None:
-    """Record one wave's intervals and book its pipes' waits, from its instructions' end times."""
-    tk = len(A)
-    # what each instruction waited for: its pipe's previous instruction, its flags, its slots
-    l1 = np.concatenate([np.array(l1_0), L])[:tk]  # the L1 slot step j waits for (step j - nbuf's MTE1)
-    l0 = np.concatenate([np.array(l0_0), Mm])[:tk]
-    a_free = np.concatenate([mte2[None, :], B[:-1]])
-    a_start = np.maximum(a_free, l1)
-    b_start = np.maximum(A, l1)
-    l_free = np.concatenate([mte1[None, :], L[:-1]])
-    l_ready = np.maximum(np.maximum(l_free, A), B)
-    l_start = np.maximum(l_ready, l0)
-    m_free = np.concatenate([cube[None, :], Mm[:-1]])
-    m_ready = np.maximum(m_free, L)
-    m_ready[0] = np.maximum(m_ready[0], bias_ready)
-    m_start = m_ready.copy()
-    m_start[0] = np.maximum(m_ready[0], l0c)
-    if waits is not None:
-        inter = lambda x, y: np.stack([x, y], axis=1).reshape(2 * tk, -1)  # noqa: E731 (A, B alternate on MTE2)
-        _book(waits, "MTE2", inter(a_free, A), inter(a_free, A), inter(a_start, b_start))
-        _book(waits, "MTE1", l_free, l_ready, l_start)
-        _book(waits, "CUBE", m_free, m_ready, m_start)
-        for p, _, _, pfree, ready, start, _ in tail:
-            _book(waits, PIPES[p], pfree[None, :], ready[None, :], start[None, :])
-    if cores.record:
-        out = cores.intervals
-        if bias_cost is not None:
-            out.append(PipeInterval(0, "load bias", lanes, mte2_0, mte2))
-        for j in range(tk):
-            out.append(PipeInterval(0, "load A", lanes, a_start[j], A[j]))
-            out.append(PipeInterval(0, "load B", lanes, b_start[j], B[j]))
-            out.append(PipeInterval(1, "A, B to L0A, L0B", lanes, l_start[j], L[j]))
-            out.append(PipeInterval(2, "mmad", lanes, m_start[j], Mm[j]))
-        for p, name, _, _, _, start, end in tail:
-            out.append(PipeInterval(p, name, lanes, start, end))
-
-
-def _book(waits: PipeWaits, pipe: str, free: np.ndarray, ready: np.ndarray, start: np.ndarray) -> None:
-    """Book idle cycles as `issue` does, one instruction (row) at a time: to the flags first, then the slots."""
-    # row sums of C-contiguous rows are the sums of the rows alone; cumsum adds them in issue order
-    flag = np.sum(np.ascontiguousarray(ready - free), axis=1)
-    slot = np.sum(np.ascontiguousarray(start - ready), axis=1)
-    waits.flag[pipe] = float(np.cumsum(np.concatenate([[waits.flag[pipe]], flag]))[-1])
-    waits.slot[pipe] = float(np.cumsum(np.concatenate([[waits.slot[pipe]], slot]))[-1])

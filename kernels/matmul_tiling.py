@@ -1,4 +1,21 @@
-"""The matmul kernel's tiling (ops-transformer's BMM base blocks): m x n x k blocks fitted to L0A, L0B, L0C, L1, UB."""
+"""The matmul kernel's tiling, as CANN's MatMul takes it: Ascend C's `TCubeTiling`.
+
+The fields carry TCubeTiling's names (Ascend C, "Matmul Tiling" / `TCubeTiling` structure):
+
+    single_core_m/n/k   the block of C (and the K it sums) one cube core owns: the 2-D core split
+    base_m/n/k          one mmad's block: L0A holds base_m x base_k, L0B base_k x base_n (each ping-pong),
+                        L0C the base_m x base_n f32 accumulator
+    step_ka/kb          base_k slices of A / B one MTE2 load brings into L1 (L1 caching of K)
+    depth_a1/b1         base_k slices of A / B L1 holds: step x 2 when L1 is double-buffered
+    step_m/n            base blocks along M / N cached in L1 at once (GEIR's schedule caches one: 1)
+    iterate_order       0: the core's base blocks walk M first (the inner loop runs down a column of C),
+                        1: N first (along a row of C: one A panel reused, as pto-isa's gemm_performance loops)
+
+The rules follow the fp16 GEMM of pto-isa's `kernels/manual/a2a3/gemm_performance` (README, measured on a
+24-core A3): base block 128 x 256 x 64 ("L0A and L0B are explicitly double-buffered with a 32 KiB ping/pong
+split"), stepKa = stepKb = 4 ("cache four k blocks at a time"), double buffering in L1, L0A and L0B, and a
+2-D split of C over the cores (6144^3: a 4 x 6 grid, singleCoreM 1536, singleCoreN 1024, singleCoreK 6144).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +28,7 @@ from geir.kernels.tiling import (
     KernelTiling,
     Miss,
     OpSignature,
+    TilingAttrError,
     TilingError,
     Untiled,
     align,
@@ -18,7 +36,6 @@ from geir.kernels.tiling import (
     check_buffers,
     choice,
     fractal,
-    halve,
     halvings,
     never_printed,
     product,
@@ -29,48 +46,111 @@ from geir.ops.numerics import broadcast_dims
 from geir.target_npu.target import Target
 from geir.types import TensorType
 
-# matmul basic block m x n x k (ops-transformer BMM basic block 128 x 256 x 64)
+# the fp16 base block m x n x k of pto-isa's gemm_performance (and ops-transformer's BMM basic block)
 MATMUL_BLOCK = (128, 256, 64)
-BASIC, EPILOGUE = "MatmulBasicBlock", "MatmulEpilogue"
+# bytes of one L0A / L0B ping-pong half (gemm_performance: "a 32 KiB ping/pong split")
+L0_HALF = 32 * 1024
+STEP_K = 4  # base_k slices per L1 load (gemm_performance: stepKa = stepKb = 4)
+BASIC, EPILOGUE, MIX_EPILOGUE = "MatmulBasicBlock", "MatmulEpilogue", "MatmulMixEpilogue"
+M_FIRST, N_FIRST = 0, 1
 
 
 @attrs.frozen
 class MatmulTiling(KernelTiling):
-    """A cube base block m x n x k, its buffers and budgets; MatmulEpilogue when a bias or activation follows."""
+    """Ascend C's TCubeTiling for one matmul: core split, base block, L1 steps and depths, iteration order.
 
-    TEMPLATES = (BASIC, EPILOGUE)
+    Templates: MatmulBasicBlock (FIXP drains L0C to GM), MatmulEpilogue (a bias/activation applied on the way
+    out: the same AI core's vector unit), MatmulMixEpilogue (Atlas A2: the activation runs on the AIC's two
+    AIVs, which read the f32 block from a GM workspace: a mixed AIC + AIV kernel).
+    A single_core dimension of 0 is decided at launch (the dimension is dynamic when the tiling is chosen).
+    """
+
+    TEMPLATES = (BASIC, EPILOGUE, MIX_EPILOGUE)
 
     template: str
-    m: int
-    n: int
-    k: int
-    buffers: int
+    single_core_m: int
+    single_core_n: int
+    single_core_k: int
+    base_m: int
+    base_n: int
+    base_k: int
+    step_m: int
+    step_n: int
+    step_ka: int
+    step_kb: int
+    depth_a1: int
+    depth_b1: int
+    iterate_order: int
+    buffers: int  # L0A / L0B ping-pong (2) or one slot (1); L1 holds depth / step loads
     cores: int
     ub_bytes: int  # 0 without an activation: FIXP drains L0C straight to GM
     l1_bytes: int
     l0a_bytes: int
     l0b_bytes: int
     l0c_bytes: int
-    # how many output tiles there are (None: a dimension is dynamic); part of the choice, not of the attribute
+    # how many base blocks of C there are (None: a dimension is dynamic); part of the choice, not of the attribute
     work_units: int | None = never_printed(None)
     rule: str = never_printed("")
+
+    def __attrs_post_init__(self) -> None:
+        if self.step_m != 1 or self.step_n != 1:
+            raise TilingAttrError(f"step_m = {self.step_m}, step_n = {self.step_n}: GEIR's MatMul schedule caches "
+                                  "one base block along M and N in L1 (step_m = step_n = 1)")
+        if self.iterate_order not in (M_FIRST, N_FIRST):
+            raise TilingAttrError(f"iterate_order must be 0 (M first) or 1 (N first), not {self.iterate_order}")
+        for name in ("base_m", "base_n", "base_k", "step_ka", "step_kb"):
+            if getattr(self, name) < 1:
+                raise TilingAttrError(f"'{name}' must be at least 1, not {getattr(self, name)}")
+        for step, depth in (("step_ka", "depth_a1"), ("step_kb", "depth_b1")):
+            s, d = getattr(self, step), getattr(self, depth)
+            if d not in (s, 2 * s):
+                raise TilingAttrError(f"'{depth}' must be {step} (one L1 buffer) or 2 x {step} (double-buffered), "
+                                      f"not {d} with {step} = {s}")
+        for single, base in (("single_core_m", "base_m"), ("single_core_n", "base_n")):
+            if getattr(self, single) % getattr(self, base):
+                raise TilingAttrError(f"'{single}' ({getattr(self, single)}) must be a multiple of '{base}' "
+                                      f"({getattr(self, base)})")
 
     @property
     def blocks(self) -> dict[str, int]:
         """The base block by name."""
-        return {"m": self.m, "n": self.n, "k": self.k}
+        return {"m": self.base_m, "n": self.base_n, "k": self.base_k}
+
+    @property
+    def l1_buffers_a(self) -> int:
+        return self.depth_a1 // self.step_ka
+
+    @property
+    def l1_buffers_b(self) -> int:
+        return self.depth_b1 // self.step_kb
 
 
-def matmul_budget(m: int, n: int, k: int, itemsize: int, buffers: int, chip: Target, *,
-                  epilogue: bool = False, bias: bool = False) -> Budget:
-    """What one matmul work unit keeps on chip for an m x n x k base block."""
-    # L0A/L0B double-buffer the fractal operands, L0C the f32 result; L1 stages both operands (and a
-    # bias row). Without an epilogue FIXP writes L0C straight to GM; a bias/activation epilogue runs on
-    # the vector units, each taking its share of the rows as an f32 tile plus the rounded result.
+def l0c_slots(m: int, n: int, chip: Target) -> int:
+    """Accumulators L0C holds for an m x n base block: two where they fit (the drain of one block overlaps the
+    next block's mmad), else one (128 x 256 f32 fills the 910B's 128 KiB L0C, as in gemm_performance)."""
+    return 2 if 2 * m * n * F32_BYTES <= chip.buffer_bytes("l0c") else 1
+
+
+def matmul_budget(m: int, n: int, k: int, itemsize: int, buffers: int, chip: Target, *, epilogue: bool = False,
+                  bias: bool = False, depth_a: int | None = None, depth_b: int | None = None) -> Budget:
+    """What one cube core keeps on chip for an m x n x k base block with L1 holding depth_a / depth_b k slices.
+
+    L0A / L0B hold `buffers` base slices of A and B, L0C one or two f32 accumulators (`l0c_slots`). An epilogue
+    runs on the vector units, each taking its share of the rows as an f32 tile plus the rounded result.
+    """
+    depth_a = buffers if depth_a is None else depth_a
+    depth_b = buffers if depth_b is None else depth_b
     rows = -(-m // chip.data["cores"].get("vector_per_cube", 1))
     ub = rows * n * (F32_BYTES + itemsize) * buffers if epilogue else 0
-    l1 = (m * k + k * n) * itemsize * buffers + (n * itemsize if bias else 0)
-    return Budget(ub, l1, m * k * itemsize * buffers, k * n * itemsize * buffers, m * n * F32_BYTES * buffers)
+    l1 = (depth_a * m * k + depth_b * k * n) * itemsize + (n * itemsize if bias else 0)
+    return Budget(ub, l1, m * k * itemsize * buffers, k * n * itemsize * buffers,
+                  m * n * F32_BYTES * l0c_slots(m, n, chip))
+
+
+def tiling_budget(t: MatmulTiling, itemsize: int, chip: Target, *, epilogue: bool, bias: bool) -> Budget:
+    """The buffers one cube core of this tiling asks for."""
+    return matmul_budget(t.base_m, t.base_n, t.base_k, itemsize, t.buffers, chip, epilogue=epilogue, bias=bias,
+                         depth_a=t.depth_a1, depth_b=t.depth_b1)
 
 
 def _dims(a: TensorType, b: TensorType, transpose_a: bool, transpose_b: bool) -> tuple:
@@ -79,51 +159,133 @@ def _dims(a: TensorType, b: TensorType, transpose_a: bool, transpose_b: bool) ->
     return M, N, K
 
 
+@attrs.frozen
+class CoreSplit:
+    """How C's base blocks are dealt to the cube cores: a grid of gm x gn blocks of C per batch item, each
+    single_core_m x single_core_n (batch items dealt whole when there are at least as many as cores)."""
+
+    grid_m: int
+    grid_n: int
+    single_core_m: int
+    single_core_n: int
+
+
+def core_split(batch: int, M: int, N: int, base_m: int, base_n: int, cores: int) -> CoreSplit:
+    """The 2-D split of C over the cores: the grid that leaves the busiest core the fewest base blocks, then the
+    smallest A + B panels per core (single_core_m + single_core_n: gemm_performance's 4 x 6 grid at 6144^3),
+    then the fewer grid rows."""
+    tm, tn = -(-M // base_m), -(-N // base_n)
+    if batch >= cores or tm * tn == 0:
+        return CoreSplit(1, 1, tm * base_m, tn * base_n)
+    per_item = max(cores // max(batch, 1), 1)
+    best = None
+    for gm in range(1, min(tm, per_item) + 1):
+        for gn in range(1, min(tn, per_item // gm) + 1):
+            sm, sn = -(-tm // gm), -(-tn // gn)
+            key = (sm * sn, sm * base_m + sn * base_n, gm)
+            if best is None or key < best[0]:
+                best = (key, gm, gn, sm, sn)
+    _, gm, gn, sm, sn = best
+    return CoreSplit(-(-tm // sm), -(-tn // sn), sm * base_m, sn * base_n)
+
+
+def _gemv_base_n(pn: int, fn: int, N: int, K: int, kg: int, itemsize: int, cores: int, chip: Target) -> int:
+    """base_n for one fractal row of A (M <= 16: decode's GEMV-like shapes, which only stream B): the
+    size that gives the busiest core the least MTE2 time, B's bytes over the L2 rate plus one DMA start per load
+    (narrower blocks spread B over more cores, each DMA costs its start latency)."""
+    mem = chip.data["memory"]
+    rate, latency = mem["gm_read_bytes_per_cycle_l2"], mem.get("dma_latency_cycles", 0)
+    best = None
+    for n in halvings(pn, fn):
+        tiles = -(-N // n)
+        loads = -(-K // kg)
+        busiest = -(-tiles // cores) * loads * (latency + kg * n * itemsize / rate)
+        if best is None or busiest < best[0]:
+            best = (busiest, n)
+    return best[1]
+
+
 def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffers: int = 2, *,
                          transpose_a: bool = False, transpose_b: bool = False, epilogue: bool = False,
                          bias: bool = False) -> MatmulTiling:
-    """A cube base block m x n x k fitting L0A, L0B, L0C (and UB for an epilogue), shrinking k, then n, then m.
+    """TCubeTiling by gemm_performance's rules: the base block (128 x 256 x 64 for 16-bit types, fitted to
+    L0A / L0B halves of 32 KiB and to L0C; shrunk to small M, N, K), four k slices per L1 load, double buffers,
+    the 2-D core split, N first.
 
-    `epilogue`: an activation runs on the vector units (UB holds the f32 tile); `bias`: a bias row is
-    staged in L1 and added as L0C drains. Either makes the template MatmulEpilogue.
+    `epilogue`: an activation runs on the vector units (on Atlas A2's separate AIVs through a GM workspace:
+    MatmulMixEpilogue); `bias`: a bias row is staged in L1 and added as L0C drains.
     """
     check_buffers(buffers)
     chip = as_target(chip)
     fm, fk, fn = fractal(chip, a.dtype)
     M, N, K = _dims(a, b, transpose_a, transpose_b)
     nb = a.dtype.itemsize
+    half = L0_HALF if buffers == 2 else 2 * L0_HALF
     pm, pn, pk = (p if dim is None else min(p, align(dim, f))
                   for p, dim, f in zip(MATMUL_BLOCK, (M, N, K), (fm, fn, fk)))
+    pk = min(pk, max(fk, half // (pn * nb) // fk * fk))  # f32 halves base_k: 32 x 256 x 4 bytes fill a half
+    batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))
+    gemv = M is not None and N is not None and K is not None and M <= fm and (batch or 0) < chip.cube_cores
+    if gemv:
+        pn = _gemv_base_n(pn, fn, N, K, pk * STEP_K, nb, chip.cube_cores // max(batch or 1, 1), chip)
     first_miss = None
+    last = None
     for m in halvings(pm, fm):
         for n in halvings(pn, fn):
             for k in halvings(pk, fk):
-                budget = matmul_budget(m, n, k, nb, buffers, chip, epilogue=epilogue, bias=bias)
-                miss = budget.overflow(chip)
+                step = max(1, min(STEP_K, -(-K // k) if K else 1))
+                while True:
+                    budget = matmul_budget(m, n, k, nb, buffers, chip, epilogue=epilogue, bias=bias,
+                                           depth_a=step * buffers, depth_b=step * buffers)
+                    miss = budget.overflow(chip)
+                    if miss is None or step == 1:
+                        break
+                    step //= 2
                 if miss is not None:
                     first_miss = first_miss or (m, n, k, miss)
                     last = (m, n, k, miss)
                     continue
-                tiling = _tiling(m, n, k, buffers, epilogue or bias, budget, a, b, M, N, chip, "")
-                rule = f"base block {m} x {n} x {k} ({a.dtype}, {buffers} buffers)"
+                tiling = _tiling(m, n, k, step, buffers, epilogue, bias, budget, a, b, M, N, K, chip)
+                rule = (f"TCubeTiling: base block {m} x {n} x {k} ({a.dtype}, L0A/L0B {buffers} slot"
+                        f"{'s' * (buffers > 1)} each)")
+                if gemv:
+                    rule += (f"; one row of base blocks (M = {M}): base_n {n} gives the busiest core the least "
+                             "of B to stream")
                 if first_miss:
                     pm_, pn_, pk_, (buf, need, cap) = first_miss
                     rule += f"; {pm_} x {pn_} x {pk_} needs {need} bytes of {buf}, which holds {cap} on {chip.name}"
+                rule += (f"; stepKa = stepKb = {step} k slices per L1 load, depth {tiling.depth_a1}"
+                         f" ({'double-buffered' if buffers == 2 else 'one buffer'})")
+                if tiling.single_core_m:
+                    rule += (f"; cores split C {tiling.single_core_m} x {tiling.single_core_n} each"
+                             f" (singleCoreK {tiling.single_core_k})")
                 work = tiling.work_units
-                rule += f"; {'an unknown number of' if work is None else work} work units over {tiling.cores} cores"
+                rule += (f"; {'an unknown number of' if work is None else work} base blocks over "
+                         f"{tiling.cores} cores, N first")
+                if tiling.template == MIX_EPILOGUE:
+                    rule += "; the activation on the AIC's two AIVs through a GM workspace (mixed AIC + AIV kernel)"
                 return attrs.evolve(tiling, rule=rule)
     m, n, k, (buf, need, cap) = last
     raise TilingError(f"no matmul tiling fits {chip.name}: even {m} x {n} x {k} needs {need} bytes of {buf}, "
                       f"which holds {cap}")
 
 
-def _tiling(m: int, n: int, k: int, buffers: int, epilogue: bool, budget: Budget, a: TensorType, b: TensorType,
-            M, N, chip: Target, rule: str) -> MatmulTiling:
+def _template(epilogue: bool, bias: bool, chip: Target) -> str:
+    if epilogue and chip.separate_cube_vector:
+        return MIX_EPILOGUE
+    return EPILOGUE if epilogue or bias else BASIC
+
+
+def _tiling(m: int, n: int, k: int, step: int, buffers: int, epilogue: bool, bias: bool, budget: Budget,
+            a: TensorType, b: TensorType, M, N, K, chip: Target, order: int = N_FIRST) -> MatmulTiling:
     batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))
-    work = None if None in (batch, M, N) else batch * -(-M // m) * -(-N // n)
-    cores = chip.cube_cores if work is None else min(work, chip.cube_cores)
-    return MatmulTiling(EPILOGUE if epilogue else BASIC, m, n, k, buffers, cores, budget.ub, budget.l1, budget.l0a,
-                        budget.l0b, budget.l0c, work, rule)
+    dynamic = None in (batch, M, N)
+    work = None if dynamic else batch * -(-M // m) * -(-N // n)
+    split = CoreSplit(0, 0, 0, 0) if dynamic else core_split(batch, M, N, m, n, chip.cube_cores)
+    cores = chip.cube_cores if dynamic else max(min(batch * split.grid_m * split.grid_n, chip.cube_cores), 1)
+    return MatmulTiling(_template(epilogue, bias, chip), split.single_core_m, split.single_core_n,
+                        0 if K is None else K, m, n, k, 1, 1, step, step, step * buffers, step * buffers, order,
+                        buffers, cores, budget.ub, budget.l1, budget.l0a, budget.l0b, budget.l0c, work)
 
 
 # --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------
@@ -137,26 +299,36 @@ def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, bool, bool, bool
 
 
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> MatmulTiling | Miss:
-    """The rule's base block for one matmul or fused_matmul, or why there is none."""
+    """The rules' TCubeTiling for one matmul or fused_matmul, or why there is none."""
     a, b, ta, tb, epilogue, bias = _problem(sig)
     return choice(lambda: choose_matmul_tiling(a, b, chip, buffers, transpose_a=ta, transpose_b=tb,
                                                epilogue=epilogue, bias=bias))
 
 
 def budget(tiling: MatmulTiling, sig: OpSignature, chip: Target) -> Budget:
-    """What one work unit of this base block keeps on chip for this op."""
+    """What one cube core of this tiling keeps on chip for this op."""
     a, _, _, _, epilogue, bias = _problem(sig)
-    return matmul_budget(tiling.m, tiling.n, tiling.k, a.dtype.itemsize, tiling.buffers, chip,
-                         epilogue=epilogue, bias=bias)
+    return tiling_budget(tiling, a.dtype.itemsize, chip, epilogue=epilogue, bias=bias)
 
 
 def shrink(tiling: MatmulTiling) -> tuple[MatmulTiling, str] | None:
-    """Fewer output rows per work unit (m halved): less on chip, the same k order, bit-identical results."""
-    return halve(tiling, "m", SMALLEST_BLOCK)
+    """Less on chip, the same k order, bit-identical results: fewer output rows per base block (base_m halved),
+    then fewer k slices per L1 load, then single buffers."""
+    if tiling.base_m // 2 >= SMALLEST_BLOCK:
+        return attrs.evolve(tiling, base_m=tiling.base_m // 2), f"base_m {tiling.base_m} -> {tiling.base_m // 2}"
+    if tiling.step_ka > 1 or tiling.step_kb > 1:
+        sa, sb = max(tiling.step_ka // 2, 1), max(tiling.step_kb // 2, 1)
+        return (attrs.evolve(tiling, step_ka=sa, step_kb=sb, depth_a1=tiling.l1_buffers_a * sa,
+                             depth_b1=tiling.l1_buffers_b * sb), f"step_ka {tiling.step_ka} -> {sa}")
+    if tiling.buffers == 2:
+        return (attrs.evolve(tiling, buffers=1, depth_a1=tiling.step_ka, depth_b1=tiling.step_kb),
+                "buffers 2 -> 1")
+    return None
 
 
 def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulTiling]:
-    """Every base block of fractal multiples up to twice ops-transformer's that fits the buffers."""
+    """Base blocks of fractal multiples up to twice gemm_performance's, each with 1, 2 or 4 k slices per L1 load
+    and both iteration orders, that fit the buffers."""
     a, b, ta, tb, epilogue, bias = _problem(sig)
     try:
         fm, fk, fn = fractal(chip, a.dtype)
@@ -169,21 +341,26 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulT
     for m in halvings(min(2 * MATMUL_BLOCK[0], align(M, fm)), fm):
         for n in halvings(min(2 * MATMUL_BLOCK[1], align(N, fn)), fn):
             for k in halvings(min(2 * MATMUL_BLOCK[2], align(K, fk)), fk):
-                bud = matmul_budget(m, n, k, a.dtype.itemsize, buffers, chip, epilogue=epilogue, bias=bias)
-                if bud.overflow(chip) is None:
-                    out.append(_tiling(m, n, k, buffers, epilogue or bias, bud, a, b, M, N, chip,
-                                       f"candidate base block {m} x {n} x {k}"))
+                for step in sorted({min(s, max(-(-K // k), 1)) for s in (1, 2, STEP_K)}):
+                    bud = matmul_budget(m, n, k, a.dtype.itemsize, buffers, chip, epilogue=epilogue, bias=bias,
+                                        depth_a=step * buffers, depth_b=step * buffers)
+                    if bud.overflow(chip) is not None:
+                        continue
+                    for order in (N_FIRST, M_FIRST):
+                        t = _tiling(m, n, k, step, buffers, epilogue, bias, bud, a, b, M, N, K, chip, order)
+                        out.append(attrs.evolve(t, rule=f"candidate base block {m} x {n} x {k}, step_k {step}, "
+                                                        f"{'N' if order else 'M'} first"))
     return out
 
 
 def check_instance(sig: OpSignature, tiling: MatmulTiling) -> OpSignature:
     """One batch, and at most two base blocks of output rows and columns: each output element still sums its
-    whole K in the tiling's k blocks, so its numbers are those of the whole op."""
+    whole K in the tiling's base_k blocks, so its numbers are those of the whole op."""
     a, b, ta, tb, _, bias = _problem(sig)
     M, N, _ = _dims(a, b, ta, tb)
     if None in (M, N) or a.rank < 2 or b.rank < 2:
         return sig
-    m2, n2 = min(M, 2 * tiling.m), min(N, 2 * tiling.n)
+    m2, n2 = min(M, 2 * tiling.base_m), min(N, 2 * tiling.base_n)
 
     def one_batch(t: TensorType) -> TensorType:
         return TensorType((1,) * (t.rank - 2) + tuple(t.shape[-2:]), t.dtype)

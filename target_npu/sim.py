@@ -190,8 +190,9 @@ class GlobalMemory:
                     key: np.ndarray | None = None) -> np.ndarray:
         """Cycles for each core to read its pieces: row i lists core i's block ids and bytes (0 = no piece).
 
-        A piece is an L2 hit when fewer bytes than the L2 holds moved since its block was last touched;
-        cores with the same `key` read the same data together: the first brings it in, the others hit.
+        A piece is an L2 hit when fewer distinct bytes than the L2 holds were touched since its block was last
+        touched (the byte clock; an LRU cache's reuse distance in bytes); cores with the same `key` read the
+        same data together: the first brings it in, the others hit, and the clock counts it once.
         Misses run at the HBM rate, which the cores missing together share.
         """
         last = self.last_touch[name]
@@ -210,7 +211,8 @@ class GlobalMemory:
         self.gm_read_bytes += moved
         self.hbm_read_bytes += int(miss.sum())
         if name not in self.scratch:
-            self.clock += moved
+            # the L2 holds lines, not requests: data several cores read together is touched once
+            self.clock += moved if key is None or len(key) < 2 else int(total[first].sum())
         last[blocks[valid]] = self.clock
         self.tensor_clock[name] = self.clock
         return cost
@@ -252,21 +254,23 @@ class GlobalMemory:
         most one Transfer of a call; the caller makes its calls small enough for that.
         """
         n = 1 + max(int(m.at[-1]) for m in moves)
-        moved_at = np.zeros(n, dtype=np.int64)
-        totals = []
+        moved_at = np.zeros(n, dtype=np.int64)  # distinct bytes each event touches: what advances the clock
+        totals, firsts = [], []
         for m in moves:
             # bytes as floats: integers well below 2**53 are exact, and the costs divide them as floats anyway
             total = m.sets[0].pool.ftotal[m.ids]
             if m.active is not None:
                 total = np.where(m.active, total, 0.0)
+            first = None if m.write else self._first(m)
             totals.append(total)
-            moved_at[m.at] = total.sum(axis=1)
+            firsts.append(first)
+            moved_at[m.at] = _first_only(total, first).sum(axis=1)
         after = self.clock + np.cumsum(moved_at)
         before = after - moved_at
         out = []
-        for m, total in zip(moves, totals):
+        for m, total, first in zip(moves, totals, firsts):
             pool, ids, active = m.sets[0].pool, m.ids, m.active
-            moved = int(moved_at[m.at].sum())
+            moved = int(total.sum())
             # np.where(total > 0, latency, 0) as read_pieces adds it; where every mover moves bytes, the latency
             dense = active is None and pool.all_moved
             lat = self.latency if dense else np.where(total > 0, self.latency, 0)
@@ -284,7 +288,6 @@ class GlobalMemory:
             else:
                 clock = before[m.at][:, None]
                 miss_set = (clock - pool.seen[ids]) >= self.l2_bytes
-                first = self._first(m)
                 if first is not None:
                     if first.shape[0] == ids.shape[0]:
                         miss_set &= first
@@ -367,6 +370,15 @@ class GlobalMemory:
         """Cycles for each core to write one block each."""
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
         return self.write_pieces(name, blocks[:, None], sizes[:, None])
+
+
+def _first_only(total: np.ndarray, first: np.ndarray | None) -> np.ndarray:
+    """`total` [events, movers] where the mover is the first of its key (GlobalMemory._first's shapes), else 0."""
+    if first is None:
+        return total
+    if first.shape[0] == total.shape[0]:
+        return np.where(first, total, 0.0)
+    return np.where(first[np.arange(total.shape[0]) % first.shape[0]], total, 0.0)
 
 
 @attrs.define

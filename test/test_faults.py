@@ -96,7 +96,8 @@ def _tiling(template: str, **blocks):
 
 @pytest.mark.parametrize("tiling, key, value", [
     ({"template": "S1s2Bn2gs1", "s1": 128, "s2": 128, "ub_bytes": 1000}, "s1", 64),
-    ({"template": "MatmulBasicBlock", "m": 128, "n": 128, "k": 64}, "m", 64),
+    ({"template": "MatmulBasicBlock", "base_m": 128, "base_n": 128, "base_k": 64, "single_core_m": 128,
+      "single_core_n": 128}, "base_m", 64),
     ({"template": "VectorRow", "rows": 6, "cols": 256}, "rows", 3),
     ({"template": "VectorElementwise", "elems": 704}, "elems", 352),
 ])

@@ -150,8 +150,8 @@ def test_matmul_gm_bytes_are_the_analytic_count():
     t = op.attributes["tiling"]
     _, ctx = launch(op, random_inputs(op))
     B, M, N, K = 2, 300, 500, 200
-    tm, tn = -(-M // t["m"]), -(-N // t["n"])
-    assert (tm, tn) == (3, 4)
+    tm, tn = -(-M // t["base_m"]), -(-N // t["base_n"])
+    assert (tm, tn) == (3, 2)
     assert ctx.gm.gm_read_bytes == B * (tn * M * K + tm * K * N) * 2
     assert ctx.gm.gm_write_bytes == B * M * N * 2
     # A and B were never seen before: the first read of every byte comes from HBM, the rest from L2
@@ -171,13 +171,14 @@ def test_matmul_loads_overlap_the_cube_with_double_buffering():
     text = ("%c = ge.matmul %a, %b : tensor<256x256xf16>", "%a: tensor<256x1024xf16>, %b: tensor<1024x256xf16>")
     op = one_op(*text)
     assert op.attributes["tiling"]["buffers"] == 2
-    assert -(-1024 // op.attributes["tiling"]["k"]) > 4  # several k steps
+    assert -(-1024 // op.attributes["tiling"]["base_k"]) > 4  # several k steps
     _, ctx = launch(op, random_inputs(op), record=True)
     loads, cube = _intervals(ctx.cores, "MTE2", 0), _intervals(ctx.cores, "CUBE", 0)
     assert loads and cube
     assert any(s1 < e2 and s2 < e1 for s1, e1 in loads for s2, e2 in cube)
     single = one_op(*text)
-    single.attributes["tiling"] = dict(single.attributes["tiling"], buffers=1)
+    t = single.attributes["tiling"]
+    single.attributes["tiling"] = dict(t, buffers=1, depth_a1=t["step_ka"], depth_b1=t["step_kb"])
     _, ctx1 = launch(single, random_inputs(single))
     assert ctx1.cores.finish > ctx.cores.finish  # one buffer: every load waits for the cube to free its slot
 
@@ -352,8 +353,10 @@ def test_a_tile_too_large_for_its_buffer_raises_capacity_error():
     with pytest.raises(CapacityError, match="UB overflow"):
         launch(op, random_inputs(op))
     op = one_op("%c = ge.matmul %a, %b : tensor<256x256xf16>", "%a: tensor<256x256xf16>, %b: tensor<256x256xf16>")
-    op.attributes["tiling"] = dict(op.attributes["tiling"], m=256, n=256, k=256)
-    with pytest.raises(CapacityError, match=r"L0A overflow: .* needs 262144 bytes, but L0A holds 65536 bytes"):
+    op.attributes["tiling"] = dict(op.attributes["tiling"], base_m=256, base_n=256, base_k=256, single_core_m=256,
+                                   single_core_n=256)
+    # L1 is allocated first: 8 k slices (4 a load, double-buffered) of A and of B, 256 x 256 each in f16
+    with pytest.raises(CapacityError, match=rf"L1 overflow: .* needs {8 * 2 * 256 * 256 * 2} bytes, but L1 holds 524288"):
         launch(op, random_inputs(op))
 
 

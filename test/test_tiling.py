@@ -225,21 +225,37 @@ def test_attribute_keys_start_with_the_spec_order():
 # --- matmul and vector kernels -----------------------------------------------------------------------
 
 def test_matmul_base_block_fits_l0_and_differs_by_l0c():
+    # pto-isa's gemm_performance (fp16): base 128 x 256 x 64, L0A/L0B halves of 32 KiB, 128 x 256 f32 fills the
+    # 910B's 128 KiB L0C (one accumulator); the 910A's 256 KiB holds two
     a, b = TensorType((4096, 4096), F16), TensorType((4096, 4096), F16)
     t910b = choose_matmul_tiling(a, b, "ascend910b")
     t910a = choose_matmul_tiling(a, b, "ascend910a")
-    assert (t910b.blocks, t910a.blocks) == ({"m": 128, "n": 128, "k": 64}, {"m": 128, "n": 256, "k": 64})
+    assert t910b.blocks == t910a.blocks == {"m": 128, "n": 256, "k": 64}
+    assert (t910b.l0c_bytes, t910a.l0c_bytes) == (128 * 256 * 4, 2 * 128 * 256 * 4)
     for t, target in ((t910b, "ascend910b"), (t910a, "ascend910a")):
         chip = load_target(target)
         assert t.l0c_bytes <= chip.buffer_bytes("l0c") and t.l0b_bytes <= chip.buffer_bytes("l0b")
+        assert t.l0a_bytes == 2 * 128 * 64 * 2 and t.l0b_bytes == 2 * 64 * 256 * 2  # ping-pong halves
     assert t910b.cores == 24 and t910b.template == "MatmulBasicBlock"
+
+
+def test_matmul_tiling_is_gemm_performance_s_at_6144():
+    # the TCubeTiling table of pto-isa kernels/manual/a2a3/gemm_performance/README.md (24 cube cores, m = k = n = 6144)
+    s = TensorType((6144, 6144), F16)
+    t = choose_matmul_tiling(s, s, "ascend910b")
+    assert (t.single_core_m, t.single_core_k, t.single_core_n) == (1536, 6144, 1024)
+    assert (t.base_m, t.base_k, t.base_n) == (128, 64, 256)
+    assert (t.step_m, t.step_ka, t.step_kb, t.step_n) == (1, 4, 4, 1)
+    assert (t.depth_a1, t.depth_b1) == (8, 8)  # four k slices, double-buffered
+    assert t.l1_bytes == 8 * 128 * 64 * 2 + 8 * 64 * 256 * 2 <= load_target("ascend910b").buffer_bytes("l1")
 
 
 def test_matmul_small_and_f32_and_epilogue():
     t = choose_matmul_tiling(TensorType((8, 64, 32), F32), TensorType((32, 48), F32), "ascend910b", transpose_b=False)
     assert t.blocks == {"m": 64, "n": 48, "k": 32} and t.cores == 8
-    e = choose_matmul_tiling(TensorType((512, 512), F16), TensorType((512, 512), F16), "ascend910b", epilogue=True)
-    assert e.template == "MatmulEpilogue" and 0 < e.ub_bytes <= load_target("ascend910b").buffer_bytes("ub")
+    for target, template in (("ascend910b", "MatmulMixEpilogue"), ("ascend910a", "MatmulEpilogue")):
+        e = choose_matmul_tiling(TensorType((512, 512), F16), TensorType((512, 512), F16), target, epilogue=True)
+        assert e.template == template and 0 < e.ub_bytes <= load_target(target).buffer_bytes("ub")
 
 
 def test_vector_tiles_fit_ub_and_spread_over_cores():

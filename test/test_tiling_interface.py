@@ -143,17 +143,26 @@ def test_a_kernel_run_without_a_tiling_leaves_the_ir_as_it_was():
     assert op.operands[0].type == TensorType((None, 64), F16)
 
 
+_MATMUL = {"template": "MatmulBasicBlock", "single_core_m": 64, "single_core_n": 64, "single_core_k": 64,
+           "base_m": 64, "base_n": 64, "base_k": 64, "step_m": 1, "step_n": 1, "step_ka": 1, "step_kb": 1,
+           "depth_a1": 2, "depth_b1": 2, "iterate_order": 1, "buffers": 2, "cores": 1, "ub_bytes": 0, "l1_bytes": 1,
+           "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1}
+
+
+def _without(key: str) -> dict:
+    return {k: v for k, v in _MATMUL.items() if k != key}
+
+
 @pytest.mark.parametrize("attr, message", [
-    ({"template": "MatmulBasicBlock", "m": 64, "n": 64, "buffers": 2, "cores": 1, "ub_bytes": 0, "l1_bytes": 1,
-      "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1}, "has no 'k'"),
-    ({"template": "MatmulBasicBlock", "m": 64, "n": "64", "k": 64, "buffers": 2, "cores": 1, "ub_bytes": 0,
-      "l1_bytes": 1, "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1}, "'n' must be a non-negative integer"),
-    ({"template": "S1Bn2gs1", "m": 64, "n": 64, "k": 64, "buffers": 2, "cores": 1, "ub_bytes": 0, "l1_bytes": 1,
-      "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1}, "template 'S1Bn2gs1' is not one of"),
-    ({"template": "MatmulBasicBlock", "m": 64, "n": 64, "k": 64, "buffers": 3, "cores": 1, "ub_bytes": 0,
-      "l1_bytes": 1, "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1}, "'buffers' must be 1 or 2"),
-    ({"template": "MatmulBasicBlock", "m": 64, "n": 64, "k": 64, "buffers": 2, "cores": 1, "ub_bytes": 0,
-      "l1_bytes": 1, "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1, "q": 3}, "unknown key 'q'"),
+    (_without("base_k"), "has no 'base_k'"),
+    (_MATMUL | {"base_n": "64"}, "'base_n' must be a non-negative integer"),
+    (_MATMUL | {"template": "S1Bn2gs1"}, "template 'S1Bn2gs1' is not one of"),
+    (_MATMUL | {"buffers": 3}, "'buffers' must be 1 or 2"),
+    (_MATMUL | {"q": 3}, "unknown key 'q'"),
+    (_MATMUL | {"step_m": 2}, "step_m = 2"),
+    (_MATMUL | {"depth_a1": 3}, "'depth_a1' must be step_ka"),
+    (_MATMUL | {"single_core_m": 96}, "'single_core_m' \\(96\\) must be a multiple of 'base_m'"),
+    (_MATMUL | {"iterate_order": 2}, "iterate_order must be 0"),
 ])
 def test_a_malformed_tiling_attribute_says_what_is_wrong(attr, message):
     with pytest.raises(TilingAttrError, match=message):
@@ -170,14 +179,14 @@ def test_gerun_reports_a_malformed_tiling_at_its_launch(tmp_path, capsys):
     lowered = tmp_path / "p.geir"
     assert geopt_main([str(src), "--passes=lower", "-o", str(lowered)]) == 0
     text = lowered.read_text()
-    assert " k = 64," in text
+    assert " base_k = 64," in text
     bad = tmp_path / "bad.geir"
-    bad.write_text(text.replace(" k = 64,", " k = -64,"))
+    bad.write_text(text.replace(" base_k = 64,", " base_k = -64,"))
     capsys.readouterr()
     assert gerun_main([str(bad)]) == 1
     err = capsys.readouterr().err
-    line = next(i for i, s in enumerate(bad.read_text().splitlines(), 1) if "k = -64," in s)
-    assert f"bad.geir:{line}:" in err and "error: the tiling of ge.matmul: 'k' must be a non-negative integer, not -64" in err
+    line = next(i for i, s in enumerate(bad.read_text().splitlines(), 1) if "base_k = -64," in s)
+    assert f"bad.geir:{line}:" in err and "error: the tiling of ge.matmul: 'base_k' must be a non-negative integer, not -64" in err
     assert "^" in err and "Traceback" not in err and "internal error" not in err
 
 
