@@ -295,6 +295,7 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
     l0_free = np.zeros((g.l0_slots, count))  # an L0A / L0B half: free once the cube used it
     l0c_free = np.zeros((g.l0c_slots, count))  # an accumulator: free once FIXP drained it
     ub_free = np.zeros((g.l0_slots, count))  # the epilogue's UB tiles: free once MTE3 stored them
+    ws_free = np.zeros((WORKSPACE_SLOTS, count))  # a workspace slot: free once the AIVs read it
     on_chip: dict[bytes, tuple] = {}
     loads = slices = 0  # L1 loads and base_k slices issued so far by every core in the waves before
     for w in range(g.order.shape[1] if g.order.size else 0):
@@ -319,7 +320,7 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
         bias_ready = None
         if bias_cost is not None:
             bias_ready = issue(cores, waits, "MTE2", lanes, bias_cost, name="load bias")
-        cs = w % g.l0c_slots
+        cs, us = w % g.l0c_slots, w % g.l0_slots  # the accumulator and the epilogue's UB tiles
         mm = None
         for j in range(g.tk):
             s1 = (loads + j) % g.l1_slots
@@ -338,16 +339,17 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
         loads += g.tk
         slices += len(to_l0)
         if mix:
-            l0c_free[cs, lanes], ub_free[cs, lanes] = _mix_drain(
-                cores, waits, ws, lanes, cs, mm, m_eff, n_eff, store, ub_free[cs, lanes], sync, latency,
-                vector_cycles(target, -(-m_eff // 2) * n_eff * 4, act_passes), activation)
+            ss = w % WORKSPACE_SLOTS
+            l0c_free[cs, lanes], ws_free[ss, lanes], ub_free[us, lanes] = _mix_drain(
+                cores, waits, ws, lanes, ss, mm, m_eff, n_eff, store, ws_free[ss, lanes], ub_free[us, lanes], sync,
+                latency, vector_cycles(target, -(-m_eff // 2) * n_eff * 4, act_passes), activation)
         elif vector_act:
             to_ub = issue(cores, waits, "FIXP", lanes, np.ceil(m_eff * n_eff * 4 / onchip), [mm],
-                          [ub_free[cs, lanes]], name="L0C to UB")
+                          [ub_free[us, lanes]], name="L0C to UB")
             l0c_free[cs, lanes] = to_ub
             act = issue(cores, waits, "VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes),
                         [to_ub], name=f"{activation} and cast")
-            ub_free[cs, lanes] = issue(cores, waits, "MTE3", lanes, store, [act], name="store C")
+            ub_free[us, lanes] = issue(cores, waits, "MTE3", lanes, store, [act], name="store C")
         else:
             l0c_free[cs, lanes] = issue(cores, waits, "FIXP", lanes, store, [mm], name="L0C to GM")
     moves.commit()
@@ -391,12 +393,14 @@ class _Workspace:
 
 
 def _mix_drain(cores, waits, ws: _Workspace, lanes: np.ndarray, slot: int, mm: np.ndarray, m_eff: np.ndarray,
-               n_eff: np.ndarray, store: np.ndarray, ub_free: np.ndarray, sync: float, latency: float,
-               act: np.ndarray, activation: str) -> tuple[np.ndarray, np.ndarray]:
-    """Drain one base block through the AIVs (MatmulMixEpilogue): FIXP to the workspace, the cross-core flag,
-    each AIV's half of the rows in, the activation, its half of C out. Returns (L0C free, UB free)."""
+               n_eff: np.ndarray, store: np.ndarray, ws_free: np.ndarray, ub_free: np.ndarray, sync: float,
+               latency: float, act: np.ndarray, activation: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drain one base block through the AIVs (MatmulMixEpilogue): FIXP to a workspace slot, the cross-core flag,
+    each AIV's half of the rows in, the activation, its half of C out. Returns when L0C, the workspace slot and
+    the UB tile are free again."""
     nbytes = m_eff * n_eff * 4
-    drained = issue(cores, waits, "FIXP", lanes, ws.write(lanes, slot, nbytes), [mm], name="L0C to workspace")
+    drained = issue(cores, waits, "FIXP", lanes, ws.write(lanes, slot, nbytes), [mm], [ws_free],
+                    name="L0C to workspace")
     flagged = drained + sync  # the AIVs see the AIC's flag this much after the data landed
     loaded = issue(cores, waits, "AIV_MTE2", lanes, ws.read(lanes, slot, nbytes), [flagged], [ub_free],
                    name="load block from workspace")
@@ -405,7 +409,7 @@ def _mix_drain(cores, waits, ws: _Workspace, lanes: np.ndarray, slot: int, mm: n
     # each AIV stores its half of the rows side by side: the DMA start and its share of the bytes
     half_store = np.where(store > 0, latency + (store - latency) * top / np.maximum(m_eff, 1), 0.0)
     stored = issue(cores, waits, "MTE3", lanes, half_store, [done], name="store C")
-    return drained, stored
+    return drained, loaded, stored
 
 
 class _Moves:

@@ -21,7 +21,6 @@ from typing import Iterable
 import numpy as np
 
 from geir.kernels.data_movement import FRACTAL, GmTensor, gm_tensor
-from geir.kernels.matmul_tiling import matmul_budget
 from geir.kernels.base import allocate
 from geir.kernels.vector import elementwise_passes
 from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory, PipeInterval, cube_cycles, local_copy_cycles, \
@@ -33,13 +32,6 @@ _ACTIVATION_OPS = {"relu": "ge.relu", "gelu": "ge.gelu", "gelu_tanh": "ge.gelu",
 SOFTMAX_PASSES = 7
 ACCUMULATE_PASSES = 2
 
-
-def check_fits(target, m: int, n: int, k: int, itemsize: int, buffers: int, epilogue: bool, bias: bool) -> None:
-    budget = matmul_budget(m, n, k, itemsize, buffers, target, epilogue=epilogue, bias=bias)
-    allocate(target, budget, f"the {m} x {n} x {k} matmul block ({buffers} buffers)")
-
-
-# --- target_npu/sim.py: Cores.issue, GlobalMemory.read_pieces / write_pieces / read / write ---------
 
 def cores_issue(self: Cores, pipe: str, cores: np.ndarray, cost: np.ndarray | float, after: Iterable[np.ndarray] = (),
                 name: str = "") -> np.ndarray:
@@ -74,7 +66,8 @@ def read_pieces(self: GlobalMemory, name: str, blocks: np.ndarray, nbytes: np.nd
     moved = int(total.sum())
     self.gm_read_bytes += moved
     self.hbm_read_bytes += int(miss.sum())
-    self.clock += moved
+    # the L2 holds lines: data several cores read together is touched once (GlobalMemory.read_pieces)
+    self.clock += moved if key is None or len(key) < 2 else int(total[first].sum())
     last[blocks[valid]] = self.clock
     self.tensor_clock[name] = self.clock
     return cost
@@ -202,6 +195,9 @@ def gm_write(gm: GlobalMemory, t: GmTensor, pieces) -> np.ndarray:
 
 
 # --- kernels/matmul.py: the timing of matmul_forward -------------------------------------------------
+#
+# The MatMul schedule of issue 25 (TCubeTiling: 2-D core split, step_k slices per L1 load, L0 ping-pong), one
+# instruction and one GM move at a time: the oracle of the kernel's batched moves (a wave's reads timed together).
 
 class _Costs:
     """Per-lane cube and on-chip copy cycles, memoised by size."""
@@ -232,14 +228,13 @@ class _Costs:
 def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,
                   out_dt: np.dtype, tiling, ctx, activation: str = "none") -> None:
     """matmul_forward's timing (arrays are read for their shapes and dtypes only)."""
+    from geir.kernels.matmul import WORKSPACE_SLOTS, _grid, _Workspace, _mix_drain, _cross_core_sync_cycles
+
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
-    m, n, k, nbuf = tiling.m, tiling.n, tiling.k, tiling.buffers
     dt = a.dtype
     isz = dt.itemsize
     dname = _CUBE_DTYPES[dt.name]
     vector_act = activation != "none"
-    check_fits(target, m, n, k, isz, nbuf, vector_act, bias is not None)
-
     A = np.swapaxes(a, -1, -2) if transpose_a else a
     B = np.swapaxes(b, -1, -2) if transpose_b else b
     M, K = A.shape[-2:]
@@ -248,10 +243,10 @@ def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpo
     nbat = math.prod(batch)
     a_of = np.broadcast_to(np.arange(math.prod(A.shape[:-2])).reshape(A.shape[:-2]), batch).reshape(-1)
     b_of = np.broadcast_to(np.arange(math.prod(B.shape[:-2])).reshape(B.shape[:-2]), batch).reshape(-1)
-    tm, tn, tk = -(-M // m), -(-N // n), max(-(-K // k), 1)
     if M == 0 or N == 0 or nbat == 0:
         return
-
+    g = _grid(tiling, target, M, N, K, a_of, b_of, transpose_a, transpose_b, a.shape[-2], b.shape[-2], cores.count)
+    m, n, kg = g.m, g.n, g.k
     an, bn = ctx.operand_names[:2]
     on = ctx.result_names[0]
     ag = gm_tensor(gm, an, a.shape, isz)
@@ -259,33 +254,40 @@ def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpo
     og = gm_tensor(gm, on, batch + (M, N), np.dtype(out_dt).itemsize)
     biasg = None if bias is None else gm_tensor(gm, ctx.operand_names[2], bias.shape, bias.dtype.itemsize)
     ra, rb = a.shape[-2], b.shape[-2]
-
+    mix = tiling.template == "MatmulMixEpilogue"
+    ws = _Workspace(ctx, on, len(g.order), m * n * 4) if mix else None
+    sync = _cross_core_sync_cycles(target) if mix else 0.0
+    latency = target.data["memory"].get("dma_latency_cycles", 0)
     costs = _Costs(target, dname)
     count = cores.count
-    l1_free = np.zeros((nbuf, count))
-    l0_free = np.zeros((nbuf, count))
-    l0c_free = np.zeros((nbuf, count))
-    ub_free = np.zeros((nbuf, count))
+    l1_free = np.zeros((g.l1_slots, count))
+    l0_free = np.zeros((g.l0_slots, count))
+    l0c_free = np.zeros((g.l0c_slots, count))
+    ub_free = np.zeros((g.l0_slots, count))  # the epilogue's UB tiles: free once MTE3 stored them
+    ws_free = np.zeros((WORKSPACE_SLOTS, count))  # a workspace slot: free once the AIVs read it
     act_passes = (elementwise_passes(_ACTIVATION_OPS[activation]) if vector_act else 0) + 1
-    units = nbat * tm * tn
-    step = 0
-
-    for w, (wave, lanes) in enumerate(spread(units, count)):
-        bo, mi, ni = wave // (tm * tn), (wave // tn) % tm, wave % tn
+    units = nbat * g.tm * g.tn
+    slices_per_unit = -(-K // g.base_k) if K else 1
+    loads = slices = 0
+    every = np.arange(len(g.order))
+    for w in range(g.order.shape[1]):
+        lanes = every[g.order[:, w] >= 0]
+        lanes = np.roll(lanes, -(w % len(lanes)))
+        wave = g.order[lanes, w]
+        bo, mi, ni = wave // (g.tm * g.tn), (wave // g.tn) % g.tm, wave % g.tn
         ba, bb = a_of[bo], b_of[bo]
         m0, n0 = mi * m, ni * n
         m_eff, n_eff = np.minimum(M - m0, m), np.minimum(N - n0, n)
-        cs = w % nbuf
-        bias_ready = np.zeros(len(wave))
+        cs, us = w % g.l0c_slots, w % g.l0_slots  # the accumulator and the epilogue's UB tiles
+        bias_ready = None
         if bias is not None:
             bias_ready = cores_issue(cores, "MTE2", lanes,
                                      _read_bias(gm, biasg, bias, wave, units, m0, m_eff, n0, n_eff, ni),
                                      name="load bias")
-        for kk in range(tk):
-            s = step % nbuf
-            step += 1
-            k0 = kk * k
-            k_eff = max(min(K - k0, k), 0)
+        for j in range(g.tk):
+            s1 = (loads + j) % g.l1_slots
+            k0 = j * kg
+            k_eff = max(min(K - k0, kg), 0)
             if transpose_a:
                 a_rect = (ba * ra + k0, ba * ra + k0 + k_eff, m0, m0 + m_eff)
             else:
@@ -294,29 +296,40 @@ def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpo
                 b_rect = (bb * rb + n0, bb * rb + n0 + n_eff, k0, k0 + k_eff)
             else:
                 b_rect = (bb * rb + k0, bb * rb + k0 + k_eff, n0, n0 + n_eff)
-            load_a = gm_read(gm, ag, rect_pieces(ag, *a_rect), key=ba * tm + mi)
-            load_b = gm_read(gm, bg, rect_pieces(bg, *b_rect), key=bb * tn + ni)
-            a_l1 = issue(cores, waits, "MTE2", lanes, load_a, slots=[l1_free[s, lanes]], name="load A")
-            b_l1 = issue(cores, waits, "MTE2", lanes, load_b, slots=[l1_free[s, lanes]], name="load B")
-            l0 = issue(cores, waits, "MTE1", lanes, costs.local((m_eff + n_eff) * k_eff * isz), [a_l1, b_l1],
-                       [l0_free[s, lanes]], name="A, B to L0A, L0B")
-            l1_free[s, lanes] = l0
-            flags, slots = ([l0], []) if kk else ([l0, bias_ready], [l0c_free[cs, lanes]])
-            mmad = issue(cores, waits, "CUBE", lanes, costs.mmad(m_eff, k_eff, n_eff), flags, slots, name="mmad")
-            l0_free[s, lanes] = mmad
-
-        store_pieces = rect_pieces(og, bo * M + m0, bo * M + m0 + m_eff, n0, n0 + n_eff)
-        if vector_act:
-            to_ub = issue(cores, waits, "FIXP", lanes, costs.local(m_eff * n_eff * 4), [mmad], [ub_free[cs, lanes]],
+            load_a = gm_read(gm, ag, rect_pieces(ag, *a_rect), key=ba * g.tm + mi)
+            load_b = gm_read(gm, bg, rect_pieces(bg, *b_rect), key=bb * g.tn + ni)
+            a_in = issue(cores, waits, "MTE2", lanes, load_a, slots=[l1_free[s1, lanes]], name="load A")
+            b_in = issue(cores, waits, "MTE2", lanes, load_b, slots=[l1_free[s1, lanes]], name="load B")
+            for i in range(j * g.step, min((j + 1) * g.step, slices_per_unit)):
+                ke = max(min(K - i * g.base_k, g.base_k), 0)
+                s0 = (slices + i) % g.l0_slots
+                to = issue(cores, waits, "MTE1", lanes, costs.local((m_eff + n_eff) * ke * isz), [a_in, b_in],
+                           [l0_free[s0, lanes]], name="A, B to L0A, L0B")
+                first = i == 0
+                flags = [to] if not first or bias_ready is None else [to, bias_ready]
+                mm = issue(cores, waits, "CUBE", lanes, costs.mmad(m_eff, ke, n_eff), flags,
+                           [l0c_free[cs, lanes]] if first else [], name="mmad")
+                l0_free[s0, lanes] = mm
+            l1_free[s1, lanes] = to
+        loads += g.tk
+        slices += slices_per_unit
+        store = gm_write(gm, og, rect_pieces(og, bo * M + m0, bo * M + m0 + m_eff, n0, n0 + n_eff))
+        if mix:
+            ss = w % WORKSPACE_SLOTS
+            l0c_free[cs, lanes], ws_free[ss, lanes], ub_free[us, lanes] = _mix_drain(
+                cores, waits, ws, lanes, ss, mm, m_eff, n_eff, store, ws_free[ss, lanes], ub_free[us, lanes], sync,
+                latency, vector_cycles(target, -(-m_eff // 2) * n_eff * 4, act_passes), activation)
+        elif vector_act:
+            to_ub = issue(cores, waits, "FIXP", lanes, costs.local(m_eff * n_eff * 4), [mm], [ub_free[us, lanes]],
                           name="L0C to UB")
             l0c_free[cs, lanes] = to_ub
             act = issue(cores, waits, "VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes), [to_ub],
                         name=f"{activation} and cast")
-            ub_free[cs, lanes] = issue(cores, waits, "MTE3", lanes, gm_write(gm, og, store_pieces), [act],
-                                       name="store C")
+            ub_free[us, lanes] = issue(cores, waits, "MTE3", lanes, store, [act], name="store C")
         else:
-            l0c_free[cs, lanes] = issue(cores, waits, "FIXP", lanes, gm_write(gm, og, store_pieces), [mmad],
-                                        name="L0C to GM")
+            l0c_free[cs, lanes] = issue(cores, waits, "FIXP", lanes, store, [mm], name="L0C to GM")
+    if ws is not None:
+        ws.release()
 
 
 def _read_bias(gm, biasg, bias, wave, units, m0, m_eff, n0, n_eff, ni) -> np.ndarray:
