@@ -189,20 +189,51 @@ def core_split(batch: int, M: int, N: int, base_m: int, base_n: int, cores: int)
     return CoreSplit(-(-tm // sm), -(-tn // sn), sm * base_m, sn * base_n)
 
 
-def _gemv_base_n(pn: int, fn: int, N: int, K: int, kg: int, itemsize: int, cores: int, chip: Target) -> int:
-    """base_n for one fractal row of A (M <= 16: decode's GEMV-like shapes, which only stream B): the
-    size that gives the busiest core the least MTE2 time, B's bytes over the L2 rate plus one DMA start per load
-    (narrower blocks spread B over more cores, each DMA costs its start latency)."""
+def l2_order(batch: int, M: int, N: int, K: int, base_m: int, base_n: int, split: CoreSplit, itemsize: int,
+             chip: Target) -> tuple[int, str]:
+    """The iteration order that keeps the operand a core re-reads in the L2 (an L2-aware order).
+
+    Walking N first, a core keeps its A panel (base_m x K) and re-reads each B panel (K x base_n) of its block
+    once per row of its block: a B panel comes back after sn waves, and in each wave the cores touch about
+    gm A panels and gn B panels (cores of one grid row share their A panel, of one grid column their B panel).
+    If that much data between two reads of a panel exceeds the L2, every re-read comes from HBM (the byte
+    clock of target_npu/sim.py). M first is the mirror image. The order whose re-reads stay in the L2 wins (N first, as gemm_performance's loop, when
+    both do); if neither does, the one that re-reads fewer bytes from HBM.
+    """
+    l2 = chip.data["memory"]["l2_mib"] * 2**20
+    tm, tn = -(-M // base_m), -(-N // base_n)
+    sm, sn = max(split.single_core_m // base_m, 1), max(split.single_core_n // base_n, 1)
+    a_panel, b_panel = base_m * K * itemsize, K * base_n * itemsize
+    per_wave = min(batch, chip.cube_cores) * (split.grid_m * a_panel + split.grid_n * b_panel)
+    # bytes re-read from HBM: N first re-reads B panels for every row after the first, M first A panels
+    n_first = 0 if sn * per_wave < l2 or tm <= 1 else batch * (tm - 1) * tn * b_panel
+    m_first = 0 if sm * per_wave < l2 or tn <= 1 else batch * (tn - 1) * tm * a_panel
+    if n_first <= m_first:
+        why = "N first" if not n_first else f"N first (M first would re-read {m_first / 2**20:.0f} MiB from HBM)"
+        return N_FIRST, why
+    return M_FIRST, (f"M first: walking N first, a B panel comes back after {sn * per_wave / 2**20:.0f} MiB of "
+                     f"other data, more than the {l2 / 2**20:.0f} MiB L2 holds")
+
+
+def _spread(pm: int, pn: int, fm: int, fk: int, fn: int, M: int, N: int, K: int, kg: int, batch: int, itemsize: int,
+            chip: Target) -> tuple[int, int]:
+    """A base block m x n for a C with fewer base blocks of pm x pn than cores (small shapes, decode's GEMV-like
+    rows): the one that gives the busiest core the least estimated time, base blocks per core times a block's
+    larger of its cube cycles and its MTE2 cycles (its A and B panels at a core's HBM rate, the operands being
+    cold, plus a DMA start per load). Smaller blocks spread C over more cores; each costs more loads and more
+    bytes per FLOP."""
     mem = chip.data["memory"]
-    rate, latency = mem["gm_read_bytes_per_cycle_l2"], mem.get("dma_latency_cycles", 0)
+    rate, latency = mem["gm_read_bytes_per_cycle_hbm"], mem.get("dma_latency_cycles", 0)
     best = None
-    for n in halvings(pn, fn):
-        tiles = -(-N // n)
-        loads = -(-K // kg)
-        busiest = -(-tiles // cores) * loads * (latency + kg * n * itemsize / rate)
-        if best is None or busiest < best[0]:
-            best = (busiest, n)
-    return best[1]
+    for m in halvings(pm, fm):
+        for n in halvings(pn, fn):
+            units = batch * -(-M // m) * -(-N // n)
+            cube = -(-m // fm) * -(-n // fn) * -(-K // fk)
+            mte2 = 2 * -(-K // kg) * latency + (m + n) * K * itemsize / rate
+            busiest = -(-units // chip.cube_cores) * max(cube, mte2)
+            if best is None or busiest < best[0]:
+                best = (busiest, m, n)
+    return best[1], best[2]
 
 
 def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffers: int = 2, *,
@@ -210,7 +241,7 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
                          bias: bool = False) -> MatmulTiling:
     """TCubeTiling by gemm_performance's rules: the base block (128 x 256 x 64 for 16-bit types, fitted to
     L0A / L0B halves of 32 KiB and to L0C; shrunk to small M, N, K), four k slices per L1 load, double buffers,
-    the 2-D core split, N first.
+    the 2-D core split, N first unless that re-reads from HBM what M first keeps in the L2 (`l2_order`).
 
     `epilogue`: an activation runs on the vector units (on Atlas A2's separate AIVs through a GM workspace:
     MatmulMixEpilogue); `bias`: a bias row is staged in L1 and added as L0C drains.
@@ -225,9 +256,9 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
                   for p, dim, f in zip(MATMUL_BLOCK, (M, N, K), (fm, fn, fk)))
     pk = min(pk, max(fk, half // (pn * nb) // fk * fk))  # f32 halves base_k: 32 x 256 x 4 bytes fill a half
     batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))
-    gemv = M is not None and N is not None and K is not None and M <= fm and (batch or 0) < chip.cube_cores
-    if gemv:
-        pn = _gemv_base_n(pn, fn, N, K, pk * STEP_K, nb, chip.cube_cores // max(batch or 1, 1), chip)
+    few = None not in (batch, M, N, K) and batch * -(-M // pm) * -(-N // pn) < chip.cube_cores
+    if few:
+        pm, pn = _spread(pm, pn, fm, fk, fn, M, N, K, pk * STEP_K, batch, nb, chip)
     first_miss = None
     last = None
     for m in halvings(pm, fm):
@@ -248,9 +279,9 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
                 tiling = _tiling(m, n, k, step, buffers, epilogue, bias, budget, a, b, M, N, K, chip)
                 rule = (f"TCubeTiling: base block {m} x {n} x {k} ({a.dtype}, L0A/L0B {buffers} slot"
                         f"{'s' * (buffers > 1)} each)")
-                if gemv:
-                    rule += (f"; one row of base blocks (M = {M}): base_n {n} gives the busiest core the least "
-                             "of B to stream")
+                if few:
+                    rule += (f"; C has fewer base blocks of {MATMUL_BLOCK[0]} x {MATMUL_BLOCK[1]} than cores: "
+                             f"{pm} x {pn} gives the busiest core the least estimated cube and MTE2 time")
                 if first_miss:
                     pm_, pn_, pk_, (buf, need, cap) = first_miss
                     rule += f"; {pm_} x {pn_} x {pk_} needs {need} bytes of {buf}, which holds {cap} on {chip.name}"
@@ -261,7 +292,7 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
                              f" (singleCoreK {tiling.single_core_k})")
                 work = tiling.work_units
                 rule += (f"; {'an unknown number of' if work is None else work} base blocks over "
-                         f"{tiling.cores} cores, N first")
+                         f"{tiling.cores} cores, {tiling.rule}")
                 if tiling.template == MIX_EPILOGUE:
                     rule += "; the activation on the AIC's two AIVs through a GM workspace (mixed AIC + AIV kernel)"
                 return attrs.evolve(tiling, rule=rule)
@@ -277,15 +308,21 @@ def _template(epilogue: bool, bias: bool, chip: Target) -> str:
 
 
 def _tiling(m: int, n: int, k: int, step: int, buffers: int, epilogue: bool, bias: bool, budget: Budget,
-            a: TensorType, b: TensorType, M, N, K, chip: Target, order: int = N_FIRST) -> MatmulTiling:
+            a: TensorType, b: TensorType, M, N, K, chip: Target, order: int | None = None) -> MatmulTiling:
+    """The tiling of these blocks on this problem (its `rule` says the order and why; `order` None: l2_order)."""
     batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))
     dynamic = None in (batch, M, N)
     work = None if dynamic else batch * -(-M // m) * -(-N // n)
     split = CoreSplit(0, 0, 0, 0) if dynamic else core_split(batch, M, N, m, n, chip.cube_cores)
     cores = chip.cube_cores if dynamic else max(min(batch * split.grid_m * split.grid_n, chip.cube_cores), 1)
-    return MatmulTiling(_template(epilogue, bias, chip), split.single_core_m, split.single_core_n,
-                        0 if K is None else K, m, n, k, 1, 1, step, step, step * buffers, step * buffers, order,
-                        buffers, cores, budget.ub, budget.l1, budget.l0a, budget.l0b, budget.l0c, work)
+    why = "N first"
+    if order is None:
+        order, why = (N_FIRST, why) if dynamic or K is None else l2_order(batch, M, N, K, m, n, split, a.dtype.itemsize,
+                                                                          chip)
+    t = MatmulTiling(_template(epilogue, bias, chip), split.single_core_m, split.single_core_n,
+                     0 if K is None else K, m, n, k, 1, 1, step, step, step * buffers, step * buffers, order,
+                     buffers, cores, budget.ub, budget.l1, budget.l0a, budget.l0b, budget.l0c, work)
+    return attrs.evolve(t, rule=why)
 
 
 # --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------

@@ -151,7 +151,7 @@ def test_matmul_gm_bytes_are_the_analytic_count():
     _, ctx = launch(op, random_inputs(op))
     B, M, N, K = 2, 300, 500, 200
     tm, tn = -(-M // t["base_m"]), -(-N // t["base_n"])
-    assert (tm, tn) == (3, 2)
+    assert tm > 1 and tn > 1  # A and B are each read more than once
     assert ctx.gm.gm_read_bytes == B * (tn * M * K + tm * K * N) * 2
     assert ctx.gm.gm_write_bytes == B * M * N * 2
     # A and B were never seen before: the first read of every byte comes from HBM, the rest from L2

@@ -251,8 +251,14 @@ def test_matmul_tiling_is_gemm_performance_s_at_6144():
 
 
 def test_matmul_small_and_f32_and_epilogue():
+    # f32: base_k 32; 8 batch items of one 64 x 48 block each would keep 8 of the 24 cores busy: smaller blocks
+    # spread C over more of them
     t = choose_matmul_tiling(TensorType((8, 64, 32), F32), TensorType((32, 48), F32), "ascend910b", transpose_b=False)
-    assert t.blocks == {"m": 64, "n": 48, "k": 32} and t.cores == 8
+    units = 8 * -(-64 // t.base_m) * -(-48 // t.base_n)
+    assert t.base_k == 32 and t.base_m <= 64 and t.base_n <= 48 and t.base_m % 16 == 0 and t.base_n % 16 == 0
+    assert 8 < units and t.cores == min(units, 24)
+    big = choose_matmul_tiling(TensorType((64, 2048, 32), F32), TensorType((32, 48), F32), "ascend910b")
+    assert big.blocks == {"m": 128, "n": 48, "k": 32}  # enough blocks for every core: the shape's own
     for target, template in (("ascend910b", "MatmulMixEpilogue"), ("ascend910a", "MatmulEpilogue")):
         e = choose_matmul_tiling(TensorType((512, 512), F16), TensorType((512, 512), F16), target, epilogue=True)
         assert e.template == template and 0 < e.ub_bytes <= load_target(target).buffer_bytes("ub")
