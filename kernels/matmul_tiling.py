@@ -364,8 +364,8 @@ def shrink(tiling: MatmulTiling) -> tuple[MatmulTiling, str] | None:
 
 
 def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulTiling]:
-    """Base blocks of fractal multiples up to twice gemm_performance's, each with 1, 2 or 4 k slices per L1 load
-    and both iteration orders, that fit the buffers."""
+    """Base blocks of fractal multiples up to twice gemm_performance's that fit the buffers, each with the rules'
+    L1 step and order; and the rules' own base block with fewer k slices per load and with the other order."""
     a, b, ta, tb, epilogue, bias = _problem(sig)
     try:
         fm, fk, fn = fractal(chip, a.dtype)
@@ -374,20 +374,34 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulT
     M, N, K = _dims(a, b, ta, tb)
     if None in (M, N, K):
         return []
+    nb = a.dtype.itemsize
+
+    def make(m: int, n: int, k: int, step: int, order: int | None, what: str) -> MatmulTiling | None:
+        step = max(1, min(step, -(-K // k) if K else 1))
+        bud = matmul_budget(m, n, k, nb, buffers, chip, epilogue=epilogue, bias=bias, depth_a=step * buffers,
+                            depth_b=step * buffers)
+        if bud.overflow(chip) is not None:
+            return None
+        t = _tiling(m, n, k, step, buffers, epilogue, bias, bud, a, b, M, N, K, chip, order)
+        return attrs.evolve(t, rule=f"candidate {what}")
+
     out = []
     for m in halvings(min(2 * MATMUL_BLOCK[0], align(M, fm)), fm):
         for n in halvings(min(2 * MATMUL_BLOCK[1], align(N, fn)), fn):
             for k in halvings(min(2 * MATMUL_BLOCK[2], align(K, fk)), fk):
-                for step in sorted({min(s, max(-(-K // k), 1)) for s in (1, 2, STEP_K)}):
-                    bud = matmul_budget(m, n, k, a.dtype.itemsize, buffers, chip, epilogue=epilogue, bias=bias,
-                                        depth_a=step * buffers, depth_b=step * buffers)
-                    if bud.overflow(chip) is not None:
-                        continue
-                    for order in (N_FIRST, M_FIRST):
-                        t = _tiling(m, n, k, step, buffers, epilogue, bias, bud, a, b, M, N, K, chip, order)
-                        out.append(attrs.evolve(t, rule=f"candidate base block {m} x {n} x {k}, step_k {step}, "
-                                                        f"{'N' if order else 'M'} first"))
-    return out
+                t = make(m, n, k, STEP_K, None, f"base block {m} x {n} x {k}")
+                if t is not None:
+                    out.append(t)
+    rules = choice(lambda: choose_matmul_tiling(a, b, chip, buffers, transpose_a=ta, transpose_b=tb,
+                                                epilogue=epilogue, bias=bias))
+    if isinstance(rules, MatmulTiling):
+        m, n, k = rules.base_m, rules.base_n, rules.base_k
+        for step in (1, 2):
+            if step < rules.step_ka:
+                out.append(make(m, n, k, step, rules.iterate_order, f"the rules' block, {step} k slices a load"))
+        other = M_FIRST if rules.iterate_order == N_FIRST else N_FIRST
+        out.append(make(m, n, k, rules.step_ka, other, f"the rules' block, {'N' if other else 'M'} first"))
+    return [t for t in out if t is not None]
 
 
 def check_instance(sig: OpSignature, tiling: MatmulTiling) -> OpSignature:
