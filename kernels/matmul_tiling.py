@@ -364,8 +364,9 @@ def shrink(tiling: MatmulTiling) -> tuple[MatmulTiling, str] | None:
 
 
 def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulTiling]:
-    """Base blocks of fractal multiples up to twice gemm_performance's that fit the buffers, each with the rules'
-    L1 step and order; and the rules' own base block with fewer k slices per load and with the other order."""
+    """The rules' own base block with fewer k slices per load and with the other order; then base blocks of
+    fractal multiples up to twice gemm_performance's that fit the buffers (largest first), each with the rules'
+    L1 step and order."""
     a, b, ta, tb, epilogue, bias = _problem(sig)
     try:
         fm, fk, fn = fractal(chip, a.dtype)
@@ -386,12 +387,6 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulT
         return attrs.evolve(t, rule=f"candidate {what}")
 
     out = []
-    for m in halvings(min(2 * MATMUL_BLOCK[0], align(M, fm)), fm):
-        for n in halvings(min(2 * MATMUL_BLOCK[1], align(N, fn)), fn):
-            for k in halvings(min(2 * MATMUL_BLOCK[2], align(K, fk)), fk):
-                t = make(m, n, k, STEP_K, None, f"base block {m} x {n} x {k}")
-                if t is not None:
-                    out.append(t)
     rules = choice(lambda: choose_matmul_tiling(a, b, chip, buffers, transpose_a=ta, transpose_b=tb,
                                                 epilogue=epilogue, bias=bias))
     if isinstance(rules, MatmulTiling):
@@ -401,6 +396,10 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulT
                 out.append(make(m, n, k, step, rules.iterate_order, f"the rules' block, {step} k slices a load"))
         other = M_FIRST if rules.iterate_order == N_FIRST else N_FIRST
         out.append(make(m, n, k, rules.step_ka, other, f"the rules' block, {'N' if other else 'M'} first"))
+    for m in halvings(min(2 * MATMUL_BLOCK[0], align(M, fm)), fm):
+        for n in halvings(min(2 * MATMUL_BLOCK[1], align(N, fn)), fn):
+            for k in halvings(min(2 * MATMUL_BLOCK[2], align(K, fk)), fk):
+                out.append(make(m, n, k, STEP_K, None, f"base block {m} x {n} x {k}"))
     return [t for t in out if t is not None]
 
 

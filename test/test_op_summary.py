@@ -193,12 +193,12 @@ def test_a_matmul_keeps_the_cube_busy_for_its_fractal_count():
     M, K, N = 200, 500, 300
     fm, fk, fn = load_target("ascend910b").data["cube"]["f16"]
     cycles = 0
-    for m0 in range(0, M, t.m):
-        for n0 in range(0, N, t.n):
-            for k0 in range(0, K, t.k):
-                mm, kk, nn = min(t.m, M - m0), min(t.k, K - k0), min(t.n, N - n0)
+    for m0 in range(0, M, t.base_m):
+        for n0 in range(0, N, t.base_n):
+            for k0 in range(0, K, t.base_k):
+                mm, kk, nn = min(t.base_m, M - m0), min(t.base_k, K - k0), min(t.base_n, N - n0)
                 cycles += math.ceil(mm / fm) * math.ceil(kk / fk) * math.ceil(nn / fn)
-    units = math.ceil(M / t.m) * math.ceil(N / t.n)
+    units = math.ceil(M / t.base_m) * math.ceil(N / t.base_n)
     cores = min(units, 24)
     (row,) = op_summary_rows(result)
     assert (row.task_type, row.block_dim, row.mix_block_dim) == ("AI_CORE", cores, 0)

@@ -174,9 +174,12 @@ def test_an_entry_of_another_cost_model_is_not_used_and_its_times_not_reused(rep
 def test_an_entry_that_does_not_fit_the_chip_is_not_used(repo):
     import attrs
 
-    huge = lambda e, o: attrs.evolve(e, tiling={**o.to_attr(), "m": 4096, "n": 4096, "k": 4096})  # noqa: E731
-    tiled, rules, _, remark = _entry_case(repo, huge)
-    assert tiled == rules and "needs 134217728 bytes of L1, which holds 524288" in remark
+    big = {"base_m": 4096, "base_n": 4096, "base_k": 4096, "single_core_m": 4096, "single_core_n": 4096}
+    huge = lambda e, o: attrs.evolve(e, tiling={**o.to_attr(), **big})  # noqa: E731
+    tiled, rules, other, remark = _entry_case(repo, huge)
+    # L1 holds depth_a1 k slices of A (4096 x 4096) and depth_b1 of B, in f16
+    need = (other["depth_a1"] + other["depth_b1"]) * 4096 * 4096 * 2
+    assert tiled == rules and f"needs {need} bytes of L1, which holds 524288" in remark
 
 
 def test_a_missing_or_foreign_repository_is_a_usage_error(tmp_path):
@@ -248,7 +251,7 @@ def test_a_faster_tiling_whose_numbers_fail_is_never_stored(repo, monkeypatch):
     def wrong_unless_rules(self, op, inputs, tiling, ctx):
         out = run(self, op, inputs, tiling, ctx)
         rules = self.choose(OpSignature.of_arrays(op, inputs), chip)
-        if not ctx.compute or tiling.to_attr()["k"] == rules.to_attr()["k"]:
+        if not ctx.compute or tiling.base_k == rules.base_k:
             return out
         return [o + np.asarray(0.5, o.dtype) for o in out]
 
@@ -256,8 +259,8 @@ def test_a_faster_tiling_whose_numbers_fail_is_never_stored(repo, monkeypatch):
     report = tune(ONE_MATMUL, [Point("ascend910b")], InProcess(), repo, graph_times=False)
     (result,) = report.ops
     faster = [c for c in result.op.candidates if launch_us(result.op.sig, c, chip) < result.rules_us]
-    assert any(c.k != result.op.rules.k for c in faster)  # there was a faster candidate with other numbers
-    assert result.best.k == result.op.rules.k  # only candidates that sum K as the rules do survive
+    assert any(c.base_k != result.op.rules.base_k for c in faster)  # there was a faster candidate with other numbers
+    assert result.best.base_k == result.op.rules.base_k  # only candidates that sum K as the rules do survive
     entry = repo.entry(result.op.sig, 2, chip)
     assert entry.tiling == result.best.to_attr()
 
