@@ -158,6 +158,25 @@ def test_matmul_gm_bytes_are_the_analytic_count():
     assert ctx.gm.hbm_read_bytes == B * (M * K + K * N) * 2
 
 
+def test_a2_activation_epilogue_runs_on_the_aivs_through_a_gm_workspace():
+    # Atlas A2: the AIC's FIXP writes each f32 block to a workspace, its AIVs read it back (AIV_MTE2), run the
+    # activation and store C. Traffic beyond the plain matmul: M x N f32 written and read once; the same numbers
+    body, args = ('%c = ge.fused_matmul %a, %b {activation = "gelu"} : tensor<256x512xf16>',
+                  "%a: tensor<256x384xf16>, %b: tensor<384x512xf16>")
+    M, N, K = 256, 512, 384
+    op, plain = one_op(body, args), one_op("%c = ge.matmul %a, %b : tensor<256x512xf16>", args)
+    assert op.attributes["tiling"]["template"] == "MatmulMixEpilogue"
+    inputs = random_inputs(op)
+    (out,), ctx = launch(op, inputs)
+    _, base = launch(plain, inputs)
+    assert ctx.gm.gm_write_bytes - base.gm.gm_write_bytes == M * N * 4
+    assert ctx.gm.gm_read_bytes - base.gm.gm_read_bytes == M * N * 4
+    assert ctx.cores.busy[PIPE_INDEX["AIV_MTE2"]].sum() > 0 and base.cores.busy[PIPE_INDEX["AIV_MTE2"]].sum() == 0
+    on_chip, ctx_a = launch(one_op(body, args, "ascend910a"), inputs, "ascend910a")
+    assert bits_equal(out, on_chip[0])
+    assert ctx_a.gm.gm_write_bytes == M * N * 2  # one AI core: L0C -> UB on chip, only C leaves it
+
+
 def _intervals(cores: Cores, pipe: str, core: int) -> list[tuple[float, float]]:
     out = []
     for iv in cores.intervals:

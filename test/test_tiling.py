@@ -250,6 +250,28 @@ def test_matmul_tiling_is_gemm_performance_s_at_6144():
     assert t.l1_bytes == 8 * 128 * 64 * 2 + 8 * 64 * 256 * 2 <= load_target("ascend910b").buffer_bytes("l1")
 
 
+def test_matmul_order_keeps_the_re_read_panel_in_l2():
+    # an LM head (4096 tokens x 128256 vocabulary): walking N first, each core re-reads its B panels once per row of
+    # its block, and between two reads the cores touch gm A + gn B panels a wave for sn waves: far more than the
+    # 192 MiB L2. M first keeps B and re-reads the (shared) A panels, which fit
+    a, b = TensorType((4096, 4096), F16), TensorType((4096, 128256), F16)
+    t = choose_matmul_tiling(a, b, "ascend910b")
+    sm, sn = t.single_core_m // t.base_m, t.single_core_n // t.base_n
+    gm, gn = -(-4096 // t.single_core_m), -(-128256 // t.single_core_n)
+    per_wave = gm * t.base_m * 4096 * 2 + gn * 4096 * t.base_n * 2
+    assert sn * per_wave > 192 * 2**20 > sm * per_wave
+    assert t.iterate_order == 0 and "M first" in t.rule
+    square = choose_matmul_tiling(a, a, "ascend910b")
+    assert square.iterate_order == 1  # both fit: N first, as gemm_performance's loop
+
+
+def test_a_decode_gemv_spreads_its_columns_over_every_core():
+    # one token (M = 1): 4096 columns in base blocks of 256 would keep 16 of 24 cores streaming B
+    t = choose_matmul_tiling(TensorType((1, 4096), F16), TensorType((4096, 4096), F16), "ascend910b")
+    assert t.base_m == 16 and t.cores == 24 and -(-4096 // t.base_n) >= 24
+    assert "fewer base blocks" in t.rule
+
+
 def test_matmul_small_and_f32_and_epilogue():
     # f32: base_k 32; 8 batch items of one 64 x 48 block each would keep 8 of the 24 cores busy: smaller blocks
     # spread C over more of them
