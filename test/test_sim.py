@@ -57,6 +57,23 @@ def test_data_evicted_past_l2_capacity_comes_from_hbm_again() -> None:
     assert gm.hbm_read_bytes == before + 1024
 
 
+def test_data_cores_read_together_is_one_touch_of_the_l2() -> None:
+    # the L2 holds lines: 16 cores reading the same 1 MiB block in one request move 16 MiB to the cores but touch
+    # 1 MiB of the cache, so the reuse distance of what was read before grows by 1 MiB, not 16
+    gm = GlobalMemory(load_target("ascend310p"))  # 16 MiB L2
+    gm.tensor("a", 1)
+    gm.tensor("shared", 1)
+    gm.read("a", np.array([0]), 1024)
+    clock = gm.clock
+    for _ in range(4):  # 4 x 16 cores x 1 MiB moved, far past the L2, of 1 MiB of distinct data
+        gm.read("shared", np.zeros(16, dtype=np.int64), 2**20)
+    assert gm.gm_read_bytes == 1024 + 64 * 2**20
+    assert gm.clock - clock == 4 * 2**20
+    before = gm.hbm_read_bytes
+    gm.read("a", np.array([0]), 1024)
+    assert gm.hbm_read_bytes == before  # still in the L2
+
+
 def test_cube_cycles_count_fractals_and_f32_halves_the_rate() -> None:
     t = load_target("ascend910b")
     assert cube_cycles(t, "f16", 128, 64, 128) == 8 * 4 * 8
