@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-from pathlib import Path
 
 import attrs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from geir.kernels import KERNELS  # noqa: E402
-from geir.kernels.tiling import OpSignature  # noqa: E402
-from geir.runtime.single_launch import time_launch  # noqa: E402
-from geir.target_npu.sim import PIPES  # noqa: E402
-from geir.target_npu.target import load_target  # noqa: E402
-from geir.types import DType, TensorType  # noqa: E402
+from geir.kernels import KERNELS
+from geir.kernels.tiling import OpSignature
+from geir.runtime.single_launch import time_launch
+from geir.target_npu.sim import PIPES
+from geir.target_npu.target import load_target
+from geir.types import DType, TensorType
 
 F16 = DType("f16")
 

@@ -13,17 +13,13 @@ bandwidth (target data file: [memory] hbm_tb_per_s); the cube fraction is the cu
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from geir.kernels import KERNELS  # noqa: E402
-from geir.kernels.tiling import OpSignature  # noqa: E402
-from geir.runtime.profile import cube_peak_flops  # noqa: E402
-from geir.runtime.single_launch import time_launch  # noqa: E402
-from geir.target_npu.target import load_target  # noqa: E402
-from geir.types import DType, TensorType  # noqa: E402
+from geir.kernels import KERNELS
+from geir.kernels.tiling import OpSignature
+from geir.runtime.profile import cube_peak_flops
+from geir.runtime.single_launch import time_launch
+from geir.target_npu.target import load_target
+from geir.types import DType, TensorType
 
 F16 = DType("f16")
 SHAPES = [  # (what, M, K, N)
