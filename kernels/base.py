@@ -17,7 +17,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
 from geir.ops.linalg import bnsd
-from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, buffers_of
+from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, PipeInterval, buffers_of
 from geir.target_npu.target import Target
 from geir.traits import DataMovement, NoKernel
 
@@ -48,6 +48,9 @@ class LaunchContext:
     # False: timing only. The kernel issues every instruction as in a full run but skips the arithmetic;
     # its results are uninitialised arrays of the right shape and dtype, which nothing may read
     compute: bool = True
+    # the vector units a kernel that deals its tiles to them one by one (VectorLanes) gave work to; 0: not counted
+    # (every vector unit of a lane that worked)
+    vector_units: int = 0
 
 
 @attrs.define
@@ -70,6 +73,11 @@ class KernelStats:
     # where it ran: "aicore" (a tiled kernel on the AI cores) or "aicpu" (the op's semantics on the AI CPU;
     # `cores` are then AI CPU cores and `busy` is all zero: no AI Core pipe worked)
     engine: str = "aicore"
+    # cycles of the launch's head before its first instruction (target.head_cycles of the cores it started),
+    # and the cycles its end was held back to the HBM floor (bytes through HBM at the chip's rate); both
+    # inside start..end, on no pipe
+    head: float = 0.0
+    hbm_wait: float = 0.0
 
     @property
     def cycles(self) -> float:
@@ -174,20 +182,66 @@ def measure(ctx: LaunchContext, name: str, tiling: dict[str, Any], flops: float,
             body: Callable[[], list[np.ndarray]]) -> tuple[list[np.ndarray], KernelStats]:
     """Run a kernel body and collect its statistics from the change in the chip's counters.
 
-    The Runtime has synchronised every pipe to the launch time, so the launch starts at `cores.finish`.
+    The Runtime has synchronised every pipe to the launch time, so the launch starts at `cores.finish`. Two
+    costs of the launch as a whole follow the body: its head (the cores it started begin the body that much
+    later: every instruction moves by it) and the HBM floor (the launch cannot end before its HBM traffic
+    could pass at the chip's rate, however its cores overlapped their moves).
     """
     cores, gm = ctx.cores, ctx.gm
     start = cores.finish
     busy0 = cores.busy.copy()
+    first = len(cores.intervals)
     counters0 = (gm.gm_read_bytes, gm.gm_write_bytes, gm.hbm_read_bytes, gm.hbm_write_bytes)
+    clock0 = gm.clock
     outputs = body()
     busy = cores.busy - busy0
     counters = (gm.gm_read_bytes, gm.gm_write_bytes, gm.hbm_read_bytes, gm.hbm_write_bytes)
     delta = [b - a for a, b in zip(counters0, counters)]
-    used = int(np.count_nonzero(busy.sum(axis=0)))
-    stats = KernelStats(name, tiling, start, cores.finish, used, dict(zip(PIPES, busy.sum(axis=1).tolist())),
-                        *delta, flops, ctx.waits)
+    worked = busy.sum(axis=0) > 0
+    head = ctx.target.head_cycles(started_cores(ctx.target, busy, ctx.vector_units))
+    if head:
+        _delay(cores, start, head, first, np.flatnonzero(worked))
+    floor = start + head + gm.hbm_floor_cycles(delta[2], delta[3], gm.clock - clock0)
+    hbm_wait = max(floor - cores.finish, 0.0)
+    if hbm_wait:
+        cores.sync_to(floor)
+    stats = KernelStats(name, tiling, start, cores.finish, int(np.count_nonzero(worked)),
+                        dict(zip(PIPES, busy.sum(axis=1).tolist())), *delta, flops, ctx.waits, head=head,
+                        hbm_wait=hbm_wait)
     return outputs, stats
+
+
+# the pipes only a cube core (AIC) has, and those only a vector core (AIV) has; MTE2 is the AIC's, or the AIVs'
+# own load engine in a kernel without the cube
+AIC_PIPES = ("MTE1", "CUBE", "FIXP")
+AIV_PIPES = ("VECTOR", "MTE3", "AIV_MTE2")
+
+
+def started_cores(target: Target, busy: np.ndarray, vector_units: int = 0) -> int:
+    """The cores a launch started, from its pipes' busy cycles ([pipe, lane]): where cube and vector units are
+    separate cores (Atlas A2) a lane's AIC if its cube side worked and its AIVs if its vector side did (a vector
+    kernel's `vector_units` where it counted them); else the AI cores that worked."""
+    worked = busy > 0
+    if not target.separate_cube_vector:
+        return int(worked.any(axis=0).sum())
+    aic = worked[[PIPE_INDEX[p] for p in AIC_PIPES]].any(axis=0)
+    aiv = worked[[PIPE_INDEX[p] for p in AIV_PIPES]].any(axis=0) | (worked[PIPE_INDEX["MTE2"]] & ~aic)
+    if vector_units and not aic.any():
+        return vector_units
+    return int(aic.sum() + int(target.data["cores"].get("vector_per_cube", 1)) * aiv.sum())
+
+
+def _delay(cores: Cores, start: float, head: float, first: int, lanes: np.ndarray) -> None:
+    """Move a launch's instructions (issued from `start`, recorded from interval `first`) `head` later, and record
+    the head on the started lanes' scalar pipe: no core starts its body before its head is done."""
+    cores.free[cores.free > start] += head
+    if not cores.record:
+        return
+    for interval in cores.intervals[first:]:
+        interval.start = interval.start + head
+        interval.end = interval.end + head
+    cores.intervals.insert(first, PipeInterval(PIPE_INDEX["SCALAR"], "head", lanes, np.full(len(lanes), start),
+                                               np.full(len(lanes), start + head)))
 
 
 def issue(cores: Cores, waits: PipeWaits | None, pipe: str, on: np.ndarray, cost: np.ndarray | float,

@@ -337,6 +337,7 @@ class VectorLanes:
     """
 
     def __init__(self, ctx: LaunchContext):
+        self.ctx = ctx
         self.target = ctx.target
         self.lanes = ctx.cores.count
         self.per = int(ctx.target.data["cores"].get("vector_per_cube", 1))
@@ -344,6 +345,8 @@ class VectorLanes:
 
     def waves(self, units: int):
         """(tile ids, vector-unit slots) per wave."""
+        # the vector units a launch starts (its head's share): those its widest wave deals a tile to
+        self.ctx.vector_units = max(self.ctx.vector_units, min(units, self.slots))
         return spread(units, self.slots)
 
     def used(self, on: np.ndarray) -> np.ndarray:

@@ -117,7 +117,11 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     if ctx.fault == "ub_overflow":
         raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
                             "the injected fault's score tile")
-    cv = target.separate_cube_vector and tiling.template != FLASH_DECODE
+    # on a chip whose cube and vector units are separate cores every template runs the CV-split schedule
+    # (flash-decoding too, as IncreFlashAttention does on A2); a flash-decoding tiling without the CV fields
+    # (written for another chip) runs the on-chip one
+    decode = tiling.template == FLASH_DECODE
+    cv = target.separate_cube_vector and (tiling.cv_split or not decode)
     mask_isz = _bytes(mask.dtype) if mask is not None else 0
     if cv:
         preload = tiling.preload or PRELOAD
@@ -128,24 +132,28 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
         check_fits(target, s1, s2, D, q.dtype, nbuf, causal, mask_isz)
     if mask is not None:
         mask = np.broadcast_to(mask, (B, N, Sq, Skv))
-    if cv:
-        grid = cv_grid(q.shape, k.shape, s1, s2)
-        roles = [("q", ctx.operand_names[0], grid["q"]), ("k", ctx.operand_names[1], grid["k"]),
-                 ("v", ctx.operand_names[2], grid["v"]),
-                 ("mask", ctx.operand_names[3] if mask is not None else None, grid["mask"]),
-                 ("o", ctx.result_names[0], grid["o"])]
-        time_cv_split(q.shape, k.shape, q.dtype, mask, causal, s1, s2, v_rows, preload, ctx,
-                      _role_names(ctx.gm, roles), nbuf)
-        if not ctx.compute:
-            return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
-        return _compute(q, k, v, mask, causal, scale, s1, s2, 1)
     q_grid, causal_rows = q.shape, None
-    if tiling.template == FLASH_DECODE:
+    if decode:
         # flash-decoding: the query heads sharing a K/V head are one unit's rows, so the units are timed
         # as attention of B x Nkv heads with group x Sq rows each, and K/V are read once per group
         Nkv = k.shape[1]
         q_grid, causal_rows = (B, Nkv, (N // Nkv) * Sq, D), Sq
-    _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows)
+    parts = segments if decode else 1
+    if cv:
+        grid = cv_grid(q_grid, k.shape, s1, s2, parts)
+        roles = [("q", ctx.operand_names[0], grid["q"]), ("k", ctx.operand_names[1], grid["k"]),
+                 ("v", ctx.operand_names[2], grid["v"]),
+                 ("mask", ctx.operand_names[3] if mask is not None else None, grid["mask"]),
+                 ("o", ctx.result_names[0], grid["o"])]
+        names = _role_names(ctx.gm, roles)
+        time_cv_split(q_grid, k.shape, q.dtype, mask, causal, s1, s2, v_rows, preload, ctx, names, nbuf, parts,
+                      causal_rows)
+        if parts > 1:
+            # on the AIVs, loading with their own engine
+            _time_combine(ctx, names[4], grid["o"] // parts, parts, s1, D, _bytes(q.dtype), "AIV_MTE2")
+        segments = parts  # the CV schedule's own blocks hold a whole key row segment per unit
+    else:
+        _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows)
     if not ctx.compute:
         return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
     return _compute(q, k, v, mask, causal, scale, s1, s2, segments)
@@ -336,7 +344,8 @@ def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None
     return out
 
 
-def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
+def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int,
+                  load: str = "MTE2") -> None:
     """Timing of the log-sum-exp combine: each row block's partials in, one vector pass, O out.
 
     A row block's partials come from other cores, so the combine starts after every core stored its
@@ -346,7 +355,7 @@ def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1:
     stored = cores.free[MTE3].max(initial=0.0)
     for wave, on in spread(units, cores.count):
         read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
-        ready = cores.issue("MTE2", on, read, [np.full(len(on), stored)], name="load partials")
+        ready = cores.issue(load, on, read, [np.full(len(on), stored)], name="load partials")
         done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
                      name="combine segments")
         issue(cores, ctx.waits, "MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")

@@ -19,8 +19,10 @@ cost is one AIV's, the two running side by side). Per CV block t of S1.i x S2.i:
 The AIC runs mm1 `preload` blocks ahead of mm2 ("cube double-issue": mm1(t + preload) before mm2(t)), so the
 cube computes the next scores while the AIVs work; the AIVs likewise run sm(t + preload) before acc(t).
 Workspace slots (preload + 1 for S and for P, 2 for P V per AIC) are reused in turn: a block waits for
-its slot's previous contents to be consumed (the cross-core wait flags). The flags themselves cost no
-cycles beyond the data they wait for: no public source gives their latency.
+its slot's previous contents to be consumed (the cross-core wait flags). A block's hand-overs between the
+cores (S, P and P V ready) cost the target's [overhead] cross_core_sync_cycles together, a third each on the
+waiting side (on the board about 1000 cycles per block: pto-isa's fa_cost_model.py), and a core starts each
+work unit [overhead] block_dispatch_cycles after it is done with the last one's Q (about 2000, the same file).
 
 Work units (batch, head, query row block) go to the cores in contiguous ranges of equal block count, as
 ops-transformer's tiling splits them, so a core walks one head and keeps its K and V in the L2; where the
@@ -119,17 +121,25 @@ class _Layout:
         return np.stack([base, base + 1], axis=1)
 
 
-def cv_grid(q_shape, k_shape, s1: int, s2: int) -> dict[str, int]:
+def cv_grid(q_shape, k_shape, s1: int, s2: int, segments: int = 1) -> dict[str, int]:
     """The blocks each role's tensor is cut into by the CV-split schedule (for the caller to register)."""
     B, N, Sq, _ = q_shape
     Nkv, Skv = k_shape[1], k_shape[2]
     nq, nk = -(-Sq // s1), -(-Skv // s2)
-    return {"q": B * N * nq, "k": B * Nkv * nk, "v": B * Nkv * nk, "mask": B * N * nq * nk, "o": B * N * nq}
+    return {"q": B * N * nq, "k": B * Nkv * nk, "v": B * Nkv * nk, "mask": B * N * nq * nk,
+            "o": B * N * nq * segments}
 
 
 def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, v_rows: int,
-                  preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2) -> None:
-    """Issue the CV-split schedule of every work unit (batch, head, query row block) on the cores that run them."""
+                  preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2, segments: int = 1,
+                  causal_rows: int | None = None) -> None:
+    """Issue the CV-split schedule of every work unit (batch, head, query row block, key part) on the cores that
+    run them.
+
+    `segments` > 1: flash-decoding's key parts, each unit storing its partial O with its row max and sum (f32) for
+    the caller's combine; `causal_rows`: the rows are stacked heads whose query positions all lie below it, so a
+    causal mask hides the same key blocks from every row block.
+    """
     target, cores, gm = ctx.target, ctx.cores, ctx.gm
     B, N, Sq, D = q_shape
     Nkv, Skv = k_shape[1], k_shape[2]
@@ -137,15 +147,22 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     isz = np.dtype(dt).itemsize
     dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
     nq, nk = -(-Sq // s1), -(-Skv // s2)
-    units = B * N * nq
+    units = B * N * nq * segments
     if not units or not nk:
         return  # nothing to load or compute (an empty sequence)
     lay = _Layout(gm, names, nk, cores.count, preload, s1, s2, D, isz)
-    trips = np.full(units, nk)
+    u = np.arange(units)
+    seg, rows = u % segments, u // segments  # rows: the unit's (batch, head, row block)
+    per_seg = -(-nk // segments)
+    t0 = seg * per_seg
+    t1 = np.minimum(t0 + per_seg, nk)
     if causal:  # key blocks wholly above the diagonal are skipped
-        trips = np.minimum(trips, -(-((np.arange(units) % nq + 1) * s1) // s2))
-    bn = np.arange(units) // nq
-    kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk  # a unit's first K/V block
+        limit = causal_rows if causal_rows is not None else (rows % nq + 1) * s1
+        t1 = np.minimum(t1, -(-limit // s2))
+    trips = np.maximum(t1 - t0, 0)
+    bn = rows // nq
+    kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk + t0  # a unit's first K/V block
+    blocks = _UnitBlocks(q=rows, mask=rows * nk + t0, o=u if segments > 1 else rows)
     mask_bytes = 0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize
     # A core walking one head keeps that head's K and V in the L2 only while the heads all cores walk at once fit
     # beside the workspace; otherwise the cores take turns on each head's row blocks, sharing its K and V
@@ -154,9 +171,18 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
         assignment = contiguous(trips, cores.count)
     else:
         assignment = interleaved(units, cores.count)
-    _Program(ctx, lay, _Costs(target, dname, s1, s2, D, isz, v_rows, buffers), assignment, trips,
-             kv_first, mask_bytes, preload, buffers).run()
+    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers)
+    if segments > 1:  # a partial O: f32, with the row max and sum for the combine
+        costs.out_block = s1 * (D + 2) * F32
+    _Program(ctx, lay, costs, assignment, trips, kv_first, blocks, mask_bytes, preload, buffers).run()
     gm.release(lay.ws)
+
+
+class _UnitBlocks:
+    """Each work unit's block of Q and of O, and its first block of the mask."""
+
+    def __init__(self, q: np.ndarray, mask: np.ndarray, o: np.ndarray):
+        self.q, self.mask, self.o = q, mask, o
 
 
 def contiguous(blocks: np.ndarray, cores: int) -> list[np.ndarray]:
@@ -221,8 +247,8 @@ class _Program:
     """
 
     def __init__(self, ctx: LaunchContext, lay: _Layout, c: _Costs, assignment: list[np.ndarray], trips: np.ndarray,
-                 kv_first: np.ndarray, mask_bytes: int, preload: int, buffers: int):
-        self.ctx, self.lay, self.c = ctx, lay, c
+                 kv_first: np.ndarray, blocks: _UnitBlocks, mask_bytes: int, preload: int, buffers: int):
+        self.ctx, self.lay, self.c, self.blocks = ctx, lay, c, blocks
         self.trips, self.kv_first, self.mask_bytes, self.preload = trips, kv_first, mask_bytes, preload
         self.lat = ctx.gm.latency
         cores = ctx.cores
@@ -247,6 +273,9 @@ class _Program:
         self.s_ready: dict[int, np.ndarray] = {}
         self.p_ready: dict[int, np.ndarray] = {}
         self.o_ready: dict[int, np.ndarray] = {}
+        # a flag set by the other core is seen this much after its data landed; a unit starts this much later
+        self.flag_sync = ctx.target.overhead("cross_core_sync_cycles") / 3
+        self.dispatch = ctx.target.overhead("block_dispatch_cycles")
         self.q_ready = np.zeros(L)
         self.q_free = np.zeros(L)  # L1's Q: free for the next unit once the last mm1 of this one took it to L0A
 
@@ -326,8 +355,9 @@ class _Program:
         gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
         first = np.nonzero(t == 0)[0]
         if len(first):  # a new unit: its Q into L1, once the last one left for L0A
-            cost = gm.read(lay.q, unit[first], c.q_block)
-            self.q_ready[first] = self.ins("MTE2", first, cost, slots=[self.q_free[first]], name="load Q")
+            cost = gm.read(lay.q, self.blocks.q[unit[first]], c.q_block)
+            self.q_ready[first] = self.ins("MTE2", first, cost, slots=[self.q_free[first] + self.dispatch],
+                                           name="load Q")
         k_cost = _split(self._shared(lay.k, self.kv_first[unit] + t, c.kv_block, j), c.chunks, self.lat)
         s_cost = _split(self._ws(True, 0, r.ws_s.head % r.ws_s.slots, n, c.s_block, False), c.chunks, self.lat)
         slot_free = r.ws_s.take(n)
@@ -343,7 +373,7 @@ class _Program:
             r.l0c.give(n, end)
         last = np.nonzero(t == self.trips[unit] - 1)[0]
         self.q_free[last] = l0[last]  # the unit's Q has gone to L0A for the last time
-        self.s_ready[j] = end
+        self.s_ready[j] = end + self.flag_sync
 
     def softmax(self, j: int) -> None:
         """The online softmax of block j on the AIV pair, sub-block by sub-block, P to the workspace."""
@@ -352,7 +382,7 @@ class _Program:
         gm, c, r, lay = self.ctx.gm, self.c, self.r, self.lay
         s_cost = self._ws(False, 0, r.ws_s.tail % r.ws_s.slots, n, c.s_block, True)
         if lay.mask is not None:  # each AIV reads its rows of the block's mask tile with its scores
-            s_cost = s_cost + self._pair(gm.read_pieces, lay.mask, unit * lay.nk + t, self.mask_bytes)
+            s_cost = s_cost + self._pair(gm.read_pieces, lay.mask, self.blocks.mask[unit] + t, self.mask_bytes)
         p_cost = self._ws(True, 1, r.ws_p.head % r.ws_p.slots, n, c.p_block, True)
         p_slot = r.ws_p.take(n)
         ready = self.s_ready.pop(j)
@@ -367,7 +397,7 @@ class _Program:
                            name="P to workspace")
             r.ub_out.give(n, end)
         r.ws_s.give(n, loaded)
-        self.p_ready[j] = end
+        self.p_ready[j] = end + self.flag_sync
 
     def mm2(self, j: int) -> None:
         """(P V)_j on the AIC: P and V pass by pass, accumulated in L0C, the result to the workspace."""
@@ -390,7 +420,7 @@ class _Program:
         r.ws_p.give(n, loaded)
         end = self.ins("FIXP", n, o_cost, [cube], [r.ws_o.take(n)], name="P V to workspace")
         r.l0c.give(n, end)
-        self.o_ready[j] = end
+        self.o_ready[j] = end + self.flag_sync
 
     def accumulate(self, j: int) -> None:
         """O = O * exp(m_old - m_new) + (P V)_j on the AIV pair; after a unit's last block, O / l and O to GM."""
@@ -405,4 +435,4 @@ class _Program:
         last = np.nonzero(t == self.trips[unit] - 1)[0]
         if len(last):
             out = self.ins("VECTOR", last, c.o_l, name="O / l")
-            self.ins("MTE3", last, self._pair(gm.write_pieces, lay.o, unit[last], c.out_block), [out], name="store O")
+            self.ins("MTE3", last, self._pair(gm.write_pieces, lay.o, self.blocks.o[unit[last]], c.out_block), [out], name="store O")

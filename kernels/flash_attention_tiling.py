@@ -302,6 +302,10 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
             else:
                 rule += f", s1 = {s1_pref}"
 
+    # flash-decoding on a chip whose cube and vector units are separate cores runs the CV-split schedule, as
+    # IncreFlashAttention does on Atlas A2: its block's budget is the CV block's
+    cv_decode = template == FLASH_DECODE and chip.separate_cube_vector
+    v_rows = 0
     first_miss: tuple[int, int, tuple[str, int, int]] | None = None
     row_miss = first_miss  # the smallest block of the last s2 that failed outright
     last = first_miss  # the most recent block that did not fit
@@ -309,7 +313,10 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
         if first_miss is not None:
             row_miss = last
         for s1 in halvings(s1_pref, fm):
-            budget = flash_budget(s1, s2, d, dtype, buffers, chip, causal=causal, mask_itemsize=mask_bytes)
+            if cv_decode:
+                v_rows, budget = cv_fit(s1, s2, d, dtype, chip, buffers, causal, mask_bytes)
+            else:
+                budget = flash_budget(s1, s2, d, dtype, buffers, chip, causal=causal, mask_itemsize=mask_bytes)
             miss = budget.overflow(chip)
             if miss is not None:
                 first_miss = first_miss or (s1, s2, miss)
@@ -333,8 +340,11 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
                 skipped = decode_skipped(n, nkv, sq, skv, s1, s2)
             if skipped:
                 rule += f"; causal skips {skipped} fully masked blocks per head"
+            if cv_decode:
+                rule += (f"; CV-split: each AIV takes {-(-s1 // chip.data['cores'].get('vector_per_cube', 1))} rows "
+                         f"in {v_rows} x {s2} f32 vector blocks, the cube issues {PRELOAD} mm1 ahead")
             return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, segments, budget.l1, budget.l0a,
-                               budget.l0b, budget.l0c, work, skipped, rule=rule)
+                               budget.l0b, budget.l0c, work, skipped, PRELOAD if cv_decode else 0, v_rows, rule=rule)
     s1, s2, (buf, need, cap) = last
     raise TilingError(f"no flash_attention tiling fits {chip.name}: even the smallest block s1 = {s1}, s2 = {s2} "
                       f"with head dim {d} ({dtype}, {buffers} buffers) needs {need} bytes of {buf}, which holds {cap}")
@@ -418,6 +428,17 @@ def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Mi
                                               mask_itemsize=mask_itemsize))
 
 
+def cv_fit(s1: int, s2: int, d: int, dtype: DType, chip: Target, buffers: int, causal: bool,
+           mask_bytes: int) -> tuple[int, Budget]:
+    """(vector sub-block rows, budget) of an s1 x s2 CV block: the most rows whose UB fits, else the fewest's."""
+    vpc = chip.data["cores"].get("vector_per_cube", 1)
+    for v_rows in halvings(vector_rows(s2, -(-s1 // vpc)), 1):
+        b = cv_budget(s1, s2, d, v_rows, dtype, chip, buffers=buffers, causal=causal, mask_itemsize=mask_bytes)
+        if b.overflow(chip) is None:
+            return v_rows, b
+    return v_rows, b
+
+
 def budget(tiling: FlashTiling, sig: OpSignature, chip: Target) -> Budget:
     """What one work unit of this tiling keeps on chip for this op."""
     if tiling.cv_split:
@@ -465,13 +486,24 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
     if decode is not None:  # flash-decoding's blocks, each s2 with the rule's key parts
         rows, options, _ = decode
         out = []
+        mask_bytes = (mask_itemsize or q.dtype.itemsize) if has_mask else 0
         for segments, s2 in options:
             for s1 in halvings(rows, fm):
-                if _budget(s1, s2, d, buffers, sig, chip).overflow(chip) is None:
-                    rule = f"candidate {FLASH_DECODE} {s1} x {s2} in {segments} key parts"
-                    out.append(_tiling(FLASH_DECODE, s1, s2, d, buffers, segments, bsz, n, sq, skv, causal, chip, sig,
-                                       rule, decode_units(bsz, n, nkv, sq, s1) * segments,
-                                       decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0))
+                rule = f"candidate {FLASH_DECODE} {s1} x {s2} in {segments} key parts"
+                if not chip.separate_cube_vector:
+                    if _budget(s1, s2, d, buffers, sig, chip).overflow(chip) is None:
+                        out.append(_tiling(FLASH_DECODE, s1, s2, d, buffers, segments, bsz, n, sq, skv, causal, chip,
+                                           sig, rule, decode_units(bsz, n, nkv, sq, s1) * segments,
+                                           decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0))
+                    continue
+                v_rows, b = cv_fit(s1, s2, d, q.dtype, chip, buffers, causal, mask_bytes)
+                if b.overflow(chip) is None:
+                    work = decode_units(bsz, n, nkv, sq, s1) * segments
+                    for preload in (1, 2):  # as the CV-split candidates
+                        out.append(FlashTiling(FLASH_DECODE, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub,
+                                               segments, b.l1, b.l0a, b.l0b, b.l0c, work,
+                                               decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0, preload,
+                                               v_rows, rule=f"{rule}, CV-split, preload {preload}"))
         return out
     if chip.separate_cube_vector:
         return cv_candidates(bsz, n, nkv, sq, skv, d, q.dtype, causal, has_mask, mask_itemsize, chip, buffers)

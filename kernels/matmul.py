@@ -287,7 +287,7 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
     fm, fk, fn = target.data["cube"][dname]
     onchip = target.data["memory"].get("onchip_bytes_per_cycle", 256)
     latency = target.data["memory"].get("dma_latency_cycles", 0)
-    sync = _cross_core_sync_cycles(target) if mix else 0.0
+    sync = target.overhead("cross_core_sync_cycles") if mix else 0.0
     moves = _Moves(ctx, g, ag, bg, og, biasg, bias_shape)
     ws = _Workspace(ctx, og.name, len(g.order), g.m * g.n * 4) if mix else None
     lanes_all = np.arange(len(g.order))
@@ -355,11 +355,6 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
     moves.commit()
     if ws is not None:
         ws.release()
-
-
-def _cross_core_sync_cycles(target: Target) -> float:
-    """Cycles an AIV waits beyond the data for a flag its AIC set (the target's [cores] cross_core_sync_cycles)."""
-    return float(target.data["cores"].get("cross_core_sync_cycles", 0))
 
 
 class _Workspace:

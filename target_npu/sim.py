@@ -361,6 +361,13 @@ class GlobalMemory:
             miss[e[sel], i[sel]] = np.where((nbytes > 0) & ~piece_hit, nbytes, 0).sum(axis=1)
         return True
 
+    def hbm_floor_cycles(self, read: int, written: int, touched: int) -> float:
+        """The fewest cycles in which a launch's HBM traffic passes at the chip's rate: the reads that missed the
+        L2, and the writes it forced back: as many written bytes as the bytes it touched exceed the L2 by (a
+        write-back cache keeps the rest dirty, to be written back later)."""
+        forced = min(written, max(0, touched - self.l2_bytes))
+        return (read + forced) / self.chip_hbm_rate
+
     def read(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
         """Cycles for each core to read one block each (block ids per core); counts GM and HBM bytes."""
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)

@@ -49,6 +49,22 @@ class Target:
         """Whether the target has an AI CPU engine ([aicpu]) for the ops the AI Core cannot take."""
         return "aicpu" in self.data
 
+    def overhead(self, key: str) -> float:
+        """A cost of running kernels on the board that no pipe's work accounts for ([overhead] table; 0 where the
+        target gives none: no public measurement for that chip)."""
+        return float(self.data.get("overhead", {}).get(key, 0.0))
+
+    @property
+    def launch_cores(self) -> int:
+        """The cores a launch may start: AIC and AIV where they are separate cores, else the AI cores."""
+        return self.cube_cores + (self.vector_cores if self.separate_cube_vector else 0)
+
+    def head_cycles(self, started: int) -> float:
+        """Cycles of a launch's head (core start, instruction fetch, initialisation) on the `started` cores:
+        [overhead] head_full_chip_us for every core of the chip, in proportion to the cores started."""
+        full = self.overhead("head_full_chip_us")
+        return full * 1e-6 * self.clock_hz * min(started, self.launch_cores) / self.launch_cores if full else 0.0
+
     def buffer_bytes(self, name: str) -> int:
         """Capacity of an on-chip buffer (ub, l1, l0a, l0b, l0c) in bytes."""
         # A what-if chip may hold a fractional KiB (any whole number of 32-byte blocks); callers want bytes
@@ -79,6 +95,7 @@ _REQUIRED = {
 _OPTIONAL = {
     "cores": (("vector_per_cube", 1),),
     "host": (("pcie_gb_per_s", 1e-9), ("copy_latency_us", 0), ("launch_latency_us", 0)),
+    "overhead": (("head_full_chip_us", 0), ("cross_core_sync_cycles", 0), ("block_dispatch_cycles", 0)),
 }
 # An [aicpu] table, when present, needs every one of these
 _AICPU = (("cores", 1), ("clock_ghz", 1e-9), ("cycles_per_op", 0), ("bytes_per_cycle", 1e-9), ("task_overhead_us", 0))

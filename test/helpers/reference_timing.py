@@ -228,7 +228,7 @@ class _Costs:
 def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,
                   out_dt: np.dtype, tiling, ctx, activation: str = "none") -> None:
     """matmul_forward's timing (arrays are read for their shapes and dtypes only)."""
-    from geir.kernels.matmul import WORKSPACE_SLOTS, _grid, _Workspace, _mix_drain, _cross_core_sync_cycles
+    from geir.kernels.matmul import WORKSPACE_SLOTS, _grid, _Workspace, _mix_drain
 
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     dt = a.dtype
@@ -256,7 +256,7 @@ def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpo
     ra, rb = a.shape[-2], b.shape[-2]
     mix = tiling.template == "MatmulMixEpilogue"
     ws = _Workspace(ctx, on, len(g.order), m * n * 4) if mix else None
-    sync = _cross_core_sync_cycles(target) if mix else 0.0
+    sync = target.overhead("cross_core_sync_cycles") if mix else 0.0
     latency = target.data["memory"].get("dma_latency_cycles", 0)
     costs = _Costs(target, dname)
     count = cores.count
