@@ -44,7 +44,7 @@ from geir.kernels.tiling import (
 )
 from geir.ops.numerics import broadcast_dims
 from geir.target_npu.target import Target
-from geir.types import TensorType
+from geir.types import DType, TensorType
 
 # the fp16 base block m x n x k of pto-isa's gemm_performance (and ops-transformer's BMM basic block)
 MATMUL_BLOCK = (128, 256, 64)
@@ -170,10 +170,13 @@ class CoreSplit:
     single_core_n: int
 
 
-def core_split(batch: int, M: int, N: int, base_m: int, base_n: int, cores: int) -> CoreSplit:
+def core_split(batch: int, M: int, N: int, base_m: int, base_n: int, cores: int, block_cycles: float = 0.0,
+               head_cycles: float = 0.0) -> CoreSplit:
     """The 2-D split of C over the cores: the grid that leaves the busiest core the fewest base blocks, then the
     smallest A + B panels per core (single_core_m + single_core_n: gemm_performance's 4 x 6 grid at 6144^3),
-    then the fewer grid rows."""
+    then the fewer grid rows. Where a core's launch head (`head_cycles` each) is dear against a base block's work
+    (`block_cycles`), the grid minimises the busiest core's blocks plus the head of the cores started: a small
+    matmul leaves cores idle rather than pay their head (catlass: balance parallelism against the head)."""
     tm, tn = -(-M // base_m), -(-N // base_n)
     if batch >= cores or tm * tn == 0:
         return CoreSplit(1, 1, tm * base_m, tn * base_n)
@@ -182,7 +185,8 @@ def core_split(batch: int, M: int, N: int, base_m: int, base_n: int, cores: int)
     for gm in range(1, min(tm, per_item) + 1):
         for gn in range(1, min(tn, per_item // gm) + 1):
             sm, sn = -(-tm // gm), -(-tn // gn)
-            key = (sm * sn, sm * base_m + sn * base_n, gm)
+            busiest = sm * sn if not head_cycles else sm * sn * block_cycles + head_cycles * batch * gm * gn
+            key = (busiest, sm * base_m + sn * base_n, gm)
             if best is None or key < best[0]:
                 best = (key, gm, gn, sm, sn)
     _, gm, gn, sm, sn = best
@@ -216,21 +220,28 @@ def l2_order(batch: int, M: int, N: int, K: int, base_m: int, base_n: int, split
 
 
 def _spread(pm: int, pn: int, fm: int, fk: int, fn: int, M: int, N: int, K: int, kg: int, batch: int, itemsize: int,
-            chip: Target) -> tuple[int, int]:
+            chip: Target, head: float = 0.0) -> tuple[int, int]:
     """A base block m x n for a C with fewer base blocks of pm x pn than cores (small shapes, decode's GEMV-like
-    rows): the one that gives the busiest core the least estimated time, base blocks per core times a block's
-    larger of its cube cycles and its MTE2 cycles (its A and B panels at a core's HBM rate, the operands being
-    cold, plus a DMA start per load). Smaller blocks spread C over more cores; each costs more loads and more
-    bytes per FLOP."""
+    rows): the one that gives the launch the least estimated time, base blocks per core times a block's larger of
+    its cube cycles and its MTE2 cycles (its A and B panels at a core's HBM rate, the operands being cold, plus a
+    DMA start per load), plus the head (`head` cycles a core) of the cores it starts. Smaller blocks spread C over
+    more cores; each costs more loads, more bytes per FLOP and its head."""
     mem = chip.data["memory"]
     rate, latency = mem["gm_read_bytes_per_cycle_hbm"], mem.get("dma_latency_cycles", 0)
+
+    def block(m: int, n: int) -> float:
+        cube = -(-m // fm) * -(-n // fn) * -(-K // fk)
+        return max(cube, 2 * -(-K // kg) * latency + (m + n) * K * itemsize / rate)
+
+    # the head decides only where starting every core costs more than the largest block's work; below that, the
+    # estimate's error (whole blocks per core, each core's HBM share) is larger than the head it would weigh
+    if head * chip.cube_cores < block(pm, pn):
+        head = 0.0
     best = None
     for m in halvings(pm, fm):
         for n in halvings(pn, fn):
             units = batch * -(-M // m) * -(-N // n)
-            cube = -(-m // fm) * -(-n // fn) * -(-K // fk)
-            mte2 = 2 * -(-K // kg) * latency + (m + n) * K * itemsize / rate
-            busiest = -(-units // chip.cube_cores) * max(cube, mte2)
+            busiest = -(-units // chip.cube_cores) * block(m, n) + head * min(units, chip.cube_cores)
             if best is None or busiest < best[0]:
                 best = (busiest, m, n)
     return best[1], best[2]
@@ -258,7 +269,8 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
     batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))
     few = None not in (batch, M, N, K) and batch * -(-M // pm) * -(-N // pn) < chip.cube_cores
     if few:
-        pm, pn = _spread(pm, pn, fm, fk, fn, M, N, K, pk * STEP_K, batch, nb, chip)
+        pm, pn = _spread(pm, pn, fm, fk, fn, M, N, K, pk * STEP_K, batch, nb, chip,
+                         _block_and_head(pm, pn, K, a.dtype, epilogue, chip)[1])
     first_miss = None
     last = None
     for m in halvings(pm, fm):
@@ -281,7 +293,8 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
                         f"{'s' * (buffers > 1)} each)")
                 if few:
                     rule += (f"; C has fewer base blocks of {MATMUL_BLOCK[0]} x {MATMUL_BLOCK[1]} than cores: "
-                             f"{pm} x {pn} gives the busiest core the least estimated cube and MTE2 time")
+                             f"{pm} x {pn} gives the least estimated cube and MTE2 time of the busiest core plus the "
+                             f"launch head of the cores it starts")
                 if first_miss:
                     pm_, pn_, pk_, (buf, need, cap) = first_miss
                     rule += f"; {pm_} x {pn_} x {pk_} needs {need} bytes of {buf}, which holds {cap} on {chip.name}"
@@ -313,7 +326,8 @@ def _tiling(m: int, n: int, k: int, step: int, buffers: int, epilogue: bool, bia
     batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))
     dynamic = None in (batch, M, N)
     work = None if dynamic else batch * -(-M // m) * -(-N // n)
-    split = CoreSplit(0, 0, 0, 0) if dynamic else core_split(batch, M, N, m, n, chip.cube_cores)
+    split = CoreSplit(0, 0, 0, 0) if dynamic else core_split(batch, M, N, m, n, chip.cube_cores,
+                                                             *_block_and_head(m, n, K, a.dtype, epilogue, chip))
     cores = chip.cube_cores if dynamic else max(min(batch * split.grid_m * split.grid_n, chip.cube_cores), 1)
     why = "N first"
     if order is None:
@@ -323,6 +337,19 @@ def _tiling(m: int, n: int, k: int, step: int, buffers: int, epilogue: bool, bia
                      0 if K is None else K, m, n, k, 1, 1, step, step, step * buffers, step * buffers, order,
                      buffers, cores, budget.ub, budget.l1, budget.l0a, budget.l0b, budget.l0c, work)
     return attrs.evolve(t, rule=why)
+
+
+def _block_and_head(m: int, n: int, K: int | None, dtype: DType, epilogue: bool, chip: Target) -> tuple[float, float]:
+    """(cycles of one base block over the whole K: its cube work or its A and B panels at the L2 rate, whichever is
+    longer; the head of starting one more AIC, with its AIVs where the epilogue runs on them), for core_split."""
+    if K is None:
+        return 0.0, 0.0
+    fm, fk, fn = fractal(chip, dtype)
+    cube = -(-m // fm) * -(-K // fk) * -(-n // fn)
+    load = (m + n) * K * dtype.itemsize / chip.data["memory"]["gm_read_bytes_per_cycle_l2"]
+    started = 1 + (int(chip.data["cores"].get("vector_per_cube", 1)) if _template(epilogue, False, chip)
+                   == MIX_EPILOGUE else 0)
+    return max(cube, load), chip.head_cycles(started)
 
 
 # --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------

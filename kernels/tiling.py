@@ -209,6 +209,19 @@ def fractal(chip: Target, dtype: DType) -> tuple[int, int, int]:
     return m, k, n
 
 
+def units_worth_starting(chip: Target, nbytes: int | None, most: int) -> int:
+    """How many of `most` vector units to stream `nbytes` (operands and results) over: the count that minimises the
+    head of starting them plus each one's share of the bytes at its HBM rate (the units together at most the chip's),
+    as catlass advises trading parallelism against the head; `most` where the target has no head or the size is
+    unknown."""
+    head = chip.head_cycles(1)
+    if not head or nbytes is None:
+        return most
+    mem = chip.data["memory"]
+    per_unit, whole = mem["gm_read_bytes_per_cycle_hbm"], mem["hbm_tb_per_s"] * 1e12 / chip.clock_hz
+    return min(range(1, most + 1), key=lambda c: head * c + nbytes / min(per_unit * c, whole))
+
+
 def halvings(start: int, least: int) -> list[int]:
     """start, then the powers of two below it down to `least` (block sizes to try, largest first)."""
     out = [start]

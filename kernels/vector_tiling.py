@@ -27,6 +27,7 @@ from geir.kernels.tiling import (
     halve,
     never_printed,
     product,
+    units_worth_starting,
 )
 from geir.target_npu.target import Target
 from geir.types import DType, TensorType
@@ -159,12 +160,28 @@ def choose_elementwise_tiling(sig: OpSignature, chip: Target | str, buffers: int
     if fit < block:
         raise TilingError(f"no {sig.name[3:]} tiling fits {chip.name}: {block} elements need "
                           f"{s.fixed + block * s.per_elem} bytes of UB, which holds {ub}")
-    elems = fit if s.total is None else max(block, min(fit, align(-(-s.total // vcores), block)))
+    units = units_worth_starting(chip, _moved_bytes(sig), vcores)
+    elems = fit if s.total is None else max(block, min(fit, align(-(-s.total // units), block)))
     tiling = _flat(template, elems, buffers, s, chip, "")
     work = tiling.work_units
     rule = (f"{elems} elements a tile, {s.per_elem} UB bytes each with {buffers} buffers; "
             f"{'an unknown number of' if work is None else work} work units over {tiling.cores} cores")
-    return attrs.evolve(tiling, rule=rule)
+    return attrs.evolve(tiling, rule=rule + _fewer(units, vcores, chip))
+
+
+def _moved_bytes(sig: OpSignature) -> int | None:
+    """Bytes a vector op streams through GM: its operands and results, where their sizes are known."""
+    sizes = [t.nbytes for t in list(sig.operands) + list(sig.results) if t is not None]
+    return None if any(n is None for n in sizes) else sum(sizes)
+
+
+def _fewer(units: int, vcores: int, chip: Target) -> str:
+    """The rule's reason for leaving vector units idle, if it does."""
+    if units >= vcores:
+        return ""
+    head_us = chip.head_cycles(1) / chip.clock_hz * 1e6
+    return (f" (of {vcores} vector units: each more would cost {head_us:.2f} us of launch head, more than its "
+            f"share of the bytes saves)")
 
 
 def _flat(template: str, elems: int, buffers: int, s: _Streams, chip: Target, rule: str) -> VectorTiling:
@@ -192,7 +209,8 @@ def choose_row_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) ->
         segments *= 2
         seg_len = -(-row // segments)
     fit = (ub - s.fixed) // _row_bytes(seg_len, s, block)
-    tile_rows = fit if rows is None else max(1, min(fit, rows, -(-rows // vcores)))
+    units = units_worth_starting(chip, _moved_bytes(sig), vcores)
+    tile_rows = fit if rows is None else max(1, min(fit, rows, -(-rows // units)))
     tiling = _rows(tile_rows, seg_len, segments, rows, buffers, s, chip, "")
     work = tiling.work_units
     rule = f"rows of {row} elements, {tile_rows} rows a tile"
@@ -200,7 +218,7 @@ def choose_row_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) ->
         rule += (f"; a row needs more than UB holds ({ub}), so {segments} segments of {seg_len} "
                  f"combined by the reduction")
     rule += f"; {'an unknown number of' if work is None else work} work units over {tiling.cores} cores"
-    return attrs.evolve(tiling, rule=rule)
+    return attrs.evolve(tiling, rule=rule + _fewer(units, vcores, chip))
 
 
 def _row_bytes(cols: int, s: _Streams, block: int) -> int:

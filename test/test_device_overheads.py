@@ -35,10 +35,11 @@ def _sig(name: str, operands: list[tuple[int, ...]], result: tuple[int, ...], **
     return OpSignature(name, tuple(TensorType(s, F16) for s in operands), (TensorType(result, F16),), attributes)
 
 
-def _stats(sig: OpSignature, target, record: bool = False):
-    """One launch of the rule's tiling on an idle chip (in a frame from cycle 0), with its intervals when recorded."""
+def _stats(sig: OpSignature, target, record: bool = False, **fields):
+    """One launch of the rule's tiling (with `fields` changed) on an idle chip (in a frame from cycle 0), with its
+    intervals when recorded."""
     kernel = KERNELS[sig.name]
-    tiling = kernel.choose(sig, target)
+    tiling = attrs.evolve(kernel.choose(sig, target), **fields)
     if not record:
         return time_launch(sig, tiling, target), None
     op = op_of(sig)
@@ -54,18 +55,18 @@ def _head_by_hand(started: int) -> float:
     return 20.5e-6 * 1.85e9 * started / 72
 
 
-@pytest.mark.parametrize("what, sig, started", [
-    ("a cube-only matmul on 24 AIC", _sig("ge.matmul", [(2048, 2048), (2048, 2048)], (2048, 2048)), 24),
-    ("an add on the 48 AIV", _sig("ge.add", [(1024, 1024), (1024, 1024)], (1024, 1024)), 48),
-    ("an add of 8 tiles: 8 AIV", _sig("ge.add", [(16, 16), (16, 16)], (16, 16)), 8),
+@pytest.mark.parametrize("what, sig, started, fields", [
+    ("a cube-only matmul on 24 AIC", _sig("ge.matmul", [(2048, 2048), (2048, 2048)], (2048, 2048)), 24, {}),
+    ("an add on the 48 AIV", _sig("ge.add", [(4096, 4096), (4096, 4096)], (4096, 4096)), 48, {}),
+    ("an add of 8 tiles: 8 AIV", _sig("ge.add", [(16, 16), (16, 16)], (16, 16)), 8, {"elems": 32}),
     ("a CV-split FlashAttention of 64 units on 24 AIC and 48 AIV",
-     _sig("ge.flash_attention", [(1, 8, 1024, 128)] * 3, (1, 8, 1024, 128)), 72),
+     _sig("ge.flash_attention", [(1, 8, 1024, 128)] * 3, (1, 8, 1024, 128)), 72, {}),
     ("a CV-split FlashAttention of 16 units on 16 AIC and their 32 AIV",
-     _sig("ge.flash_attention", [(1, 2, 1024, 128)] * 3, (1, 2, 1024, 128)), 48),
+     _sig("ge.flash_attention", [(1, 2, 1024, 128)] * 3, (1, 2, 1024, 128)), 48, {}),
 ])
-def test_the_head_is_catlass_full_chip_figure_in_proportion_to_the_cores_started(what, sig, started):
-    with_head, _ = _stats(sig, B910)
-    without, _ = _stats(sig, NO_HEAD)
+def test_the_head_is_catlass_full_chip_figure_in_proportion_to_the_cores_started(what, sig, started, fields):
+    with_head, _ = _stats(sig, B910, **fields)
+    without, _ = _stats(sig, NO_HEAD, **fields)
     assert with_head.head == pytest.approx(_head_by_hand(started), rel=1e-12), what
     assert with_head.cycles == pytest.approx(without.cycles + _head_by_hand(started), rel=1e-12), what
     assert without.head == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,9 +15,10 @@ from geir.parser import parse
 from geir.passes import PassContext, PassManager, PipelineError, complete_pipeline, parse_pipeline
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, SPLIT_KV, WHOLE_ROW, causal_skipped, choose_flash_tiling, flash_budget
 from geir.kernels.matmul_tiling import choose_matmul_tiling
-from geir.kernels.tiling import TilingError, Untiled
+from geir.kernels.tiling import OpSignature, TilingError, Untiled
 from geir.kernels.vector_tiling import choose_vector_tiling
 from geir.printer import print_module
+from geir.runtime.single_launch import launch_us
 from geir.target_npu import available_targets, load_target
 from geir.types import DType, TensorType
 
@@ -275,12 +277,21 @@ def test_a_decode_gemv_spreads_its_columns_over_every_core():
 
 
 def test_matmul_small_and_f32_and_epilogue():
-    # f32: base_k 32; 8 batch items of one 64 x 48 block each would keep 8 of the 24 cores busy: smaller blocks
-    # spread C over more of them
-    t = choose_matmul_tiling(TensorType((8, 64, 32), F32), TensorType((32, 48), F32), "ascend910b", transpose_b=False)
+    # f32: base_k 32; 8 batch items of one 64 x 48 block each would keep 8 of the 24 cores busy. On a chip
+    # without a launch head (this 910B with the [overhead] head at 0) smaller blocks spread C over more of them
+    a, b = TensorType((8, 64, 32), F32), TensorType((32, 48), F32)
+    headless = "ascend910b[overhead.head_full_chip_us=0]"
+    t = choose_matmul_tiling(a, b, headless, transpose_b=False)
     units = 8 * -(-64 // t.base_m) * -(-48 // t.base_n)
     assert t.base_k == 32 and t.base_m <= 64 and t.base_n <= 48 and t.base_m % 16 == 0 and t.base_n % 16 == 0
     assert 8 < units and t.cores == min(units, 24)
+    # with the 910B's head (0.28 us a core) the blocks' few cycles of work do not pay for more cores: the rule
+    # keeps the 8 blocks, and that launch is the faster one on the 910B
+    sig = OpSignature("ge.matmul", (a, b), (TensorType((8, 64, 48), F32),), {})
+    few = choose_matmul_tiling(a, b, "ascend910b", transpose_b=False)
+    assert few.cores == 8 and few.work_units == 8
+    chip = load_target("ascend910b")
+    assert launch_us(sig, few, chip) < launch_us(sig, attrs.evolve(t, rule=""), chip)
     big = choose_matmul_tiling(TensorType((64, 2048, 32), F32), TensorType((32, 48), F32), "ascend910b")
     assert big.blocks == {"m": 128, "n": 48, "k": 32}  # enough blocks for every core: the shape's own
     for target, template in (("ascend910b", "MatmulMixEpilogue"), ("ascend910a", "MatmulEpilogue")):
@@ -290,10 +301,26 @@ def test_matmul_small_and_f32_and_epilogue():
 
 def test_vector_tiles_fit_ub_and_spread_over_cores():
     x = TensorType((64, 4096), F16)
-    ew = choose_vector_tiling("ge.exp", [x], [x], "ascend910b")
+    big = TensorType((4096, 4096), F16)
+    ew = choose_vector_tiling("ge.exp", [big], [big], "ascend910b")
     sm = choose_vector_tiling("ge.softmax", [x], [x], "ascend910b", attributes={"axis": -1})
     assert ew.template == "VectorElementwise" and ew.cores == 48 and ew.ub_bytes <= 192 * 1024
     assert sm.template == "VectorRow" and sm.blocks["cols"] == 4096 and sm.segments == 1
+
+
+def test_a_small_vector_op_leaves_units_idle_where_their_head_costs_more_than_they_save():
+    # 1 MiB in and out: on the 910B each vector unit started costs 0.28 us of launch head (catlass's 20.5 us over
+    # 72 cores), more than a share of so few bytes saves; the rule's launch beats the same tiles dealt to all 48
+    x = TensorType((64, 4096), F16)
+    few = choose_vector_tiling("ge.exp", [x], [x], "ascend910b")
+    assert few.cores < 48 and "launch head" in few.rule
+    elems = -(-64 * 4096 // 48 // 16) * 16
+    every = attrs.evolve(few, elems=elems, cores=48, work_units=-(-64 * 4096 // elems), rule="")
+    sig = OpSignature("ge.exp", (x,), (x,), {})
+    chip = load_target("ascend910b")
+    assert launch_us(sig, few, chip) < launch_us(sig, every, chip)
+    # a chip without a head spreads it over every unit
+    assert choose_vector_tiling("ge.exp", [x], [x], "ascend910b[overhead.head_full_chip_us=0]").cores == 48
 
 
 def test_a_softmax_row_longer_than_ub_is_segmented():

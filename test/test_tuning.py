@@ -108,7 +108,10 @@ def test_a_second_run_times_nothing_again(repo):
 def test_the_graph_runs_faster_with_the_tuned_tilings(repo):
     report = tune(GRAPH, [Point("ascend910b")], InProcess(), repo)
     (graph,) = report.graphs
-    assert all(o.best_us < o.rules_us for o in report.ops)  # both ops have a faster candidate at these shapes
+    # the matmul has a faster candidate at this shape (the exp's rule is already the best: UB-sized tiles on the
+    # units worth their head); nothing is slower
+    assert all(o.best_us <= o.rules_us for o in report.ops)
+    assert [o.op.sig.name for o in report.ops if o.best_us < o.rules_us] == ["ge.matmul"]
     assert graph.best_us < graph.rules_us
 
 
