@@ -12,7 +12,8 @@ A block in README.md, ARCHITECTURE.md or any examples/**/README.md:
     <!-- /figure -->
 
 COMMAND runs in a shell from the repository root, with the running interpreter's folder first on PATH (so
-`python` is this Python and `geopt`, `gerun`, ... are the installed tools). `text` puts the output in a fenced
+`python` is this Python and `geopt`, `gerun`, ... are the installed tools); it may pipe (`gedoctor X | grep Y`):
+the options are the trailing `| text` and `| host-noise=P%`. `text` puts the output in a fenced
 code block (otherwise it is markdown, e.g. a table). Simulated figures are exact, so a block compares exactly;
 a block whose output holds host wall times declares `host-noise=P%`: its numbers may differ by up to P % and
 everything else must match.
@@ -69,14 +70,20 @@ def blocks_of(path: Path) -> list[Block]:
         if not m:
             i += 1
             continue
+        # the options are the trailing `| text` and `| host-noise=P%`; the command before them may pipe itself
         parts = [p.strip() for p in m.group("spec").split(" | ")]
-        command, options = parts[0], parts[1:]
+        options: list[str] = []
+        while len(parts) > 1 and (parts[-1] == "text" or parts[-1].startswith("host-noise=")):
+            options.insert(0, parts.pop())
+        command = " | ".join(parts)
         noise = None
         for opt in options:
             if opt.startswith("host-noise="):
-                noise = float(opt.split("=", 1)[1].rstrip("%")) / 100
-            elif opt != "text":
-                raise SystemExit(f"{path.relative_to(ROOT)}:{i + 1}: error: unknown figure option {opt!r}")
+                try:
+                    noise = float(opt.split("=", 1)[1].rstrip("%")) / 100
+                except ValueError:
+                    raise SystemExit(f"{path.relative_to(ROOT)}:{i + 1}: error: host-noise takes a percentage, "
+                                     f"not {opt.split('=', 1)[1]!r}") from None
         try:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == CLOSE)
         except StopIteration:
@@ -88,8 +95,8 @@ def blocks_of(path: Path) -> list[Block]:
 
 def render(block: Block) -> str:
     """The block's text as its command prints it now."""
+    # never the repository root on PYTHONPATH: its kernels/ would shadow Hugging Face's `kernels` package
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     done = subprocess.run(block.command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{block.where}: error: `{block.command}` exited {done.returncode}:\n{done.stderr[-2000:]}")

@@ -90,6 +90,9 @@ MEMORY_DOMINATES = 2.0
 ROOFLINE_FAR = 0.5
 # A pipe this busy is the kernel's own bottleneck: it does not wait, it works.
 BUSY_PIPE = 0.75
+# A launch whose head (starting its cores: catlass's 20.5 us for every A2 core) is this share of its time has too
+# little work per launch: a quarter is where fusing more into it, or starting fewer cores, pays before its schedule.
+HEAD_SHARE = 0.25
 
 
 @attrs.define
@@ -595,7 +598,12 @@ def kernel_findings(views: list[KernelView], target: Target,
                                                                   f"its roofline ({where}); busiest pipe {pipe}{design}",
                                evidence, v.loc))
             continue
-        if k.cores < target.cube_cores:
+        head_us = k.head / target.clock_hz * 1e6
+        evidence["head_us"] = head_us
+        if k.cycles and k.head / k.cycles >= HEAD_SHARE:
+            limit = (f"its launch head ({head_us:.1f} us starting its cores) is {100 * k.head / k.cycles:.0f} % of its "
+                     f"time: too little work per launch (fuse more into it, or start fewer cores)")
+        elif k.cores < target.cube_cores:
             limit = f"it runs on {k.cores} of {target.cube_cores} cores: too little work to fill the chip"
         elif busy >= BUSY_PIPE:
             limit = f"its own work on one pipe limits it ({pipe}): fewer or cheaper instructions there, not overlap"

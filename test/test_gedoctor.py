@@ -274,7 +274,7 @@ def test_roofline_takes_the_highest_floor_from_the_target():
 
 
 def test_counting_waits_changes_no_number_and_no_time():
-    text = (DOCTOR / "vector_bound.geir").read_text().replace("1x24x1024x64", "1x8x256x64")
+    text = (DOCTOR / "vector_bound.geir").read_text().replace("1x24x2048x64", "1x8x256x64")
     module, _ = compile_module(parse(text, "w.geir"), DEFAULT_PIPELINE)
     program = module.graphs[0]
     rng = np.random.default_rng(1)
@@ -452,3 +452,15 @@ def test_many_tiny_launches_are_host_bound(tmp_path, capsys):
     assert e["device_idle_us"] / e["device_span_us"] > doctor.HOST_BOUND_IDLE
     # oracle: the device cannot finish before the host has submitted every task, one after another
     assert e["device_span_us"] >= e["tasks"] * e["submit_us_per_task"]
+
+
+def test_a_kernel_mostly_head_is_told_to_do_more_per_launch(tmp_path, capsys):
+    # two heads of 128 rows: 2 work units, so 2 AIC and their 4 AIV start, 6 of the 910B's 72 cores: catlass's
+    # 20.5 us full-chip head x 6 / 72; the kernel's work is a few microseconds beside it
+    path = tmp_path / "tiny.geir"
+    path.write_text((DOCTOR / "vector_bound.geir").read_text().replace("1x24x2048x64", "1x2x128x64"))
+    doc = diagnosis([path], capsys)
+    (kernel,) = [f for f in doc["findings"] if f["layer"] == "kernel" and f["kind"] == "far_from_roofline"]
+    assert kernel["evidence"]["head_us"] == pytest.approx(20.5 * 6 / 72)
+    assert kernel["evidence"]["head_us"] >= doctor.HEAD_SHARE * kernel["evidence"]["time_us"]
+    assert "launch head" in kernel["message"] and "fuse more into it" in kernel["message"]
