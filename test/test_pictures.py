@@ -327,7 +327,11 @@ def test_timeline_data_has_a_row_for_every_pipe_that_worked():
     worked = {p for p in PIPES if kernel.busy[p] > 0}
     # the 910B's AIVs load S and P V from the workspace on their own MTE2 (the CV-split FlashAttention)
     assert worked == {"MTE2", "MTE1", "CUBE", "FIXP", "VECTOR", "MTE3", "AIV_MTE2"}
-    assert {(r.core, r.lane) for r in tl.core_rows} == {(c, p) for c in range(cores) for p in worked}
+    # and the launch head (catlass's empty-kernel time, in proportion to the cores started) on the scalar pipe
+    assert kernel.head > 0
+    assert {(r.core, r.lane) for r in tl.core_rows} == {(c, p) for c in range(cores) for p in worked | {"SCALAR"}}
+    (head_row, *_) = [r for r in tl.core_rows if r.lane == "SCALAR"]
+    assert head_row.end.max() - head_row.start.min() == pytest.approx(kernel.head * 1e6 / result.target.clock_hz)
     us_per_cycle = 1e6 / result.target.clock_hz
     for p in worked:  # the rows hold every busy cycle the kernel counted
         total = sum(r.busy_us for r in tl.core_rows if r.lane == p)
