@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
                         f"tiled and lowered")
     try:
         repository = TuningRepository(db, create=True)
+        repository.check_writable()  # before any candidate is timed: every time measured is kept there
     except RepositoryError as e:
         raise ToolError(f"--db: {e}") from None
     address = args.address or os.environ.get("RAY_ADDRESS") or None
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         for d in e.diagnostics:
             printer(d)
         raise ToolError("") from None
-    except (TuneError, RuntimeFailure) as e:
+    except (TuneError, RuntimeFailure, RepositoryError) as e:
         raise ToolError(str(e)) from None
     finally:
         executor.close()
