@@ -72,6 +72,35 @@ def test_geopt_bad_input_is_a_caret_diagnostic_exit_1(tmp_path):
     assert caret == " " * 14 + "^" and line == "  %y = ge.neg %nope"
 
 
+def _expected_errors(case: str) -> list[tuple[int, str]]:
+    """(line, message) of each `expected-error` annotation in a split-input-file case, as --verify-diagnostics
+    reads it (`@+N` for the line N below, else its own line)."""
+    out = []
+    for i, line in enumerate(case.split("\n"), 1):
+        m = re.search(r"expected-error(?:@\+(\d+))? \{\{(.*)\}\}", line)
+        if m:
+            out.append((i + int(m[1] or 0), m[2]))
+    return out
+
+
+RT_CASES = (ROOT / "test" / "lit" / "diagnostics" / "rt.geir").read_text().split("// -----\n")
+
+
+@pytest.mark.parametrize("case", range(len(RT_CASES)))
+@pytest.mark.parametrize("argv", [("gerun",), ("gerun", "--timing-only"), ("gedoctor",)])
+def test_an_rt_program_reading_a_value_where_it_is_not_is_its_diagnostic(tmp_path, capsys, monkeypatch, case, argv):
+    from geir.tools import gedoctor, gerun
+
+    monkeypatch.delenv("GEIR_TRACEBACK", raising=False)
+    f = tmp_path / "p.geir"
+    f.write_text(RT_CASES[case])
+    rc = {"gerun": gerun.main, "gedoctor": gedoctor.main}[argv[0]]([str(f), *argv[1:]])
+    out, err = capsys.readouterr()
+    first, message = _expected_errors(RT_CASES[case])[0]
+    assert rc == 1 and out == "" and "internal error" not in err
+    assert err.startswith(f"{f}:{first}:3: error: {message}\n{RT_CASES[case].split(chr(10))[first - 1]}\n  ^\n")
+
+
 # --- 2. mlir-opt's manners ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TOOLS)
