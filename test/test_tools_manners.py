@@ -83,22 +83,28 @@ def _expected_errors(case: str) -> list[tuple[int, str]]:
     return out
 
 
-RT_CASES = (ROOT / "test" / "lit" / "diagnostics" / "rt.geir").read_text().split("// -----\n")
+def _lit_cases(name: str) -> list[str]:
+    return (ROOT / "test" / "lit" / "diagnostics" / name).read_text().split("// -----\n")
 
 
-@pytest.mark.parametrize("case", range(len(RT_CASES)))
-@pytest.mark.parametrize("argv", [("gerun",), ("gerun", "--timing-only"), ("gedoctor",)])
-def test_an_rt_program_reading_a_value_where_it_is_not_is_its_diagnostic(tmp_path, capsys, monkeypatch, case, argv):
+# rt programs reading a value where it is not; sizes read from a malformed constant or size op (the last
+# four cases of sizes.geir): once a KeyError, a TypeError, a ValueError or an IndexError after the diagnostic
+BAD_INPUT = _lit_cases("rt.geir") + _lit_cases("sizes.geir")[-4:]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)))
+@pytest.mark.parametrize("argv", [("gerun",), ("gerun", "--timing-only"), ("gedoctor",), ("geopt", "--passes=lower")])
+def test_bad_input_is_its_diagnostic_in_every_tool(tmp_path, capsys, monkeypatch, case, argv):
     from geir.tools import gedoctor, gerun
 
     monkeypatch.delenv("GEIR_TRACEBACK", raising=False)
     f = tmp_path / "p.geir"
-    f.write_text(RT_CASES[case])
-    rc = {"gerun": gerun.main, "gedoctor": gedoctor.main}[argv[0]]([str(f), *argv[1:]])
+    f.write_text(BAD_INPUT[case])
+    rc = {"gerun": gerun.main, "gedoctor": gedoctor.main, "geopt": geopt.main}[argv[0]]([str(f), *argv[1:]])
     out, err = capsys.readouterr()
-    first, message = _expected_errors(RT_CASES[case])[0]
+    first, message = _expected_errors(BAD_INPUT[case])[0]
     assert rc == 1 and out == "" and "internal error" not in err
-    assert err.startswith(f"{f}:{first}:3: error: {message}\n{RT_CASES[case].split(chr(10))[first - 1]}\n  ^\n")
+    assert err.startswith(f"{f}:{first}:3: error: {message}\n{BAD_INPUT[case].split(chr(10))[first - 1]}\n  ^\n")
 
 
 # --- 2. mlir-opt's manners ----------------------------------------------------------------------------

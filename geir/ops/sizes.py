@@ -52,6 +52,13 @@ def dim_size(x: Value, axis: int) -> Size:
     return SameDim(x, axis) if d is None else d
 
 
+def _malformed(op: Operation) -> bool:
+    """Whether an op has the wrong operand count or a missing or ill-typed attribute (the verifier says which)."""
+    from geir.verifier import structure_problem
+
+    return structure_problem(op) is not None
+
+
 def partial_sizes(v: Value) -> list[Size] | None:
     """The elements of a 0-D or 1-D integer value as far as the graph tells them before it runs.
 
@@ -70,6 +77,8 @@ def partial_sizes(v: Value) -> list[Size] | None:
     if producer is None:
         return unknown
     if any(u.type is None for u in producer.operands):  # types not inferred yet (a verifier's first walk)
+        return unknown
+    if _malformed(producer):  # its own error is reported at it (`ge.shape_of` without an operand)
         return unknown
     if producer.name == "ge.dim":
         x = producer.operands[0]
