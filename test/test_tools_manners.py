@@ -107,6 +107,30 @@ def test_bad_input_is_its_diagnostic_in_every_tool(tmp_path, capsys, monkeypatch
     assert err.startswith(f"{f}:{first}:3: error: {message}\n{BAD_INPUT[case].split(chr(10))[first - 1]}\n  ^\n")
 
 
+ZERO_BLOCK = """rt.program @main(%x: tensor<4xf32>) -> tensor<4xf32> attributes {memory = {inputs = 512, constants = 0, arena = 512}, streams = 1} {
+  %x.dev = rt.h2d %x {offset = 0, stream = 0} : tensor<4xf32>
+  %y = rt.launch %x.dev {kernel = "ge.relu", offsets = [512], stream = 0, tiling = {template = "VectorElementwise", elems = 0, buffers = 2, cores = 1, ub_bytes = 512}} : tensor<4xf32>
+  %0 = rt.d2h %y {stream = 0} : tensor<4xf32>
+  rt.return %0
+}
+"""
+
+
+@pytest.mark.parametrize("argv", [(), ("--timing-only",)])
+def test_a_tiling_block_of_0_is_refused_when_the_program_loads(tmp_path, capsys, monkeypatch, argv):
+    from geir.tools import gerun
+
+    monkeypatch.delenv("GEIR_TRACEBACK", raising=False)
+    f = tmp_path / "p.geir"
+    f.write_text(ZERO_BLOCK)
+    assert gerun.main([str(f), *argv]) == 1  # once a ZeroDivisionError in the kernel
+    out, err = capsys.readouterr()
+    col = ZERO_BLOCK.splitlines()[2].index("tiling = ") + 1
+    line = ZERO_BLOCK.splitlines()[2]
+    assert out == "" and err == (f"{f}:3:{col}: error: the tiling of ge.relu: 'elems' is 0, but the launch's tensors "
+                                 f"are not empty: a block must hold at least one element\n{line}\n{' ' * (col - 1)}^\n")
+
+
 # --- 2. mlir-opt's manners ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TOOLS)
