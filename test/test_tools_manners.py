@@ -88,8 +88,8 @@ def _lit_cases(name: str) -> list[str]:
 
 
 # rt programs reading a value where it is not; sizes read from a malformed constant or size op (the last
-# four cases of sizes.geir): once a KeyError, a TypeError, a ValueError or an IndexError after the diagnostic
-BAD_INPUT = _lit_cases("rt.geir") + _lit_cases("sizes.geir")[-4:]
+# five cases of sizes.geir): once a KeyError, a TypeError, a ValueError, an IndexError or a MemoryError
+BAD_INPUT = _lit_cases("rt.geir") + _lit_cases("sizes.geir")[-5:]
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)))

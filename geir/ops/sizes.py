@@ -59,6 +59,8 @@ def _malformed(op: Operation) -> bool:
     return structure_problem(op) is not None
 
 
+# the most entries a tensor of sizes has: numpy's 64 dimensions (geir.verifier.MAX_RANK)
+MAX_SIZES = 64
 # the ops partial_sizes reads through to their first operand's elements
 _THROUGH = ("ge.reshape", "ge.cast", "ge.slice", "ge.gather")
 
@@ -91,7 +93,8 @@ def partial_sizes(v: Value) -> list[Size] | None:
 def _reads_sizes_of(v: Value) -> list[Value]:
     """The values whose partial sizes `v`'s own depend on (none where the step decides without them)."""
     t, producer = v.type, v.owner
-    if (t is None or t.rank > 1 or not t.dtype.is_int or producer is None or literal_array(v) is not None
+    if (t is None or t.rank > 1 or not t.dtype.is_int or (t.num_elements or 0) > MAX_SIZES or producer is None
+            or literal_array(v) is not None
             or any(u.type is None for u in producer.operands) or _malformed(producer)):
         return []
     if producer.name == "ge.concat":
@@ -105,7 +108,8 @@ def _reads_sizes_of(v: Value) -> list[Value]:
 def _partial_sizes_step(v: Value, done: dict[int, list[Size] | None]) -> list[Size] | None:
     """partial_sizes of `v`, given those of the values it reads (in `done`, by id)."""
     t = v.type
-    if t is None or t.rank > 1 or not t.dtype.is_int:
+    # more entries than any shape has are not sizes (the op that takes them says so)
+    if t is None or t.rank > 1 or not t.dtype.is_int or (t.num_elements or 0) > MAX_SIZES:
         return None
     unknown = None if t.num_elements is None else [None] * t.num_elements
     array = literal_array(v)
@@ -177,6 +181,8 @@ def _require_sizes(t: TensorType, what: str) -> None:
         raise ShapeError(f"{what} must be a 1-D integer tensor, not {t}")
     if t.shape[0] is None:
         raise ShapeError(f"{what} must have a static length (the result's rank), not {t}")
+    if t.shape[0] > MAX_SIZES:
+        raise ShapeError(f"{what} has {t.shape[0]} entries, but a tensor has at most {MAX_SIZES} dimensions")
 
 
 def _attached(op: Operation) -> bool:
