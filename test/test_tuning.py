@@ -488,3 +488,20 @@ def test_damaged_times_are_timed_again(repo):
         repo._db.execute("INSERT INTO measurements VALUES ('k', 't', ?, 'd', 'text')", (cost_model_version(),))
         repo._db.execute("INSERT INTO measurements VALUES ('k', 't', ?, 'e', 1e999)", (cost_model_version(),))
     assert repo.measured("k", "t") == {"a": 1.0}  # c, d and e are offered for timing again
+
+
+def test_getune_is_never_silent_for_long_off_a_terminal(tmp_path, capsys, monkeypatch):
+    from geir.tools import getune
+
+    src = tmp_path / "g.geir"
+    src.write_text(ONE_MATMUL)
+    monkeypatch.setattr(getune, "PROGRESS_EVERY_S", 0.0)  # every task: the interval has always passed
+    code, _, err = _getune(capsys, src, "--workers", "0", "--db", tmp_path / "db.sqlite")
+    lines = err.splitlines()
+    assert code == 0 and lines[-1] == f"getune: repository {tmp_path / 'db.sqlite'}"
+    timed = [ln for ln in lines if ln.endswith("tasks timed")]
+    total = int(timed[0].split("/")[1].split()[0])
+    assert timed == [f"getune: {i}/{total} tasks timed" for i in range(1, total + 1)] and "\r" not in err
+    monkeypatch.setattr(getune, "PROGRESS_EVERY_S", 3600.0)  # a quick run says nothing until its result
+    code, _, err = _getune(capsys, src, "--workers", "0", "--db", tmp_path / "db2.sqlite")
+    assert code == 0 and err == f"getune: repository {tmp_path / 'db2.sqlite'}\n"

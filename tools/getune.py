@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from geir.tools.common import (
     EXIT_OK,
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     except RayUnavailable as e:
         repository.close()
         raise ToolError(str(e)) from None
-    progress = _progress if not (args.quiet or args.json) and sys.stderr.isatty() else None
+    progress = None if args.quiet or args.json else _Progress(sys.stderr.isatty())
     try:
         report = tune(text, points, executor, repository, buffers=args.buffers, name=name, entry=graph.name,
                       progress=progress)
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         executor.close()
         repository.close()
-        if progress is not None:
+        if progress is not None and progress.tty and progress.shown:
             print(file=sys.stderr)
     if args.sweep:
         table = SweepReport.of(sweep_rows, report)
@@ -204,8 +205,25 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _progress(done: int, total: int) -> None:
-    print(f"\rgetune: {done}/{total} tasks timed", end="", file=sys.stderr, flush=True)
+PROGRESS_EVERY_S = 10.0
+
+
+class _Progress:
+    """The tasks timed so far, on stderr: rewritten in place on a terminal; elsewhere (a log, CI) one line every
+    PROGRESS_EVERY_S seconds, so that a long tuning run is never silent for minutes."""
+
+    def __init__(self, tty: bool):
+        self.tty = tty
+        self.shown = False
+        self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            print(f"\rgetune: {done}/{total} tasks timed", end="", file=sys.stderr, flush=True)
+            self.shown = True
+        elif time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self.last = time.monotonic()
+            print(f"getune: {done}/{total} tasks timed", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
