@@ -223,7 +223,7 @@ class TuningRepository:
         name, operands, results, attributes = sig.key
         row = (op_key(sig, buffers), target, entry.model or cost_model_version(), name, json.dumps(list(operands)),
                json.dumps(list(results)), attributes, buffers, json.dumps(entry.rules_tiling), entry.rules_us,
-               json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check)  # tilings in the attribute's order
+               json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check)  # tilings in attribute order
         self._write(lambda: self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
                                              "?, ?, ?)", row))
 

@@ -142,5 +142,7 @@ def test_no_pass_recurses_on_the_graphs_depth(name, text):
     problems: list = []
     ctx.diagnostics.handler = problems.append
     # a ? size is lowered only once bound (the session does that): the sizes chain stops before tile
-    pipeline = "const-fold,canonicalize,cse,dce,fuse" + ("" if name == "sizes" else ",fusion-guards,layout,tile,plan,lower")
+    pipeline = "const-fold,canonicalize,cse,dce,fuse"
+    if name != "sizes":
+        pipeline += ",fusion-guards,layout,tile,plan,lower"
     assert PassManager(complete_pipeline(parse_pipeline(pipeline))).run(module, ctx) and not problems, problems

@@ -397,12 +397,14 @@ def _sqlite(path, script: str):
                                        "repository"),
     # an older layout: the query would meet "no such column"
     ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema', '1');"
-     "CREATE TABLE measurements (op_key, target, model, tiling, time_us); CREATE TABLE entries (op_key, target, tiling);",
+     "CREATE TABLE measurements (op_key, target, model, tiling, time_us);"
+     "CREATE TABLE entries (op_key, target, tiling);",
      "has no column model, kernel, operands, results, attributes, buffers, rules_tiling, rules_us, time_us, "
      "candidates, check_report in table entries: a tuning repository of another layout than this GEIR's (schema 1)"),
     ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema', '7');",
      "is a tuning repository of schema '7', not schema 1"),
-    ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);", "is a tuning repository of no schema version, not schema 1"),
+    ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);",
+     "is a tuning repository of no schema version, not schema 1"),
 ])
 def test_a_repository_of_another_program_schema_or_layout_is_refused(tmp_path, capsys, script, message):
     db = _sqlite(tmp_path / "other.sqlite", script)

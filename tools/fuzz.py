@@ -188,9 +188,9 @@ def mutate_target(rng: random.Random) -> bytes:
 
 
 # what-if chips at the edges: astronomically large counts, latencies and clocks, fractional counts
-EXTREME_TARGETS = ["ascend910b[cube_cores=1e12]", "ascend910b[vector_cores=x1e9]", "ascend910b[dma_latency_cycles=1e20]",
-                   "ascend910b[clock_ghz=x1e30]", "ascend910b[aicpu.cores=2.5]", "ascend910b[host.launch_latency_us=1e30]",
-                   "ascend910b[ub_bytes=x1e20]", "ascend910b[fusion.flash_attention_decode_max_q=1e30]"]
+EXTREME_TARGETS = [f"ascend910b[{o}]" for o in (
+    "cube_cores=1e12", "vector_cores=x1e9", "dma_latency_cycles=1e20", "clock_ghz=x1e30", "aicpu.cores=2.5",
+    "host.launch_latency_us=1e30", "ub_bytes=x1e20", "fusion.flash_attention_decode_max_q=1e30")]
 
 
 def damaged_repositories() -> list[bytes]:
@@ -422,7 +422,8 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
         edit = mutate_onnx if name.endswith(".onnx") else mutate
         chosen, files = rng.choice(args), ()
         if "{target}" in chosen:  # a target file with one number at an edge
-            chosen, files = tuple(a.replace("{target}", "{dir}/chip.toml") for a in chosen), (("chip.toml", mutate_target(rng)),)
+            chosen = tuple(a.replace("{target}", "{dir}/chip.toml") for a in chosen)
+            files = (("chip.toml", mutate_target(rng)),)
         elif "{what-if}" in chosen:
             chosen = tuple(a.replace("{what-if}", rng.choice(EXTREME_TARGETS)) for a in chosen)
         elif "{dir}/planted.sqlite" in chosen:

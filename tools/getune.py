@@ -12,6 +12,7 @@ measured, so a second run times only what is new. `--sweep` varies each `--set` 
 (`ub_bytes=x2`, `l2_mib=96,384`, `hbm_tb_per_s=3.2`) and `--shape` binding one at a time from each
 target and tabulates the graph's time: which parameter the model is sensitive to.
 
+Progress goes to stderr: rewritten in place on a terminal, a line every 10 s elsewhere (never silent for minutes).
 Exit codes: 0 done, 1 bad input or a failed run, 2 bad usage, 130 interrupted.
 """
 
