@@ -2,8 +2,10 @@
 
     python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--gedoctor 0] [--getune 0] [--out DIR]
 
-Mutates the example and lit programs (and small ONNX models) with geir.tools.fuzz and runs each
-tool in-process on every case (gedoctor on programs and models alike). A failure is an exit code
+Mutates the example and lit programs, rt.programs lowered from them and small ONNX models with
+geir.tools.fuzz (its docstring lists the mutation classes: target files and what-if chips at the edges,
+damaged tuning repositories, huge tensors, deep chains among them) and runs each tool in-process on every
+case (gedoctor on programs and models alike). A failure is an exit code
 other than 0/1/2, a traceback, an internal error, or a diagnostic outside the input. Failures are grouped by kind; with --out, one
 reproducer file per kind is written there.
 """

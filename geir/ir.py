@@ -189,15 +189,17 @@ class Graph:
     def _compact(self) -> None:
         out: list[Operation] = []
         inserts = self._inserts
-
-        def place(op: Operation) -> None:
-            for new in inserts.pop(id(op), ()):
-                place(new)
-            if not op.erased:
-                out.append(op)
-
-        for op in self._ops:
-            place(op)
+        # each op after the ops inserted before it (those after theirs, and so on): a stack, not recursion, as
+        # inserts may nest as deep as a rewrite chains them
+        stack: list[tuple[Operation, bool]] = [(op, False) for op in reversed(self._ops)]
+        while stack:
+            op, expanded = stack.pop()
+            if expanded:
+                if not op.erased:
+                    out.append(op)
+                continue
+            stack.append((op, True))
+            stack += [(new, False) for new in reversed(inserts.pop(id(op), ()))]
         self._ops = out
         self._dirty = False
 

@@ -114,6 +114,11 @@ def _format_ok(op: Operation, declared: TensorType, inferred: TensorType) -> boo
     return op.name != "ge.trans_data" or declared.format == inferred.format
 
 
+def structure_problem(op: Operation) -> tuple[str, Location] | None:
+    """Why an op is malformed (operand or result count, an attribute, its own checks) and where, or None."""
+    return _structure_problem(op)
+
+
 def _structure_problem(op: Operation) -> tuple[str, Location] | None:
     """Operand and result counts, attributes present and of the right kind, the op's own checks."""
     cls = type(op)

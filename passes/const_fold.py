@@ -26,6 +26,10 @@ from geir.traits import ShapeOnly, StaticForm, Terminator
 from geir.types import format_type, types_compatible
 
 
+# the most elements an operand of a folded op may have (512 MiB of i64): beyond, the op stays unfolded
+MAX_FOLD_OPERAND = 1 << 26
+
+
 def _reads_static_shapes(op: Operation) -> bool:
     """An op that reads only its operands' shapes, and they are all static."""
     return op.has_trait(ShapeOnly) and all(v.type is not None and v.type.is_static for v in op.operands)
@@ -43,7 +47,9 @@ def foldable(op: Operation, max_elements: int) -> bool:
         n = r.type.num_elements if r.type is not None else None
         if n is None or n > max_elements or r.type.rank > MAX_LITERAL_RANK:  # no literal could hold it
             return False
-    return True
+    # the reference semantics may materialise a splat constant whole: a 2^40-element one would not fit the host
+    # (an op that reads only shapes reads no elements)
+    return _reads_static_shapes(op) or all((v.type.num_elements or 0) <= MAX_FOLD_OPERAND for v in op.operands)
 
 
 def refine(op: Operation) -> None:

@@ -14,7 +14,7 @@ from geir.kernels.base import Kernel
 from geir.kernels.tiling import KernelTiling, Miss, OpSignature, TilingAttrError
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.placement import AICPU, ENGINE_ATTR, Unplaceable, place_op
-from geir.passes.tuning_repository import Entry, RepositoryError, TuningRepository
+from geir.passes.tuning_repository import Entry, RepositoryError, TuningRepository, tiling_text
 from geir.target_npu.target import Target, load_target
 from geir.traits import NoKernel
 
@@ -158,6 +158,12 @@ def consult(repository: TuningRepository, kernel: Kernel, sig: OpSignature, chip
         name, need, cap = overflow
         return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's {describe(entry.tiling)} needs "
                                        f"{need} bytes of {name}, which holds {cap}"), "rules"
+    # the kernel's own legal tilings, as getune timed them: a damaged or hand-edited entry (a block of 0, a
+    # block off the fractal) would otherwise reach the kernel's loops
+    legal = {tiling_text(c) for c in kernel.candidates(sig, chip, buffers)}
+    if tiling_text(tuned) not in legal:
+        return attrs.evolve(rules, rule=f"{rules.rule}; the tuning repository's {describe(entry.tiling)} is not one "
+                                       f"of the kernel's legal tilings for this op: run getune again"), "rules"
     return attrs.evolve(tuned, rule=tuned_rule(entry)), "repository"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import sqlite3
 from pathlib import Path
@@ -39,10 +40,22 @@ CREATE TABLE IF NOT EXISTS entries (
     candidates INTEGER NOT NULL, check_report TEXT NOT NULL,
     PRIMARY KEY (op_key, target));
 """
+# the columns each table must have (a file of an older layout lacks some; queries would fail on them)
+_COLUMNS = {
+    "meta": ("key", "value"),
+    "measurements": ("op_key", "target", "model", "tiling", "time_us"),
+    "entries": ("op_key", "target", "model", "kernel", "operands", "results", "attributes", "buffers", "rules_tiling",
+                "rules_us", "tiling", "time_us", "candidates", "check_report"),
+}
 
 
 class RepositoryError(ValueError):
     """A tuning repository that cannot be opened or read (not SQLite, another schema); the message says which."""
+
+
+def _is_time(value: Any) -> bool:
+    """Whether a stored time is a finite, non-negative number of microseconds."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def default_path() -> Path:
@@ -129,15 +142,50 @@ class TuningRepository:
         except sqlite3.Error as e:
             raise RepositoryError(f"cannot open '{self.path}': {e}") from None
         try:
-            self._db.executescript(_SCHEMA)
+            self._check_layout()
+        except RepositoryError:
+            self._db.close()
+            raise
+
+    def _check_layout(self) -> None:
+        """Make the tables of an empty file; refuse a database of another program, schema or layout, so that
+        a query never meets a missing column and a write never lands in someone else's database."""
+        try:
+            tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables and "meta" not in tables:
+                raise RepositoryError(f"'{self.path}' is an SQLite database of another program (it holds "
+                                      f"{', '.join(sorted(tables))}), not a tuning repository")
+            if not tables:
+                self._write(lambda: self._db.executescript(_SCHEMA + f"INSERT INTO meta VALUES ('schema', "
+                                                                     f"'{SCHEMA_VERSION}');"))
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-            if row is None:
-                with self._db:
-                    self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] != str(SCHEMA_VERSION):
-                raise RepositoryError(f"'{self.path}' is a tuning repository of schema {row[0]}, not {SCHEMA_VERSION}")
+            # compared as text: SQLite may hand back the integer 1 for a value written as '1'
+            if row is None or str(row[0]).strip() != str(SCHEMA_VERSION):
+                which = "no schema version" if row is None else f"schema {row[0]!r}"
+                raise RepositoryError(f"'{self.path}' is a tuning repository of {which}, not schema "
+                                      f"{SCHEMA_VERSION}: give getune another --db, or remove it to start afresh")
+            for table, columns in _COLUMNS.items():
+                have = [r[1] for r in self._db.execute(f"PRAGMA table_info({table})")]
+                missing = [c for c in columns if c not in have]
+                if missing:
+                    what = "no table" if not have else f"no column {', '.join(missing)} in table"
+                    raise RepositoryError(f"'{self.path}' has {what} {table}: a tuning repository of another "
+                                          f"layout than this GEIR's (schema {SCHEMA_VERSION}): give getune another "
+                                          f"--db, or remove it to start afresh")
         except sqlite3.DatabaseError as e:
             raise RepositoryError(f"'{self.path}' is not a tuning repository: {e}") from None
+
+    def check_writable(self) -> None:
+        """RepositoryError now, not after the first candidates were timed, when the file cannot be written."""
+        self._write(lambda: self._db.execute("UPDATE meta SET value = value WHERE key = 'schema'"))
+
+    def _write(self, change: Any) -> None:
+        """Run `change` in one transaction; RepositoryError when the file cannot be written (read-only, full disk)."""
+        try:
+            with self._db:
+                change()
+        except sqlite3.DatabaseError as e:
+            raise RepositoryError(f"cannot write to the tuning repository '{self.path}': {e}") from None
 
     def close(self) -> None:
         self._db.close()
@@ -152,15 +200,18 @@ class TuningRepository:
 
     def measured(self, key: str, target: str) -> dict[str, float]:
         """Every candidate timed so far for this op on this target: tiling text -> microseconds."""
-        rows = self._db.execute("SELECT tiling, time_us FROM measurements WHERE op_key = ? AND target = ? AND model = ?",
-                                (key, target, cost_model_version()))
-        return dict(rows.fetchall())
+        try:
+            rows = self._db.execute("SELECT tiling, time_us FROM measurements WHERE op_key = ? AND target = ? AND "
+                                    "model = ?", (key, target, cost_model_version())).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise RepositoryError(f"'{self.path}' cannot be read: {e}") from None
+        # a time that is not a finite, non-negative number (a damaged row) is dropped: the candidate is timed again
+        return {t: float(us) for t, us in rows if isinstance(t, str) and _is_time(us)}
 
     def record(self, key: str, target: str, times: Iterable[tuple[str, float]]) -> None:
         """Store the times of some candidates (committed at once, so an interrupted sweep keeps them)."""
-        with self._db:
-            self._db.executemany("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)",
-                                 [(key, target, cost_model_version(), t, us) for t, us in times])
+        rows = [(key, target, cost_model_version(), t, us) for t, us in times]
+        self._write(lambda: self._db.executemany("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)", rows))
 
     def measurement_count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
@@ -170,12 +221,11 @@ class TuningRepository:
     def store(self, sig: OpSignature, buffers: int, target: str, entry: Entry) -> None:
         """Keep an op's tuned entry (replacing an older one)."""
         name, operands, results, attributes = sig.key
-        with self._db:
-            self._db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (op_key(sig, buffers), target, entry.model or cost_model_version(), name, json.dumps(list(operands)), json.dumps(list(results)),
-                 attributes, buffers, json.dumps(entry.rules_tiling), entry.rules_us,  # in the attribute's order
-                 json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check))
+        row = (op_key(sig, buffers), target, entry.model or cost_model_version(), name, json.dumps(list(operands)),
+               json.dumps(list(results)), attributes, buffers, json.dumps(entry.rules_tiling), entry.rules_us,
+               json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check)  # tilings in attribute order
+        self._write(lambda: self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                                             "?, ?, ?)", row))
 
     def entry(self, sig: OpSignature, buffers: int, target: Target | str) -> Entry | None:
         """The op's tuned entry on this target, or None when it was never tuned."""
@@ -190,10 +240,14 @@ class TuningRepository:
             return None
         kernel, rules_tiling, rules_us, tiling, time_us, candidates, check, model = row
         try:
-            return Entry(kernel, json.loads(rules_tiling), rules_us, json.loads(tiling), time_us, candidates, check,
-                         model)
-        except json.JSONDecodeError as e:
+            rules_tiling, tiling = json.loads(rules_tiling), json.loads(tiling)
+        except (json.JSONDecodeError, TypeError) as e:
             raise RepositoryError(f"'{self.path}': the entry of {kernel} is not valid JSON: {e}") from None
+        if not (isinstance(rules_tiling, dict) and isinstance(tiling, dict) and _is_time(rules_us)
+                and _is_time(time_us) and isinstance(candidates, int) and isinstance(check, str)):
+            raise RepositoryError(f"'{self.path}': the entry of {kernel} is damaged (its tilings are not dictionaries "
+                                  f"or its times not non-negative numbers)")
+        return Entry(kernel, rules_tiling, float(rules_us), tiling, float(time_us), candidates, check, model)
 
     def entry_count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]

@@ -407,6 +407,12 @@ def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling
         except TilingAttrError as e:
             problems.append(Diagnostic("error", str(e), op.attr_loc("tiling")))
             continue
+        empty = _empty_block(tilings[id(op)], op)
+        if empty is not None:
+            problems.append(Diagnostic("error", f"the tiling of {op.kernel}: '{empty}' is 0, but the launch's tensors "
+                                                f"are not empty: a block must hold at least one element",
+                                       op.attr_loc("tiling")))
+            continue
         if tilings[id(op)] is None and kernel.needs_tiling(_launch_signature(op)):
             problems.append(Diagnostic("error", f"{op.kernel} has no tiling: run the tile pass before lowering",
                                        op.loc))
@@ -424,6 +430,23 @@ def without_core(cores: Cores, dead: int) -> Cores:
     rest.busy = cores.busy[:, keep].copy()
     rest.intervals = cores.intervals
     return rest
+
+
+# fields of a tiling that are not blocks: a count of buffers or cores, of key or row segments (0 reads as 1),
+# the bytes a budget records
+_NOT_BLOCKS = ("template", "buffers", "cores", "segments")
+
+
+def _empty_block(tiling: KernelTiling | None, launch: Operation) -> str | None:
+    """The first block of a tiling that is 0 where the launch's tensors are not empty (its kernel would divide
+    by it), or None. A tiling's required fields are its blocks, apart from its buffers, cores and byte counts."""
+    if tiling is None or any(not (v.type.num_elements or 0) for v in [*launch.operands, *launch.results]):
+        return None  # an empty tensor has empty blocks (the decoder takes 0 for that)
+    for f in attrs.fields(type(tiling)):
+        if f.default is attrs.NOTHING and f.name not in _NOT_BLOCKS and not f.name.endswith("_bytes"):
+            if getattr(tiling, f.name) == 0:
+                return f.name
+    return None
 
 
 def detached_op(launch: Operation) -> Operation:

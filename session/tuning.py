@@ -21,14 +21,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 
-from geir.diagnostics import Location
+from geir.diagnostics import DiagnosticError, Location
 from geir.ir import Module
 from geir.kernels import KERNELS
 from geir.kernels.tiling import KernelTiling, Miss, OpSignature
 from geir.parser import parse
 from geir.passes.tile import Tile, describe
 from geir.passes.tuning_repository import Entry, TuningRepository, op_key, target_key, tiling_text
-from geir.runtime.device import stand_in
+from geir.runtime.device import host_memory_problem, stand_in
 from geir.runtime.profile import time_split
 from geir.runtime.single_launch import check_numerics, launch_us
 from geir.session.executors import Executor
@@ -198,14 +198,18 @@ def specialised(text: str, shapes: dict[str, tuple[int, ...]], name: str = "<inp
             if a.name not in shapes and not a.type.is_static:
                 raise TuneError(f"argument %{a.name} of @{g.name} is {a.type}: give its shape with "
                                 f"--shape {a.name}=DIMS (the timing needs every size)")
-    if not shapes:
-        return module
-    out = []
+    if shapes:
+        out = []
+        for g in module.graphs:
+            bound = bind_shapes(g, tuple(shapes.get(a.name, a.type.shape) for a in g.args))
+            bound.name = g.name
+            out.append(bound)
+        module.graphs = out
     for g in module.graphs:
-        bound = bind_shapes(g, tuple(shapes.get(a.name, a.type.shape) for a in g.args))
-        bound.name = g.name
-        out.append(bound)
-    module.graphs = out
+        # refused before anything is timed: a tensor the host cannot hold would fail (or swap for minutes) later
+        too_big = host_memory_problem(g, timing_only=True)
+        if too_big is not None:
+            raise DiagnosticError(too_big)
     return module
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -83,57 +84,112 @@ class TargetError(KeyError):
         return self.message
 
 
-# Every quantity the model reads, by table: (key, least value allowed); optional tables may be absent.
+# Upper bounds: far beyond any chip (what-if chips included) but within what the simulator can hold, each
+# with its reason, which the error states.
+MAX_CORES = 4096
+MAX_KIB = 1 << 30
+MAX_RATE = 1e9
+MAX_CYCLES = 1e9
+MAX_US = 1e9
+MAX_GHZ = 1e3
+MAX_ROWS = 1 << 31
+_WHY_CORES = "the simulator keeps a timeline per core; the largest Ascend has 32 AI cores"
+_WHY_KIB = "1 TiB, more than any tensor a tile could hold"
+_WHY_RATE = "a million times any chip's"
+_WHY_TIME = "longer than any run GEIR simulates"
+_WHY_GHZ = "1 THz"
+_WHY_ROWS = "more rows than any tensor GEIR holds"
+
+
+class Bound(NamedTuple):
+    """A quantity's allowed values: least and most (with why no more), and whether it is a count."""
+
+    least: float
+    most: float
+    why: str
+    whole: bool = False
+
+
+def _count(most: float = MAX_CORES, why: str = _WHY_CORES, least: int = 1) -> Bound:
+    return Bound(least, most, why, True)
+
+
+# Every quantity the model reads, by table: key -> its bounds; optional tables may be absent.
 _REQUIRED = {
-    "cores": (("cube", 1), ("vector", 1), ("clock_ghz", 1e-9)),
-    "buffers_kib": (("ub", 1), ("l1", 1), ("l0a", 1), ("l0b", 1), ("l0c", 1)),
-    "vector": (("bytes_per_cycle", 1),),
-    "memory": (("l2_mib", 0), ("gm_read_bytes_per_cycle_l2", 1e-9), ("gm_read_bytes_per_cycle_hbm", 1e-9),
-               ("hbm_tb_per_s", 1e-9), ("ub_block_bytes", 1), ("hbm_block_bytes", 1), ("dma_latency_cycles", 0),
-               ("onchip_bytes_per_cycle", 1e-9)),
+    "cores": {"cube": _count(), "vector": _count(), "clock_ghz": Bound(1e-9, MAX_GHZ, _WHY_GHZ)},
+    "buffers_kib": {b: Bound(1, MAX_KIB, _WHY_KIB) for b in ("ub", "l1", "l0a", "l0b", "l0c")},
+    "vector": {"bytes_per_cycle": Bound(1, MAX_RATE, _WHY_RATE)},
+    "memory": {"l2_mib": Bound(0, MAX_KIB // 1024, "1 TiB, more than any device's memory"),
+               "gm_read_bytes_per_cycle_l2": Bound(1e-9, MAX_RATE, _WHY_RATE),
+               "gm_read_bytes_per_cycle_hbm": Bound(1e-9, MAX_RATE, _WHY_RATE),
+               "hbm_tb_per_s": Bound(1e-9, MAX_RATE, _WHY_RATE),
+               "ub_block_bytes": _count(MAX_KIB, _WHY_KIB), "hbm_block_bytes": _count(MAX_KIB, _WHY_KIB),
+               "dma_latency_cycles": Bound(0, MAX_CYCLES, _WHY_TIME),
+               "onchip_bytes_per_cycle": Bound(1e-9, MAX_RATE, _WHY_RATE)},
 }
 _OPTIONAL = {
-    "cores": (("vector_per_cube", 1),),
-    "host": (("pcie_gb_per_s", 1e-9), ("copy_latency_us", 0), ("launch_latency_us", 0)),
-    "overhead": (("head_full_chip_us", 0), ("cross_core_sync_cycles", 0), ("block_dispatch_cycles", 0)),
+    "cores": {"vector_per_cube": _count()},
+    "host": {"pcie_gb_per_s": Bound(1e-9, MAX_RATE, _WHY_RATE), "copy_latency_us": Bound(0, MAX_US, _WHY_TIME),
+             "launch_latency_us": Bound(0, MAX_US, _WHY_TIME)},
+    "fusion": {"flash_attention_decode_max_q": _count(MAX_ROWS, _WHY_ROWS, 0),
+               "flash_attention_decode_min_kv": _count(MAX_ROWS, _WHY_ROWS, 0),
+               "flash_attention_decode_max_busy": Bound(0, 1, "a share of the cores")},
 }
 # An [aicpu] table, when present, needs every one of these
-_AICPU = (("cores", 1), ("clock_ghz", 1e-9), ("cycles_per_op", 0), ("bytes_per_cycle", 1e-9), ("task_overhead_us", 0))
+_AICPU = {"cores": _count(), "clock_ghz": Bound(1e-9, MAX_GHZ, _WHY_GHZ),
+          "cycles_per_op": Bound(0, MAX_CYCLES, _WHY_TIME), "bytes_per_cycle": Bound(1e-9, MAX_RATE, _WHY_RATE),
+          "task_overhead_us": Bound(0, MAX_US, _WHY_TIME)}
+# A cube fractal's m, k and n: the kernels align blocks to it (16 on every Ascend)
+MAX_FRACTAL = 1024
 # What the AI Core computes when a target file does not say: every element type but f64 (spec section 1)
 AICORE_DTYPES = ("f16", "bf16", "f32", "i8", "i32", "i64", "i1")
 _CUBE_MODES = ("f16", "bf16", "f32")
 
 
+def _show(x: float) -> str:
+    """A bound or a value as the error prints it: integers exactly, others in the shortest form."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
 def _check_data(data: dict[str, Any], where: str) -> None:
     """TargetError naming the first missing or out-of-range quantity."""
-    def number(table: str, key: str, least: float, value: Any) -> None:
+    def number(table: str, key: str, bound: Bound, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TargetError(f"{where}: [{table}] {key} must be a number, not {value!r}")
-        if value < least:
-            bound = "positive" if least > 0 else "non-negative"
-            raise TargetError(f"{where}: [{table}] {key} must be {bound}, not {value}")
+        if not math.isfinite(value):  # NaN passes every comparison and would make every figure NaN
+            raise TargetError(f"{where}: [{table}] {key} must be a finite number, not {value}")
+        if bound.whole and not isinstance(value, int):
+            raise TargetError(f"{where}: [{table}] {key} must be a whole number, not {value}")
+        if value < bound.least:
+            what = "positive" if bound.least > 0 else "non-negative"
+            raise TargetError(f"{where}: [{table}] {key} must be {what}, not {value}")
+        if value > bound.most:
+            raise TargetError(f"{where}: [{table}] {key} must be at most {_show(bound.most)}, not {_show(value)} "
+                              f"({bound.why})")
 
     for table, keys in _REQUIRED.items():
         section = data.get(table)
         if not isinstance(section, dict):
             raise TargetError(f"{where}: the target has no [{table}] table")
-        for key, least in keys:
+        for key, bound in keys.items():
             if key not in section:
                 raise TargetError(f"{where}: [{table}] has no {key}")
-            number(table, key, least, section[key])
+            number(table, key, bound, section[key])
     for table, keys in _OPTIONAL.items():
         section = data.get(table, {})
-        for key, least in keys:
+        if not isinstance(section, dict):
+            raise TargetError(f"{where}: [{table}] must be a table")
+        for key, bound in keys.items():
             if key in section:
-                number(table, key, least, section[key])
+                number(table, key, bound, section[key])
     if "aicpu" in data:
         section = data["aicpu"]
         if not isinstance(section, dict):
             raise TargetError(f"{where}: [aicpu] must be a table")
-        for key, least in _AICPU:
+        for key, bound in _AICPU.items():
             if key not in section:
                 raise TargetError(f"{where}: [aicpu] has no {key}")
-            number("aicpu", key, least, section[key])
+            number("aicpu", key, bound, section[key])
     dtypes = data.get("aicore", {}).get("dtypes", AICORE_DTYPES) if isinstance(data.get("aicore", {}), dict) else None
     if not (isinstance(dtypes, (list, tuple)) and all(isinstance(d, str) for d in dtypes)):
         raise TargetError(f"{where}: [aicore] dtypes must be a list of element types, not {dtypes!r}")
@@ -142,8 +198,9 @@ def _check_data(data: dict[str, Any], where: str) -> None:
         raise TargetError(f"{where}: [cube] needs an m x k x n fractal for at least one of {', '.join(_CUBE_MODES)}")
     for mode, fractal in cube.items():
         if not (isinstance(fractal, list) and len(fractal) == 3
-                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in fractal)):
-            raise TargetError(f"{where}: [cube] {mode} must be three positive integers [m, k, n], not {fractal!r}")
+                and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_FRACTAL for x in fractal)):
+            raise TargetError(f"{where}: [cube] {mode} must be three positive integers [m, k, n] of at most "
+                              f"{MAX_FRACTAL}, not {fractal!r}")
 
 
 def available_targets() -> list[str]:

@@ -111,3 +111,38 @@ def test_a_chain_of_thousands_of_ops_fuses_without_recursion():
     (want,) = run_graph(parse(text).graphs[0], x)
     (got,) = run_graph(module.graphs[0], x)
     assert np.array_equal(got, want)
+
+
+# --- no pass recurses on the graph's depth ------------------------------------------------------------------
+
+DEPTH = 3000  # three times Python's default recursion limit
+
+
+def _chain(args: str, first: str, step: str, tail: list[str], ret: str) -> str:
+    body = [f"  %v0 = {first}"] + [f"  %v{i} = {step.format(p=f'%v{i - 1}')}" for i in range(1, DEPTH + 1)]
+    return "\n".join([f"ge.graph @main({args}) -> {ret} {{", *body, *tail, "}"]) + "\n"
+
+
+@pytest.mark.parametrize("name, text", [
+    # the GELU rule reads a product through its muls (once a RecursionError at about 1,000)
+    ("muls", _chain("%x: tensor<4x16xf32>", "ge.relu %x", "ge.mul {p}, %x", [f"  ge.return %v{DEPTH}"],
+                    "tensor<4x16xf32>")),
+    # the attention rules follow the scores through masks added one after another
+    ("masks", _chain("%q: tensor<1x2x16x8xf32>, %k: tensor<1x2x8x16xf32>, %v: tensor<1x2x16x8xf32>, "
+                     "%m: tensor<1x2x16x16xf32>", "ge.matmul %q, %k", "ge.add {p}, %m",
+                     [f"  %p = ge.softmax %v{DEPTH} {{axis = -1}}", "  %o = ge.matmul %p, %v", "  ge.return %o"],
+                     "tensor<1x2x16x8xf32>")),
+    # shape rules read sizes through casts (infer-shapes, const-fold)
+    ("sizes", _chain("%x: tensor<?xf32>", "ge.shape_of %x", "ge.cast {p} {{to = i64}}",
+                     [f"  %r = ge.dynamic_reshape %x, %v{DEPTH}", "  ge.return %r"], "tensor<?xf32>")),
+])
+def test_no_pass_recurses_on_the_graphs_depth(name, text):
+    module = parse(text)
+    ctx = PassContext()
+    problems: list = []
+    ctx.diagnostics.handler = problems.append
+    # a ? size is lowered only once bound (the session does that): the sizes chain stops before tile
+    pipeline = "const-fold,canonicalize,cse,dce,fuse"
+    if name != "sizes":
+        pipeline += ",fusion-guards,layout,tile,plan,lower"
+    assert PassManager(complete_pipeline(parse_pipeline(pipeline))).run(module, ctx) and not problems, problems

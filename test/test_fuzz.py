@@ -69,3 +69,48 @@ def test_a_real_tool_run_is_judged(tmp_path):
     assert run_case(CASE, tmp_path).problem is None
     bad = run_case(Case("geopt", "t.geir", b"ge.graph @main() -> () {\n  ge.retur\n}\n"), tmp_path)
     assert bad.code == 1 and bad.problem is None
+
+
+# --- the mutation classes of issue 26: each reaches its tool and is judged ---------------------------------
+
+GRAPH = b"ge.graph @main(%x: tensor<4x16xf32>) -> tensor<4x16xf32> {\n  %y = ge.relu %x\n  ge.return %y\n}\n"
+
+
+@pytest.mark.parametrize("data", fuzz.damaged_repositories())
+def test_a_damaged_repository_is_refused_by_getune(tmp_path, data):
+    case = Case("getune", "g.geir", GRAPH, ("--db", "{dir}/planted.sqlite"), (("planted.sqlite", data),))
+    outcome = run_case(case, tmp_path)
+    assert (outcome.code, outcome.problem) == (1, None)
+
+
+@pytest.mark.parametrize("spec", fuzz.EXTREME_TARGETS)
+def test_an_extreme_what_if_chip_is_a_usage_error(tmp_path, spec):
+    outcome = run_case(Case("gerun", "g.geir", GRAPH, ("--target", spec)), tmp_path)
+    assert (outcome.code, outcome.problem) == (2, None)
+
+
+def test_target_file_mutations_reach_the_tools(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    codes = collections.Counter()
+    for _ in range(20):
+        case = Case("gerun", "g.geir", GRAPH, ("--timing-only", "--target", "{dir}/chip.toml"),
+                    (("chip.toml", fuzz.mutate_target(rng)),))
+        outcome = run_case(case, tmp_path)
+        assert outcome.problem is None, (case.files[0][1], outcome.problem)
+        codes[outcome.code] += 1
+    assert codes[2] and set(codes) <= {0, 2}  # the edge values are refused; a few stay within range
+
+
+def test_program_mutations_of_the_new_classes(tmp_path):
+    import random
+
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(400):
+        data = fuzz.mutate(GRAPH, rng)
+        seen.update(k for k, marker in (("huge", b"1099511627776"), ("deep", b"_d1099")) if marker in data)
+    assert seen == {"huge", "deep"}
+    (name, program), *_ = fuzz.lowered([("g.geir", GRAPH)])
+    assert name == "g.lowered.geir" and program.startswith(b"rt.program @main")

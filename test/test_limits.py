@@ -65,6 +65,56 @@ def test_a_run_that_cannot_fit_in_host_memory_stops_before_allocating(tool, tmp_
     assert "^" in err and "MemoryError" not in err and "internal error" not in err
 
 
+# 2^40 elements: within what GEIR models (2^48 bytes), far beyond any host
+BIG_ARG = """ge.graph @main(%x: tensor<1099511627776xf16>) -> tensor<1099511627776xf16> {
+  %y = ge.relu %x
+  ge.return %y
+}
+"""
+BIG_CONST = """ge.graph @main(%x: tensor<4xf16>) -> tensor<1099511627776xf16> {
+  %c = ge.const dense<1.0> : tensor<1099511627776xf16>
+  %y = ge.relu %c
+  ge.return %y
+}
+"""
+GIB = 1 << 30
+TWO_TIB = 2 * 1099511627776
+
+
+TIMING_ONLY = ("a timing-only run of this graph needs at least {} bytes of host memory (each kernel makes its operands "
+               "and results as arrays of their full shape), but {} are available; %{} alone holds {} bytes")
+FULL = ("simulating this run needs at least {} bytes of host memory ({} for the inputs on the host, {} for the "
+        "simulated device's memory), but {} are available; %{} alone holds {} bytes")
+
+
+@pytest.mark.parametrize("tool, text, argv, where, message", [
+    (tool, BIG_ARG, argv, (1, 16), TIMING_ONLY.format(TWO_TIB, GIB, "x", TWO_TIB))
+    for tool, argv in [("gerun", ("--timing-only",)), ("getune", ())]
+] + [
+    (tool, BIG_CONST, argv, (2, 3), TIMING_ONLY.format(TWO_TIB, GIB, "c", TWO_TIB))
+    for tool, argv in [("gerun", ("--timing-only",)), ("getune", ())]
+] + [
+    # a constant is in the simulated device's memory too (once it skipped the check)
+    (tool, BIG_CONST, (), (2, 3), FULL.format(TWO_TIB + 16, 8, TWO_TIB + 8, GIB, "c", TWO_TIB))
+    for tool in ("gerun", "gedoctor")
+])
+def test_a_2_to_the_40_tensor_is_refused_before_allocation_in_every_tool(tool, text, argv, where, message, tmp_path,
+                                                                         capsys, monkeypatch):
+    from geir.tools.getune import main as getune_main
+
+    if tool == "getune":  # timing-only, on the candidates and the whole graph
+        argv = ("--workers", "0", "--db", str(tmp_path / "db.sqlite"))
+    monkeypatch.setattr("geir.runtime.device.host_bytes_available", lambda: GIB)
+    src = tmp_path / "big.geir"
+    src.write_text(text)
+    main = {"gerun": gerun_main, "gedoctor": gedoctor_main, "getune": getune_main}[tool]
+    assert main([str(src), *argv]) == 1
+    out, err = capsys.readouterr()
+    line, col = where
+    assert out == "" and err.startswith(f"{src}:{line}:{col}: error: {message}\n{text.splitlines()[line - 1]}\n"
+                                        f"{' ' * (col - 1)}^\n")
+
+
 @pytest.mark.parametrize("text", [OVERFLOW, _rank(70)])
 def test_geopt_and_gerun_report_unmodellable_types(text, tmp_path, capsys):
     src = tmp_path / "t.geir"

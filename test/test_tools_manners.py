@@ -72,6 +72,65 @@ def test_geopt_bad_input_is_a_caret_diagnostic_exit_1(tmp_path):
     assert caret == " " * 14 + "^" and line == "  %y = ge.neg %nope"
 
 
+def _expected_errors(case: str) -> list[tuple[int, str]]:
+    """(line, message) of each `expected-error` annotation in a split-input-file case, as --verify-diagnostics
+    reads it (`@+N` for the line N below, else its own line)."""
+    out = []
+    for i, line in enumerate(case.split("\n"), 1):
+        m = re.search(r"expected-error(?:@\+(\d+))? \{\{(.*)\}\}", line)
+        if m:
+            out.append((i + int(m[1] or 0), m[2]))
+    return out
+
+
+def _lit_cases(name: str) -> list[str]:
+    return (ROOT / "test" / "lit" / "diagnostics" / name).read_text().split("// -----\n")
+
+
+# rt programs reading a value where it is not; sizes read from a malformed constant or size op (the last
+# five cases of sizes.geir): once a KeyError, a TypeError, a ValueError, an IndexError or a MemoryError
+BAD_INPUT = _lit_cases("rt.geir") + _lit_cases("sizes.geir")[-5:]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)))
+@pytest.mark.parametrize("argv", [("gerun",), ("gerun", "--timing-only"), ("gedoctor",), ("geopt", "--passes=lower")])
+def test_bad_input_is_its_diagnostic_in_every_tool(tmp_path, capsys, monkeypatch, case, argv):
+    from geir.tools import gedoctor, gerun
+
+    monkeypatch.delenv("GEIR_TRACEBACK", raising=False)
+    f = tmp_path / "p.geir"
+    f.write_text(BAD_INPUT[case])
+    rc = {"gerun": gerun.main, "gedoctor": gedoctor.main, "geopt": geopt.main}[argv[0]]([str(f), *argv[1:]])
+    out, err = capsys.readouterr()
+    first, message = _expected_errors(BAD_INPUT[case])[0]
+    assert rc == 1 and out == "" and "internal error" not in err
+    assert err.startswith(f"{f}:{first}:3: error: {message}\n{BAD_INPUT[case].split(chr(10))[first - 1]}\n  ^\n")
+
+
+ZERO_BLOCK = """rt.program @main(%x: tensor<4xf32>) -> tensor<4xf32> attributes {memory = {inputs = 512, constants = 0, arena = 512}, streams = 1} {
+  %x.dev = rt.h2d %x {offset = 0, stream = 0} : tensor<4xf32>
+  %y = rt.launch %x.dev {kernel = "ge.relu", offsets = [512], stream = 0, tiling = {template = "VectorElementwise", elems = 0, buffers = 2, cores = 1, ub_bytes = 512}} : tensor<4xf32>
+  %0 = rt.d2h %y {stream = 0} : tensor<4xf32>
+  rt.return %0
+}
+"""
+
+
+@pytest.mark.parametrize("argv", [(), ("--timing-only",)])
+def test_a_tiling_block_of_0_is_refused_when_the_program_loads(tmp_path, capsys, monkeypatch, argv):
+    from geir.tools import gerun
+
+    monkeypatch.delenv("GEIR_TRACEBACK", raising=False)
+    f = tmp_path / "p.geir"
+    f.write_text(ZERO_BLOCK)
+    assert gerun.main([str(f), *argv]) == 1  # once a ZeroDivisionError in the kernel
+    out, err = capsys.readouterr()
+    col = ZERO_BLOCK.splitlines()[2].index("tiling = ") + 1
+    line = ZERO_BLOCK.splitlines()[2]
+    assert out == "" and err == (f"{f}:3:{col}: error: the tiling of ge.relu: 'elems' is 0, but the launch's tensors "
+                                 f"are not empty: a block must hold at least one element\n{line}\n{' ' * (col - 1)}^\n")
+
+
 # --- 2. mlir-opt's manners ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TOOLS)

@@ -382,3 +382,131 @@ def test_getune_tunes_an_onnx_model_through_the_frontend(tmp_path, capsys):
     assert "ge.flash_attention" in ops  # the exporter's attention, fused, is what gets tuned
     assert all(o["loc"].startswith(f"{model} (as imported):") for o in report["ops"])
     assert report["graph"]["best_us"] <= report["graph"]["rules_us"]
+
+
+# --- a repository that is damaged, of another program or layout, or read-only: an error that says so ------------
+
+def _sqlite(path, script: str):
+    db = sqlite3.connect(path)
+    db.executescript(script)
+    db.commit()
+    db.close()
+    return path
+
+
+@pytest.mark.parametrize("script, message", [
+    # another program's database: refused, and nothing is written into it
+    ("CREATE TABLE users (id, name);", "is an SQLite database of another program (it holds users), not a tuning "
+                                       "repository"),
+    # an older layout: the query would meet "no such column"
+    ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema', '1');"
+     "CREATE TABLE measurements (op_key, target, model, tiling, time_us);"
+     "CREATE TABLE entries (op_key, target, tiling);",
+     "has no column model, kernel, operands, results, attributes, buffers, rules_tiling, rules_us, time_us, "
+     "candidates, check_report in table entries: a tuning repository of another layout than this GEIR's (schema 1)"),
+    ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema', '7');",
+     "is a tuning repository of schema '7', not schema 1"),
+    ("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);",
+     "is a tuning repository of no schema version, not schema 1"),
+])
+def test_a_repository_of_another_program_schema_or_layout_is_refused(tmp_path, capsys, script, message):
+    db = _sqlite(tmp_path / "other.sqlite", script)
+    before = db.read_bytes()
+    src = tmp_path / "g.geir"
+    src.write_text(ONE_MATMUL)
+    code, out, err = _getune(capsys, src, "--workers", "0", "--db", db)
+    advice = "" if "another program" in message else ": give getune another --db, or remove it to start afresh"
+    assert (code, out, err) == (1, "", f"getune: error: --db: '{db}' {message}{advice}\n")
+    assert db.read_bytes() == before
+    with pytest.raises(PipelineError, match="option 'db': .*" + message.replace("(", r"\(").replace(")", r"\)")):
+        parse_pipeline(f"tile{{db={db}}}")
+
+
+def test_a_schema_version_stored_as_a_number_is_the_same_schema(tmp_path):
+    # SQLite hands back the integer 1 for a value written as 1: once "schema 1, not 1"
+    from geir.passes.tuning_repository import _SCHEMA
+
+    db = _sqlite(tmp_path / "int.sqlite", "CREATE TABLE meta (key TEXT PRIMARY KEY, value); "
+                                          "INSERT INTO meta VALUES ('schema', 1);" + _SCHEMA)
+    with TuningRepository(db) as r:
+        assert r.entry_count() == 0
+
+
+def test_a_read_only_repository_is_an_error_naming_it(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "g.geir"
+    src.write_text(ONE_MATMUL)
+    db = tmp_path / "ro.sqlite"
+    TuningRepository(db, create=True).close()
+    # file permissions do not stop root: open it read-only the way SQLite does for a read-only file
+    connect = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda path, *a, **k: connect(f"file:{path}?mode=ro", *a, uri=True, **k))
+    code, out, err = _getune(capsys, src, "--workers", "0", "--db", db)
+    assert (code, out) == (1, "")
+    assert err == (f"getune: error: --db: cannot write to the tuning repository '{db}': attempt to write a "
+                   f"readonly database\n")
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    with pytest.raises(RepositoryError, match=f"cannot write to the tuning repository '{empty}'"):
+        TuningRepository(empty)
+
+
+ATTENTION = """ge.graph @main(%q: tensor<1x2x128x64xf16>, %k: tensor<1x2x128x64xf16>, %v: tensor<1x2x128x64xf16>) -> tensor<1x2x128x64xf16> {
+  %kt = ge.transpose %k {perm = [0, 1, 3, 2]}
+  %s = ge.matmul %q, %kt
+  %c = ge.const dense<0.125> : tensor<f16>
+  %ss = ge.mul %s, %c
+  %p = ge.softmax %ss {axis = -1}
+  %o = ge.matmul %p, %v
+  ge.return %o
+}
+"""
+
+
+@pytest.mark.parametrize("field, value", [("s1", 0), ("s2", 0), ("s1", 7), ("d", 32)])
+def test_a_poisoned_entry_is_not_used_and_never_reaches_the_kernel(tmp_path, capsys, field, value):
+    from geir.tools.gerun import main as gerun_main
+
+    src = tmp_path / "attention.geir"
+    src.write_text(ATTENTION)
+    db = tmp_path / "db.sqlite"
+    assert _getune(capsys, src, "--workers", "0", "--db", db)[0] == 0
+    con = sqlite3.connect(db)
+    ((tiling, rules),) = con.execute("SELECT tiling, rules_tiling FROM entries WHERE kernel = 'ge.flash_attention'")
+    assert tiling != rules  # the tuned one is used until it is damaged
+    damaged = {**json.loads(tiling), field: value}
+    con.execute("UPDATE entries SET tiling = ? WHERE kernel = 'ge.flash_attention'", (json.dumps(damaged),))
+    con.commit()
+    con.close()
+    pipeline = f"--passes=fuse,tile{{db={db}}},plan,lower"
+    assert gerun_main([str(src), pipeline, "--explain", "--check"]) == 0
+    err = capsys.readouterr().err
+    assert (f" {field} {value} " in err and "the tuning repository's S1Bn2gs1" in err
+            and "is not one of the kernel's legal tilings for this op: run getune again" in err)
+    assert "internal error" not in err
+
+
+def test_damaged_times_are_timed_again(repo):
+    from geir.passes.tuning_repository import cost_model_version
+
+    repo.record("k", "t", [("a", 1.0), ("c", -2.0)])
+    with repo._db:
+        repo._db.execute("INSERT INTO measurements VALUES ('k', 't', ?, 'd', 'text')", (cost_model_version(),))
+        repo._db.execute("INSERT INTO measurements VALUES ('k', 't', ?, 'e', 1e999)", (cost_model_version(),))
+    assert repo.measured("k", "t") == {"a": 1.0}  # c, d and e are offered for timing again
+
+
+def test_getune_is_never_silent_for_long_off_a_terminal(tmp_path, capsys, monkeypatch):
+    from geir.tools import getune
+
+    src = tmp_path / "g.geir"
+    src.write_text(ONE_MATMUL)
+    monkeypatch.setattr(getune, "PROGRESS_EVERY_S", 0.0)  # every task: the interval has always passed
+    code, _, err = _getune(capsys, src, "--workers", "0", "--db", tmp_path / "db.sqlite")
+    lines = err.splitlines()
+    assert code == 0 and lines[-1] == f"getune: repository {tmp_path / 'db.sqlite'}"
+    timed = [ln for ln in lines if ln.endswith("tasks timed")]
+    total = int(timed[0].split("/")[1].split()[0])
+    assert timed == [f"getune: {i}/{total} tasks timed" for i in range(1, total + 1)] and "\r" not in err
+    monkeypatch.setattr(getune, "PROGRESS_EVERY_S", 3600.0)  # a quick run says nothing until its result
+    code, _, err = _getune(capsys, src, "--workers", "0", "--db", tmp_path / "db2.sqlite")
+    assert code == 0 and err == f"getune: repository {tmp_path / 'db2.sqlite'}\n"

@@ -1,7 +1,11 @@
 """A fuzz harness for the command-line tools: mutated programs and models in, the tools' manners checked.
 
-Each case mutates a program from the corpus (examples/ and test/lit/ .geir files, small ONNX models
-made here), runs geopt, gerun, geimport, gedoctor or getune in-process on it and checks what any input must
+Each case mutates a program from the corpus (examples/ and test/lit/ .geir files, rt.programs lowered from
+them, small ONNX models made here) - bytes, tokens, numbers, nesting, constants their types cannot hold,
+2^40-element dimensions, operands rewired to other values, mul chains deeper than Python's recursion limit -
+sometimes with a target file one number of which is at an edge, a what-if chip of astronomical counts or
+latencies, or a damaged tuning repository beside it; runs geopt, gerun, geimport, gedoctor or getune in-process
+on it and checks what any input must
 give: an exit code of 0, 1 or 2, no Python traceback, no "internal error", and every
 `FILE:LINE:COL:` diagnostic about the input pointing inside it. `test/test_fuzz.py` runs a bounded campaign in
 the suite; `bench/fuzz.py` runs long ones and prints the distinct reproducers.
@@ -43,6 +47,8 @@ class Case:
     name: str
     data: bytes
     args: tuple[str, ...] = ()
+    # files written beside the input first (a target file, a tuning repository); "{dir}" in args is their folder
+    files: tuple[tuple[str, bytes], ...] = ()
 
 
 @attrs.frozen
@@ -61,12 +67,38 @@ def corpus() -> list[tuple[str, bytes]]:
     return sorted(((str(p.relative_to(REPO)), p.read_bytes()) for p in files), key=lambda c: len(c[1]))
 
 
+SMALL_PROGRAM_BYTES = 4 << 20
+
+
+def lowered(programs: list[tuple[str, bytes]], count: int = 6) -> list[tuple[str, bytes]]:
+    """rt.programs lowered from the first `count` of `programs` that lower (for mutations of the Runtime's input)."""
+    from geir.parser import parse
+    from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
+    from geir.printer import print_module
+
+    out = []
+    for name, data in programs:
+        try:
+            module = parse(data.decode("utf-8"), name)
+            if len(module.graphs) != 1 or not PassManager(complete_pipeline(parse_pipeline("lower"))).run(
+                    module, PassContext()):
+                continue
+            if sum(module.graphs[0].attributes["memory"].values()) > SMALL_PROGRAM_BYTES:
+                continue  # quick to simulate, so that a campaign spends its time on many programs
+        except Exception:  # noqa: BLE001 - a corpus file that does not parse or lower is simply not used
+            continue
+        out.append((Path(name).stem + ".lowered.geir", print_module(module).encode()))
+        if len(out) == count:
+            break
+    return out
+
+
 def mutate(data: bytes, rng: random.Random) -> bytes:
     """A few random edits: bytes flipped, inserted or deleted, tokens spliced in, lines dropped or doubled,
     numbers changed, literals and types nested deeper."""
     out = bytearray(data)
     for _ in range(rng.randint(1, 4)):
-        kind = rng.randrange(10)
+        kind = rng.randrange(14)
         at = rng.randrange(len(out) + 1)
         if kind == 0 and out:
             out[min(at, len(out) - 1)] = rng.randrange(256)
@@ -107,12 +139,80 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
                 depth = rng.choice([1, 31, 32, 33, 40, 65])
                 out[m.end():m.end()] = b"1x" * depth
                 out[m.start(1):m.end(1)] = b"[" * depth + m[1] + b"]" * depth
+        elif kind == 10:  # a constant its type cannot hold, or with a `?` in its type (once read as sizes)
+            m = re.search(rb"dense<([^<>\n]*)>\s*:\s*tensor<", bytes(out)[at:])
+            if m:
+                start = at + m.start(1)
+                if rng.randrange(2):
+                    out[start:at + m.end(1)] = rng.choice([b"[]", b"-1", b"[-1]", b"[0, 0]"])
+                else:
+                    out[at + m.end():at + m.end()] = b"?x"
+        elif kind == 11:  # a dimension of 2^40 elements: within what GEIR models, beyond any host
+            base, m = at, re.search(rb"tensor<(\d+)", bytes(out)[at:])
+            if m is None:
+                base, m = 0, re.search(rb"tensor<(\d+)", bytes(out))
+            if m:
+                out[base + m.start(1):base + m.end(1)] = b"1099511627776"
+        elif kind == 12:  # an operand becomes another value of the program (a host value where a device one is read)
+            names = list(dict.fromkeys(re.findall(rb"%[A-Za-z_0-9.]+", bytes(out))))
+            uses = list(re.finditer(rb"(?<=[ ,])%[A-Za-z_0-9.]+(?=[ ,}\n])", bytes(out)))
+            if names and uses:
+                m = rng.choice(uses)
+                out[m.start():m.end()] = rng.choice(names)
+        elif kind == 13:  # a chain of single-use muls deeper than Python's recursion limit after some value (no pass
+            # may recurse on the graph's depth); rarer than the others, as such a program takes long to compile
+            m = rng.choice(list(re.finditer(rb"\n(\s*)(%[A-Za-z_0-9.]+) = ge\.[^\n]*", bytes(out))) or [None])
+            if m and rng.randrange(4) == 0:
+                v = m[2].decode()
+                chain = "".join(f"\n{m[1].decode()}{v}_d{i} = ge.mul {v if i == 0 else f'{v}_d{i - 1}'}, {v}"
+                                for i in range(DEPTH))
+                out[m.end():m.end()] = chain.encode()
         else:  # a token of the program is repeated
             words = list(re.finditer(rb"[A-Za-z_.%@0-9]+", bytes(out)))
             if words:
                 m = rng.choice(words)
                 out[at:at] = bytes(out[m.start():m.end()])
     return bytes(out)
+
+
+DEPTH = 1100  # a chain longer than Python's default recursion limit (1000)
+
+
+def mutate_target(rng: random.Random) -> bytes:
+    """A bundled target file with one number made non-finite, fractional, negative or astronomically large."""
+    data = rng.choice(sorted((REPO / "target_npu" / "targets").glob("*.toml"))).read_bytes()
+    numbers = list(re.finditer(rb"(?m)^([a-z_0-9]+ = )(-?[0-9.]+)", data))
+    m = rng.choice(numbers)
+    value = rng.choice([b"nan", b"inf", b"-inf", b"2.5", b"0", b"-1", b"1e30", b"100000000000000000000", b"1e-300"])
+    return data[:m.start(2)] + value + data[m.end(2):]
+
+
+# what-if chips at the edges: astronomically large counts, latencies and clocks, fractional counts
+EXTREME_TARGETS = [f"ascend910b[{o}]" for o in (
+    "cube_cores=1e12", "vector_cores=x1e9", "dma_latency_cycles=1e20", "clock_ghz=x1e30", "aicpu.cores=2.5",
+    "host.launch_latency_us=1e30", "ub_bytes=x1e20", "fusion.flash_attention_decode_max_q=1e30")]
+
+
+def damaged_repositories() -> list[bytes]:
+    """Tuning repositories getune must refuse with a reason: another program's database, an old layout, another
+    schema, no schema version, bytes that are not SQLite (an empty file is a new repository, not a damaged one)."""
+    import sqlite3
+
+    scripts = ["CREATE TABLE users (id, name);",
+               "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema', '1');"
+               "CREATE TABLE entries (op_key, target, tiling); CREATE TABLE measurements (op_key, tiling);",
+               "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema', '7');",
+               "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);"]
+    out = [b"SQLite format 3\x00" + b"\xff" * 200]
+    with tempfile.TemporaryDirectory(prefix="geir-fuzz-db-") as tmp:
+        for i, script in enumerate(scripts):
+            path = Path(tmp) / f"{i}.sqlite"
+            db = sqlite3.connect(path)
+            db.executescript(script)
+            db.commit()
+            db.close()
+            out.append(path.read_bytes())
+    return out
 
 
 def onnx_models() -> list[tuple[str, bytes]]:
@@ -309,15 +409,26 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
     args = {"geopt": [(), ("--passes=canonicalize,fuse,layout,tile,plan",), ("--passes=lower",), ("--explain",),
                       ("--passes=const-fold,canonicalize,cse,dce",), ("--split-input-file", "--verify-diagnostics"),
                       ("--dot", "-")],
-            "gerun": [("--check",), ("--no-fuse",), ("--profile",), ("--explain",), ("--inject-fault", "dma@0")],
+            "gerun": [("--check",), ("--no-fuse",), ("--profile",), ("--explain",), ("--inject-fault", "dma@0"),
+                      ("--timing-only",), ("--target", "{target}"), ("--target", "{what-if}")],
             "geimport": [()],
-            "gedoctor": [(), ("--json",), ("--no-fuse",)],
+            "gedoctor": [(), ("--json",), ("--no-fuse",), ("--target", "{target}")],
             "getune": [(), ("--json",), ("--target", "ascend310p"), ("--sweep", "--set", "ub_bytes=x0.5"),
-                       ("--sweep", "--set", "l2_mib=x0.01,x2", "--json")]}[tool]
+                       ("--sweep", "--set", "l2_mib=x0.01,x2", "--json"), ("--target", "{what-if}"),
+                       ("--db", "{dir}/planted.sqlite")]}[tool]
+    repositories = damaged_repositories() if tool == "getune" else []
     for _ in range(count):
         name, data = rng.choice(sources)
         edit = mutate_onnx if name.endswith(".onnx") else mutate
-        yield Case(tool, Path(name).name, edit(data, rng), rng.choice(args))
+        chosen, files = rng.choice(args), ()
+        if "{target}" in chosen:  # a target file with one number at an edge
+            chosen = tuple(a.replace("{target}", "{dir}/chip.toml") for a in chosen)
+            files = (("chip.toml", mutate_target(rng)),)
+        elif "{what-if}" in chosen:
+            chosen = tuple(a.replace("{what-if}", rng.choice(EXTREME_TARGETS)) for a in chosen)
+        elif "{dir}/planted.sqlite" in chosen:
+            files = (("planted.sqlite", rng.choice(repositories)),)
+        yield Case(tool, Path(name).name, edit(data, rng), chosen, files)
 
 
 def _tool_main(tool: str) -> Callable[[list[str]], int]:
@@ -335,11 +446,13 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     """Run one case in-process in `workdir` and judge the tool's behaviour."""
     src = workdir / case.name
     src.write_bytes(case.data)
-    argv = [str(src), *case.args]
+    for name, data in case.files:
+        (workdir / name).write_bytes(data)
+    argv = [str(src), *(a.replace("{dir}", str(workdir)) for a in case.args)]
     if case.tool == "geimport":
         argv += ["-o", str(workdir / "out.geir")]
-    if case.tool == "getune":  # in this process, into a repository of the campaign's own
-        argv += ["--workers", "0", "--db", str(workdir / "tuning.sqlite")]
+    if case.tool == "getune":  # in this process, into a repository of the campaign's own (unless one was planted)
+        argv += ["--workers", "0"] + ([] if "--db" in case.args else ["--db", str(workdir / "tuning.sqlite")])
     err, out = io.StringIO(), io.StringIO()
     slow = False
     previous = signal.signal(signal.SIGALRM, _raise_slow) if case.tool in SIMULATING else None
@@ -392,8 +505,9 @@ def campaign(seed: int, counts: dict[str, int]) -> list[Outcome]:
     """Run `counts[tool]` mutated cases per tool; every outcome, in order."""
     rng = random.Random(seed)
     small = [c for c in corpus() if len(c[1]) < 4000]
-    sources = {"geopt": corpus(), "gerun": small, "geimport": onnx_models(), "gedoctor": small + onnx_models(),
-               "getune": small}
+    programs = lowered(small)  # the Runtime's own input: rt.programs to mutate
+    sources = {"geopt": corpus() + programs, "gerun": small + programs, "geimport": onnx_models(),
+               "gedoctor": small + onnx_models() + programs, "getune": small}
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="geir-fuzz-") as tmp:
         for tool, count in counts.items():

@@ -527,7 +527,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     faults.extend(requested_faults)
     from geir.runtime.device import host_memory_problem
 
-    too_big = None if args.timing_only else host_memory_problem(graph)  # timing only: nothing is allocated
+    too_big = host_memory_problem(graph, timing_only=args.timing_only)
     if too_big is not None:
         printer(too_big)
         return EXIT_FAILURE

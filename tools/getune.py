@@ -12,6 +12,7 @@ measured, so a second run times only what is new. `--sweep` varies each `--set` 
 (`ub_bytes=x2`, `l2_mib=96,384`, `hbm_tb_per_s=3.2`) and `--shape` binding one at a time from each
 target and tabulates the graph's time: which parameter the model is sensitive to.
 
+Progress goes to stderr: rewritten in place on a terminal, a line every 10 s elsewhere (never silent for minutes).
 Exit codes: 0 done, 1 bad input or a failed run, 2 bad usage, 130 interrupted.
 """
 
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from geir.tools.common import (
     EXIT_OK,
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                         f"tiled and lowered")
     try:
         repository = TuningRepository(db, create=True)
+        repository.check_writable()  # before any candidate is timed: every time measured is kept there
     except RepositoryError as e:
         raise ToolError(f"--db: {e}") from None
     address = args.address or os.environ.get("RAY_ADDRESS") or None
@@ -176,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     except RayUnavailable as e:
         repository.close()
         raise ToolError(str(e)) from None
-    progress = _progress if not (args.quiet or args.json) and sys.stderr.isatty() else None
+    progress = None if args.quiet or args.json else _Progress(sys.stderr.isatty())
     try:
         report = tune(text, points, executor, repository, buffers=args.buffers, name=name, entry=graph.name,
                       progress=progress)
@@ -184,12 +187,12 @@ def run(args: argparse.Namespace) -> int:
         for d in e.diagnostics:
             printer(d)
         raise ToolError("") from None
-    except (TuneError, RuntimeFailure) as e:
+    except (TuneError, RuntimeFailure, RepositoryError) as e:
         raise ToolError(str(e)) from None
     finally:
         executor.close()
         repository.close()
-        if progress is not None:
+        if progress is not None and progress.tty and progress.shown:
             print(file=sys.stderr)
     if args.sweep:
         table = SweepReport.of(sweep_rows, report)
@@ -203,8 +206,25 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _progress(done: int, total: int) -> None:
-    print(f"\rgetune: {done}/{total} tasks timed", end="", file=sys.stderr, flush=True)
+PROGRESS_EVERY_S = 10.0
+
+
+class _Progress:
+    """The tasks timed so far, on stderr: rewritten in place on a terminal; elsewhere (a log, CI) one line every
+    PROGRESS_EVERY_S seconds, so that a long tuning run is never silent for minutes."""
+
+    def __init__(self, tty: bool):
+        self.tty = tty
+        self.shown = False
+        self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            print(f"\rgetune: {done}/{total} tasks timed", end="", file=sys.stderr, flush=True)
+            self.shown = True
+        elif time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self.last = time.monotonic()
+            print(f"getune: {done}/{total} tasks timed", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,12 @@ class Const(Operation):
 
 
 def literal_array(v: Value) -> np.ndarray | None:
-    """The elements of `v` when a dense literal defines it (splats broadcast), else None."""
+    """The elements of `v` when a valid dense literal defines it (splats broadcast), else None."""
     producer = v.owner
-    if isinstance(producer, Const) and isinstance(producer.value, DenseAttr):
+    # a literal its type cannot hold (`dense<[]> : tensor<1xi64>`) has its own error at the constant: the
+    # ops that read it see no elements rather than fail on them
+    if (isinstance(producer, Const) and isinstance(producer.value, DenseAttr) and v.type is not None
+            and producer.value.check_against(v.type) is None):
         return producer.value.to_array(v.type)
     return None
 

@@ -18,11 +18,34 @@ from geir.types import TensorType
 ENGINES = ("aicore", "aicpu")
 
 
+# the rt ops whose results live in device memory (a copy out, a launch, an rt.return reads them there)
+ON_DEVICE = ("rt.h2d", "rt.const", "rt.launch")
+
+
 class _Declared(Operation):
     """An rt op whose result types are the ones written (lowering chose them)."""
 
     def infer(self, *types: TensorType):
         return tuple(r.type for r in self.results)
+
+
+def _dynamic_result(op: Operation) -> str | None:
+    """Why a result of an rt op cannot be placed: its type has a `?` (the device memory's offsets are fixed)."""
+    for r in op.results:
+        if r.type is not None and not r.type.is_static:
+            return (f"{op.name} result %{r.name} is {r.type}: an rt.program holds static shapes only (the "
+                    f"session lowers a ge.graph once per shape; give the ge.graph to run other shapes)")
+    return None
+
+
+def _not_on_device(op: Operation) -> str | None:
+    """Why an operand of an op that reads device memory is not there: it is a host value."""
+    for v in op.operands:
+        if v.owner is None or v.owner.name not in ON_DEVICE:
+            what = "a program argument" if v.owner is None else f"the result of {v.owner.name}"
+            return (f"{op.name} reads %{v.name} from the device, but it is {what}, a host value "
+                    f"(device values come from {', '.join(ON_DEVICE)})")
+    return None
 
 
 class _Copy(_Declared):
@@ -40,6 +63,13 @@ class HostToDevice(_Copy):
     offset = Attr(int)
     stream = Attr(int, default=0)
 
+    def verify(self) -> str | None:
+        x = self.operands[0]
+        if x.owner is not None:
+            return (f"rt.h2d copies a program argument to the device, but %{x.name} is the result of "
+                    f"{x.owner.name}")
+        return _dynamic_result(self)
+
 
 @op("rt.const")
 class DeviceConst(_Declared):
@@ -49,7 +79,7 @@ class DeviceConst(_Declared):
     offset = Attr(int)
 
     def verify(self) -> str | None:
-        return Const.verify(self)
+        return Const.verify(self) or _dynamic_result(self)
 
     def compute(self, resources: dict | None = None):
         """The constant's array, as ge.const defines it."""
@@ -72,6 +102,9 @@ class Launch(_Declared):
     def verify(self) -> str | None:
         if self.kernel not in OPS or not self.kernel.startswith("ge."):
             return f"rt.launch of unknown kernel '{self.kernel}'"
+        why = _not_on_device(self) or _dynamic_result(self)
+        if why is not None:
+            return why
         if len(self.offsets) != len(self.results):
             return f"rt.launch has {len(self.results)} results but {len(self.offsets)} offsets"
         if self.engine not in ENGINES:
@@ -131,6 +164,9 @@ class DeviceToHost(_Copy):
     OPERAND_NAMES = ("x",)
     stream = Attr(int, default=0)
 
+    def verify(self) -> str | None:
+        return _not_on_device(self) or _dynamic_result(self)
+
 
 @op("rt.return")
 class RtReturn(Operation):
@@ -139,6 +175,13 @@ class RtReturn(Operation):
     OPERAND_NAMES = ("x*",)
     NUM_RESULTS = 0
     TRAITS = (Terminator,)
+
+    def verify(self) -> str | None:
+        for v in self.operands:
+            if v.owner is not None and v.owner.name != "rt.d2h":
+                return (f"rt.return gives %{v.name}, the result of {v.owner.name}, which is on the device: "
+                        f"copy it to the host with rt.d2h first")
+        return None
 
     def infer(self, *types):
         return ()

@@ -52,15 +52,64 @@ def dim_size(x: Value, axis: int) -> Size:
     return SameDim(x, axis) if d is None else d
 
 
+def _malformed(op: Operation) -> bool:
+    """Whether an op has the wrong operand count or a missing or ill-typed attribute (the verifier says which)."""
+    from geir.verifier import structure_problem
+
+    return structure_problem(op) is not None
+
+
+# the most entries a tensor of sizes has: numpy's 64 dimensions (geir.verifier.MAX_RANK)
+MAX_SIZES = 64
+# the ops partial_sizes reads through to their first operand's elements
+_THROUGH = ("ge.reshape", "ge.cast", "ge.slice", "ge.gather")
+
+
 def partial_sizes(v: Value) -> list[Size] | None:
     """The elements of a 0-D or 1-D integer value as far as the graph tells them before it runs.
 
     Reads through constants, ge.dim and ge.shape_of (a static dimension is its number, a `?` one a
     SameDim), and through the ops that move such elements around: concat, static slices, reshapes to
     one dimension, gathers at constant indices and integer casts. None when not even the count is known.
+    The values it reads through are settled with a stack, not by recursion: a chain of thousands of size ops
+    is a graph's depth, not a limit.
     """
+    done: dict[int, list[Size] | None] = {}
+    stack = [v]
+    while stack:
+        u = stack[-1]
+        if id(u) in done:
+            stack.pop()
+            continue
+        todo = [w for w in _reads_sizes_of(u) if id(w) not in done]
+        if todo:
+            stack += todo
+            continue
+        done[id(u)] = _partial_sizes_step(u, done)
+        stack.pop()
+    return done[id(v)]
+
+
+def _reads_sizes_of(v: Value) -> list[Value]:
+    """The values whose partial sizes `v`'s own depend on (none where the step decides without them)."""
+    t, producer = v.type, v.owner
+    if (t is None or t.rank > 1 or not t.dtype.is_int or (t.num_elements or 0) > MAX_SIZES or producer is None
+            or literal_array(v) is not None
+            or any(u.type is None for u in producer.operands) or _malformed(producer)):
+        return []
+    if producer.name == "ge.concat":
+        return list(producer.operands)
+    if producer.name in _THROUGH and (producer.name not in ("ge.reshape", "ge.cast")
+                                      or producer.operands[0].type.rank <= 1):
+        return [producer.operands[0]]
+    return []
+
+
+def _partial_sizes_step(v: Value, done: dict[int, list[Size] | None]) -> list[Size] | None:
+    """partial_sizes of `v`, given those of the values it reads (in `done`, by id)."""
     t = v.type
-    if t is None or t.rank > 1 or not t.dtype.is_int:
+    # more entries than any shape has are not sizes (the op that takes them says so)
+    if t is None or t.rank > 1 or not t.dtype.is_int or (t.num_elements or 0) > MAX_SIZES:
         return None
     unknown = None if t.num_elements is None else [None] * t.num_elements
     array = literal_array(v)
@@ -71,6 +120,8 @@ def partial_sizes(v: Value) -> list[Size] | None:
         return unknown
     if any(u.type is None for u in producer.operands):  # types not inferred yet (a verifier's first walk)
         return unknown
+    if _malformed(producer):  # its own error is reported at it (`ge.shape_of` without an operand)
+        return unknown
     if producer.name == "ge.dim":
         x = producer.operands[0]
         return [dim_size(x, normalize_axis(producer.attr("axis"), x.type.rank))]
@@ -78,19 +129,19 @@ def partial_sizes(v: Value) -> list[Size] | None:
         x = producer.operands[0]
         return [dim_size(x, i) for i in range(x.type.rank)]
     if producer.name == "ge.concat":
-        parts = [partial_sizes(p) for p in producer.operands]
+        parts = [done[id(p)] for p in producer.operands]
         return unknown if any(p is None for p in parts) else [e for p in parts for e in p]
     if producer.name in ("ge.reshape", "ge.cast") and producer.operands[0].type.rank <= 1:
-        inner = partial_sizes(producer.operands[0])
+        inner = done[id(producer.operands[0])]
         return inner if inner is not None and len(inner) == (t.num_elements or -1) else unknown
     if producer.name == "ge.slice":
-        inner = partial_sizes(producer.operands[0])
+        inner = done[id(producer.operands[0])]
         if inner is None:
             return unknown
         (s, e) = producer.attr("starts")[0], producer.attr("ends")[0]
         return inner[slice(s, e)]
     if producer.name == "ge.gather":
-        inner = partial_sizes(producer.operands[0])
+        inner = done[id(producer.operands[0])]
         at = literal_array(producer.operands[1])
         if inner is None or at is None or not all(-len(inner) <= int(i) < len(inner) for i in at.reshape(-1)):
             return unknown
@@ -130,6 +181,8 @@ def _require_sizes(t: TensorType, what: str) -> None:
         raise ShapeError(f"{what} must be a 1-D integer tensor, not {t}")
     if t.shape[0] is None:
         raise ShapeError(f"{what} must have a static length (the result's rank), not {t}")
+    if t.shape[0] > MAX_SIZES:
+        raise ShapeError(f"{what} has {t.shape[0]} entries, but a tensor has at most {MAX_SIZES} dimensions")
 
 
 def _attached(op: Operation) -> bool:

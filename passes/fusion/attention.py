@@ -478,21 +478,33 @@ def _all_ones(v: Value) -> bool:
 
 
 def _from_scores(v: Value) -> bool:
-    """`v` comes from a matmul through scales, casts and adds of something else (earlier masks)."""
-    op = v.owner
-    while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast", "ge.add"):
-        if op.name == "ge.add":
-            a, b = op.operands
-            side = [x for x in (a, b) if _from_scores(x)]
-            if len(side) != 1:
-                return False
-            op = side[0].owner
+    """`v` comes from a matmul through scales, casts and adds of something else (earlier masks): at each add,
+    exactly one side does.
+
+    A loop with its own stack and a memo, not recursion: a chain of thousands of adds is a graph's depth, not a
+    limit, and an add of a value to itself is decided once, not once per path."""
+    known: dict[int, bool] = {}
+    stack = [v]
+    while stack:
+        u = stack[-1]
+        if id(u) in known:
+            stack.pop()
             continue
-        inner = [o for o in op.operands if scalar_constant(o) is None]
-        if len(inner) != 1:
-            return False
-        op = inner[0].owner
-    return op is not None and op.name == "ge.matmul"
+        op = u.owner
+        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast"):
+            inner = [o for o in op.operands if scalar_constant(o) is None]
+            op = inner[0].owner if len(inner) == 1 else None
+        if op is not None and op.name == "ge.add":
+            a, b = op.operands
+            todo = [x for x in (a, b) if id(x) not in known]
+            if todo:
+                stack += todo
+                continue
+            known[id(u)] = known[id(a)] != known[id(b)]
+        else:
+            known[id(u)] = op is not None and op.name == "ge.matmul"
+        stack.pop()
+    return known[id(v)]
 
 
 def _mask_side(a: Value, b: Value) -> int | None:

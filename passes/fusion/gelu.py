@@ -14,18 +14,25 @@ from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 
 def _product(v: Value, ops: list[Operation], top: bool = True) -> tuple[float, list[Value]]:
-    """v as a product: (constant factor, other factors), looking through single-use muls."""
-    c = scalar_constant(v)
-    if c is not None:
-        return c, []
-    op = defining(v, "ge.mul")
-    if op is None or (not top and len(v.users()) != 1):
-        return 1.0, [v]
-    if not top:
-        ops.append(op)
-    ca, fa = _product(op.operands[0], ops, False)
-    cb, fb = _product(op.operands[1], ops, False)
-    return ca * cb, fa + fb
+    """v as a product: (constant factor, other factors in order), looking through single-use muls below the top.
+
+    A loop with its own stack, not recursion: a chain of thousands of muls is a graph's depth, not a limit."""
+    const, factors = 1.0, []
+    stack: list[tuple[Value, bool]] = [(v, top)]
+    while stack:
+        u, top = stack.pop()
+        c = scalar_constant(u)
+        if c is not None:
+            const *= c
+            continue
+        op = defining(u, "ge.mul")
+        if op is None or (not top and len(u.users()) != 1):
+            factors.append(u)
+            continue
+        if not top:
+            ops.append(op)
+        stack += [(op.operands[1], False), (op.operands[0], False)]  # the left factor first
+    return const, factors
 
 
 def _power_of(factors: list[Value], x: Value, ops: list[Operation]) -> int | None:
