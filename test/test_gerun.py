@@ -448,6 +448,20 @@ def test_unwritable_output_is_an_error(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["dir.npz"]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--overlap-compile", "2"]])
+def test_an_output_that_fails_at_the_end_replaces_no_other_and_deletes_nothing(tmp_path, capsys, extra):
+    # /dev/full passes the check before the run (a writable device) and fails only when written
+    keep, trace = tmp_path / "keep.npz", tmp_path / "t.json"
+    keep.write_bytes(b"the results of an earlier run")
+    graph = ROOT / "examples" / "gpt2_block.geir" if extra else ATTENTION
+    rc, out, err = gerun([graph, *extra, "-o", keep, "--trace", trace, "--profile-json", "/dev/full"], capsys)
+    assert rc == 1 and "result0" in out  # the run itself went through
+    assert err.splitlines() == ["gerun: error: cannot write '/dev/full': No space left on device"]
+    assert keep.read_bytes() == b"the results of an earlier run"
+    assert os.listdir(tmp_path) == ["keep.npz"]  # no trace, no temporary
+
+
 def test_internal_errors_are_one_line(tmp_path, capsys, monkeypatch):
     def boom(*a, **k):
         raise ZeroDivisionError("oops")

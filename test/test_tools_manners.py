@@ -20,6 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from geir import files
 from geir.files import STALE_TEMPORARY_S, current_umask, write_atomically
 from geir.passes import PASSES
 from geir.runtime.profile import PROFILE_KEYS, format_profile
@@ -287,6 +288,55 @@ def test_the_next_write_removes_stale_temporaries_of_its_own_target_only(tmp_pat
     assert (tmp_path / "out.geir").read_text() == "done\n"
     assert not stale.exists()
     assert young.exists() and other.exists() and unlike.exists()
+
+
+def test_several_files_are_written_all_or_none_and_a_failed_rename_puts_back_what_was_there(tmp_path, monkeypatch):
+    a, b, c = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"
+    a.write_text("old a")
+    b.write_text("old b")
+    real_replace = os.replace
+
+    def fail_on_c(src, dst, *args, **kw):
+        if Path(dst) == c:
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "replace", fail_on_c)
+    with pytest.raises(files.ToolError, match="cannot write '.*c.txt': No space left on device"):
+        files.write_all_atomically([(str(a), "new a"), (str(b), b"new b"), (str(c), "new c")])
+    # a and b were renamed over before c failed: both have their old contents back, c never appeared
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt"]
+    assert a.read_text() == "old a" and b.read_text() == "old b"
+    monkeypatch.setattr(os, "replace", real_replace)
+    files.write_all_atomically([(str(a), "new a"), (str(b), b"new b"), (str(c), "new c")])
+    assert [p.read_text() for p in (a, b, c)] == ["new a", "new b", "new c"]
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]  # no temporary, no kept link left
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_device_that_cannot_be_written_replaces_no_file(tmp_path):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("keep")
+    with pytest.raises(files.ToolError, match="cannot write '/dev/full'"):
+        files.write_all_atomically([(str(keep), "new"), ("/dev/full", "x" * 100_000)])
+    assert keep.read_text() == "keep" and os.listdir(tmp_path) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("name, argv, flag", [
+    ("gerun", [ATTENTION, "-o", "{dir}/ok.npz", "--trace", "{dir}/no/such/t.json"], "--trace"),
+    ("gerun", [ATTENTION, "--profile-json", "{dir}"], "--profile-json"),
+    ("geopt", ["{dir}/a.geir", "-o", "{dir}/ok.geir", "--dot", "{dir}/a.geir/x.dot"], "--dot"),
+    ("geimport", ["{dir}/m.onnx", "-o", "{dir}/no/m.geir"], "-o"),
+])
+def test_an_output_that_cannot_be_written_is_an_error_before_any_work(tmp_path, name, argv, flag):
+    (tmp_path / "a.geir").write_text(GOOD)
+    (tmp_path / "m.onnx").write_bytes(b"not read: the output is checked first")
+    r = tool(name, *[str(a).format(dir=tmp_path) for a in argv])
+    no_traceback(r)
+    assert r.returncode == 1 and r.stdout == ""  # nothing ran: no result line, no import error
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"{name}: error: cannot write {flag} '{tmp_path}") and ": " in line[len(name) + 9:]
+    assert sorted(os.listdir(tmp_path)) == ["a.geir", "m.onnx"]
 
 
 # --- 3. files: SIGKILL and SIGINT ------------------------------------------------------------------------

@@ -14,7 +14,16 @@ from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_targe
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
 from geir.ir import Graph, Module
 
-from geir.files import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, ToolError, read_input, write_atomically  # noqa: F401
+from geir.files import (  # noqa: F401
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    ToolError,
+    output_problem,
+    read_input,
+    write_all_atomically,
+    write_atomically,
+)
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a program stopped by Ctrl-C
 
@@ -152,6 +161,19 @@ def refuse_overwrites(inputs: list[tuple[str, str | None]], outputs: list[tuple[
             if _same_file(path, other):
                 raise ToolError(f"{other_flag} '{other}' and {flag} '{path}' are the same file: give each output "
                                 f"its own path", EXIT_USAGE)
+
+
+def refuse_unwritable(outputs: list[tuple[str, str | None]]) -> None:
+    """An error (exit 1, as a failed write is) naming the flag and the path when an output cannot be written.
+
+    Asked before any work, so that a long run does not end in `cannot write`; None and '-' (stdout)
+    are left out. The write itself (write_all_atomically) still replaces all or nothing.
+    """
+    for flag, path in outputs:
+        if path and path != "-":
+            problem = output_problem(path)
+            if problem is not None:
+                raise ToolError(f"cannot write {flag} '{path}': {problem}")
 
 
 def checked_pipeline(args: argparse.Namespace, sources: SourceManager) -> str:

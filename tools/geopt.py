@@ -30,8 +30,9 @@ from geir.tools.common import (
     check_target,
     read_input,
     refuse_overwrites,
+    refuse_unwritable,
     run_tool,
-    write_atomically,
+    write_all_atomically,
 )
 from geir.tools.verify_diagnostics import check_diagnostics, parse_expectations, unmet
 
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     check_target(args.target)
     refuse_overwrites([("FILE", args.input)], [("-o", args.output), ("--dot", args.dot)])
+    refuse_unwritable([("-o", args.output), ("--dot", args.dot)])
     sources = SourceManager()
     try:
         pipeline = complete_pipeline(parse_pipeline(args.passes))
@@ -227,10 +229,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dot and not failed:
         graphs = [g for m in modules for g in m.graphs]
         dot = to_dot(graphs, recorder.marks(graphs), graph_title(name, pipeline_text(pipeline)))
+    files: list[tuple[str, str | bytes]] = []  # -o and --dot: both or neither
     if args.output and not failed:
-        write_atomically(args.output, result)
+        files.append((args.output, result))
     if dot is not None and args.dot != "-":
-        write_atomically(args.dot, dot)
+        files.append((args.dot, dot))
+    write_all_atomically(files)
     if args.dot == "-":
         if dot is not None:
             sys.stdout.write(dot)

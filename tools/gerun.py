@@ -8,7 +8,9 @@ A file holding `ge.graph`s is compiled (default pipeline, `--passes`, or `--no-f
 every pipeline); a file holding an `rt.program` runs as it is. Several `--inputs` run one after
 the other in one session on the program compiled once.
 
-Files written (all atomically, and only when the whole run succeeded):
+Files written (only when the whole run succeeded, and all or none: each goes to a temporary beside
+it, and only when every one is written are they renamed over their targets, so a file that cannot be
+written leaves every existing one as it was; every path is checked writable before the run):
 - `--output`: `result0`, `result1`, ... (one run) or `run0.result0`, ... (several runs); bf16 as float32.
 - `--profile-json`: one run: exactly the spec's profile keys. Several runs: the last run's profile
   at top level (the spec's keys) plus `runs`, the list of every run's profile in order.
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -51,9 +52,10 @@ from geir.tools.common import (
     print_all,
     read_input,
     refuse_overwrites,
+    refuse_unwritable,
     run_tool,
     select_graph,
-    write_atomically,
+    write_all_atomically,
 )
 
 from geir.accuracy import TOLERANCES, compare  # noqa: F401  (the tolerance policy, re-exported for the tests)
@@ -476,9 +478,13 @@ def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
     """No output onto the graph, its weights or an --inputs archive, nor two outputs onto one file."""
     weights = ("--weights" if args.weights else "the weights archive beside FILE", weights_path(args))
     inputs = [("FILE", args.input), weights] + [("--inputs", path) for path in args.inputs]
-    refuse_overwrites(inputs, [("--output", args.output), ("--profile-json", args.profile_json),
-                               ("--trace", args.trace), ("--timeline", args.timeline),
-                               ("--op-summary", args.op_summary)])
+    refuse_overwrites(inputs, output_flags(args))
+
+
+def output_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """Every file gerun may write, as (flag, path)."""
+    return [("--output", args.output), ("--profile-json", args.profile_json), ("--trace", args.trace),
+            ("--timeline", args.timeline), ("--op-summary", args.op_summary)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -487,6 +493,7 @@ def run(args: argparse.Namespace) -> int:
         raise ToolError(f"--timing-only computes no values: {'--output' if args.output else '--check'} needs a full "
                         f"run", EXIT_USAGE)
     refuse_overwriting_inputs(args)
+    refuse_unwritable(output_flags(args))  # before the run, not after it
     if args.timeline:
         from geir.runtime.timeline import matplotlib_available
 
@@ -654,18 +661,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
         ge_spans = [span for group in span_groups for span in group]
         files.append((args.timeline, render_png(timeline_data(results, ge_spans, f"{name} @{graph.name}"))))
-    written: list[str] = []
-    try:
-        for path, payload in files:
-            write_atomically(path, payload)
-            written.append(path)
-    except ToolError:
-        for path in written:  # all or nothing
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        raise
+    write_all_atomically(files)  # all or nothing: no file is replaced unless every one can be
     return EXIT_OK
 
 
@@ -717,8 +713,7 @@ def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, we
         files.append((args.trace, run.trace()))
     if args.op_summary:  # the parts ran one after another: one table, as for several runs
         files.append((args.op_summary, _op_summary_csv(run.results)))
-    for path, payload in files:
-        write_atomically(path, payload)
+    write_all_atomically(files)
     return EXIT_OK
 
 
