@@ -411,7 +411,7 @@ def test_timeline_without_matplotlib_stops_before_running(tmp_path, capsys, monk
     out_png = tmp_path / "t.png"
     rc, out, err = run_tool(gerun_main, [ATTENTION, "--timeline", out_png], capsys)
     assert rc == 1
-    assert err == "gerun: error: --timeline needs matplotlib: pip install 'geir[plot]'\n"
+    assert err == "gerun: error: --timeline needs matplotlib: pip install -e '.[plot]'\n"
     assert out == "" and not out_png.exists()
 
 

@@ -28,6 +28,7 @@ from geir.tools.common import (
     add_target_options,
     add_version,
     check_target,
+    decode_or_report,
     read_input,
     refuse_overwrites,
     refuse_unwritable,
@@ -44,7 +45,7 @@ from geir.diagnostics import (
     SourceManager,
 )
 from geir.dot import FusionRecorder, graph_title, to_dot
-from geir.parser import decode_source, parse
+from geir.parser import parse
 from geir.printer import print_module
 from geir.verifier import verify_module
 
@@ -176,14 +177,9 @@ def run(args: argparse.Namespace) -> int:
 
     name, data = read_input(args.input)
     printer = DiagnosticPrinter(sources)
-    try:
-        text = decode_source(data, name)
-    except DiagnosticError as e:
-        sources.add(name, data.decode("utf-8", errors="replace"))
-        for d in e.diagnostics:
-            printer(d)
+    text = decode_or_report(name, data, sources, printer)  # a binary file: one line, none of its bytes
+    if text is None:
         return EXIT_FAILURE
-    sources.add(name, text)
     timer = Timer()
 
     def dump(when: str, p, module) -> None:
