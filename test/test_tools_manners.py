@@ -176,6 +176,41 @@ def test_gerun_profile_prints_the_legend():
     assert keys == ["simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us"]
 
 
+def test_gerun_profile_says_when_faults_were_injected_and_rolls_kernels_up_by_op_type(tmp_path):
+    import json
+    from collections import defaultdict
+
+    clean = tool("gerun", ROOT / "examples" / "gpt2_block.geir", "--no-fuse", "--profile")
+    assert clean.returncode == 0, clean.stderr
+    assert "FAULTS INJECTED" not in clean.stdout
+    r = tool("gerun", ROOT / "examples" / "gpt2_block.geir", "--no-fuse", "--profile", "--profile-json",
+             tmp_path / "p.json", "--inject-fault", "core@3", "--inject-fault", "dma@1")
+    assert r.returncode == 0, r.stderr
+    p = json.loads((tmp_path / "p.json").read_text())
+    text = r.stdout[r.stdout.index("FAULTS INJECTED"):]
+    assert text.startswith("FAULTS INJECTED: 2, recovered; every figure below includes the recovery\n")
+    assert "  core@3 on ge.reduce_mean (" in text and "  dma@1 on copy out (" in text
+    # the rollup, recomputed from the JSON's kernels (the same run) by hand
+    times = defaultdict(list)
+    for k in p["kernels"]:
+        times[k["name"]].append(k["time_us"])
+    total = sum(map(sum, times.values()))
+    rollup = text[text.index("per op type"):text.index("top 10 of")].splitlines()[2:-1]
+    assert [line.split()[0] for line in rollup] == sorted(times, key=lambda n: (-sum(times[n]), n))
+    for line in rollup:
+        name, count, tot, avg, lo, hi, share, engine = line.split()
+        t = times[name]
+        assert int(count) == len(t) and engine == "aicore"
+        assert [float(tot), float(avg), float(lo), float(hi)] == pytest.approx(
+            [sum(t), sum(t) / len(t), min(t), max(t)], abs=0.006)
+        assert float(share) == pytest.approx(100 * sum(t) / total, abs=0.06)
+    top = text[text.index("top 10 of"):].splitlines()[2:]
+    order = sorted(range(len(p["kernels"])), key=lambda i: (-p["kernels"][i]["time_us"], i))[:10]
+    assert [int(line.split()[0]) for line in top] == order
+    assert float(top[-1].split()[-1]) == pytest.approx(
+        100 * sum(p["kernels"][i]["time_us"] for i in order) / total, abs=0.11)
+
+
 # --- 3. files: outputs never onto inputs -----------------------------------------------------------------
 
 @pytest.fixture
