@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
 import typing
+from pathlib import Path
 
 import attrs
 from geir.passes import (
@@ -109,8 +111,24 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="do not verify the IR after each pass")
     p.add_argument("--dot", metavar="OUT.dot",
                    help="also write the resulting graph as Graphviz DOT (atomically), the ops that fuse made "
-                        "filled by rule; '--dot -' prints the DOT on stdout in place of the IR")
+                        "filled by rule, and beside it the same graph as a PNG drawn without Graphviz (OUT.png; "
+                        "needs matplotlib: the plot extra); '--dot -' prints the DOT on stdout in place of the IR")
     return p
+
+
+def picture_path(dot: str | None) -> str | None:
+    """Where the PNG of the graph goes beside a --dot file (its stem with .png), or None: no DOT file (stdout, a
+    device), or no matplotlib (a note says so)."""
+    from geir.graph_picture import matplotlib_available
+
+    if not dot or dot == "-" or (os.path.exists(dot) and not os.path.isfile(dot)):
+        return None
+    if not matplotlib_available():
+        print(f"{TOOL}: note: no PNG beside {dot}: drawing it needs matplotlib: pip install -e '.[plot]'",
+              file=sys.stderr)
+        return None
+    path = Path(dot).with_suffix(".png")
+    return str(path if str(path) != dot else Path(dot + ".png"))
 
 
 def _pass_names(values: list[str], flag: str) -> set[str]:
@@ -161,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     check_target(args.target)
-    refuse_overwrites([("FILE", args.input)], [("-o", args.output), ("--dot", args.dot)])
-    refuse_unwritable([("-o", args.output), ("--dot", args.dot)])
+    picture = picture_path(args.dot)
+    outputs = [("-o", args.output), ("--dot", args.dot), ("the picture beside --dot", picture)]
+    refuse_overwrites([("FILE", args.input)], outputs)
+    refuse_unwritable(outputs)
     sources = SourceManager()
     try:
         pipeline = complete_pipeline(parse_pipeline(args.passes))
@@ -230,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
         files.append((args.output, result))
     if dot is not None and args.dot != "-":
         files.append((args.dot, dot))
+        if picture is not None:  # the same graph drawn by matplotlib, for a reader without Graphviz
+            from geir.graph_picture import graph_picture, render_png
+
+            files.append((picture, render_png(graph_picture(graphs, recorder.marks(graphs),
+                                                            graph_title(name, pipeline_text(pipeline))))))
     write_all_atomically(files)
     if args.dot == "-":
         if dot is not None:
