@@ -138,8 +138,9 @@ def _commit(staged: list[tuple[str, Path]]) -> None:
     """Rename every temporary over its target, or, when one rename fails, put back every target as it was."""
     done: list[tuple[Path, str | None]] = []  # (target replaced, the hard link keeping its old file, or None)
     try:
-        for tmp, target in staged:
-            kept = _keep(target)
+        for i, (tmp, target) in enumerate(staged):
+            # the last rename has none after it that could fail: nothing to put back, no link to make
+            kept = _keep(target) if i < len(staged) - 1 else None
             try:
                 os.replace(tmp, target)
             except BaseException as e:

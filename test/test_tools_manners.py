@@ -439,7 +439,7 @@ def test_sigint_after_the_output_is_written_exits_130_with_one_line(tmp_path):
     f = tmp_path / "a.geir"
     f.write_text(GOOD)
     out = tmp_path / "out.geir"
-    p, _ = _start(tmp_path, "geopt", "geir.tools.geopt", "write_atomically", "after", f, "-o", out)
+    p, _ = _start(tmp_path, "geopt", "geir.tools.geopt", "write_all_atomically", "after", f, "-o", out)
     p.send_signal(signal.SIGINT)
     stdout, stderr = p.communicate(timeout=60)
     assert (p.returncode, stdout, stderr) == (130, "", "geopt: interrupted\n")

@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 from geir.tools.common import (
     seed,
     EXIT_FAILURE,
@@ -41,9 +39,6 @@ from geir.tools.common import (
 )
 
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
-from geir.ir import Module
-from geir.parser import parse
-from geir.printer import print_module
 
 if TYPE_CHECKING:
     from geir.session.doctor import Diagnosis, KernelView
