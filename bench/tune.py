@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import ray  # noqa: F401
     except ImportError:
-        print("bench/tune.py needs Ray: pip install 'geir[tune]'", file=sys.stderr)
+        print("bench/tune.py needs Ray: pip install -e '.[tune]'", file=sys.stderr)
         return 1
     text = suite(args.quick)
     out: dict = {"cpus": os.cpu_count()}

@@ -52,6 +52,8 @@ import zipfile
 
 import numpy as np
 
+from geir.files import current_umask
+
 # finfo(dtype).min: the value GPT-2 writes into masked attention scores
 MASK_MIN = {"f16": "-65504.0", "bf16": "-3.3895313892515355e+38", "f32": "-3.4028234663852886e+38"}
 DTYPES = ("f16", "bf16", "f32")
@@ -349,6 +351,7 @@ def _write_atomically(path: str, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600; an output gets the umask's mode
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -44,7 +44,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto", *,
     try:
         import onnx  # noqa: F401
     except ImportError:
-        raise OnnxImportError("importing ONNX models needs the onnx package: pip install 'geir[onnx]'") from None
+        raise OnnxImportError("importing ONNX models needs the onnx package: pip install -e '.[onnx]'") from None
     from geir.frontends.onnx_graph import OnnxGraphImporter, load_model
 
     if isinstance(model, (str, os.PathLike)):

@@ -136,15 +136,16 @@ def save(module: Module, path: str | Path) -> tuple[Path, Path | None]:
     bf16 weights are stored as float32 (npz has no bf16; gerun casts them back exactly). Returns
     the paths written (the .npz is None when the module has no weights).
     """
-    from geir.files import ToolError, npz_bytes, write_atomically
+    from geir.files import ToolError, npz_bytes, write_all_atomically
 
     path = Path(path)
     weights_path = path.with_suffix(".npz") if module.resources else None
+    files: list[tuple[str, str | bytes]] = []
+    if weights_path is not None:
+        files.append((str(weights_path), npz_bytes({k: _storable(np.asarray(a)) for k, a in module.resources.items()})))
+    files.append((str(path), print_module(module)))
     try:
-        if weights_path is not None:
-            write_atomically(str(weights_path),
-                             npz_bytes({k: _storable(np.asarray(a)) for k, a in module.resources.items()}))
-        write_atomically(str(path), print_module(module))
+        write_all_atomically(files)  # both or neither
     except ToolError as e:  # the tools' one-line message, as the OSError a library caller expects
         raise OSError(str(e)) from None
     return path, weights_path

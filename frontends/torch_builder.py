@@ -109,9 +109,10 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def from_numpy(a: np.ndarray, dtype: DType) -> torch.Tensor:
     """A numpy array (as the Runtime returns it) as a torch tensor of the GEIR dtype."""
     a = np.asarray(a)
+    # np.array(order="C"), not np.ascontiguousarray: that one makes a 0-d result (x.sum()) 1-D
     if dtype is DType.bf16:
-        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a.astype(dtype.np, copy=False)))
+        return torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a, dtype=dtype.np, order="C", copy=None))
 
 
 @attrs.frozen

@@ -38,6 +38,7 @@ PROFILE_KEYS = (
     "memory_bound", "gm_read_bytes", "gm_write_bytes", "hbm_read_bytes", "hbm_write_bytes", "tflops",
     "cube_peak_fraction", "kernels", "plan_cache", "faults",
 )
+TOP_KERNELS = 10  # the --profile text's top-N view: the kernels that took longest
 _RATIO_PIPES = {"mte2_ratio": "MTE2", "mte1_ratio": "MTE1", "cube_ratio": "CUBE", "vec_ratio": "VECTOR",
                 "mte3_ratio": "MTE3",
                 "fixp_ratio": "FIXP", "aiv_mte2_ratio": "AIV_MTE2"}
@@ -138,8 +139,9 @@ _LEGEND = {
 }
 
 
-def format_profile(p: dict[str, Any]) -> str:
-    """The --profile table: each figure by its spec key with what it is, then one line per kernel."""
+def format_profile(p: dict[str, Any], top: int = TOP_KERNELS) -> str:
+    """The --profile table: the faults injected if any, each figure by its spec key with what it is, one line
+    per kernel, then the op-type rollup (msprof's op_statistic) and the `top` longest kernels."""
 
     def row(key: str, value: str) -> str:
         return f"{key:<20}{value:>14}   {_LEGEND[key]}"
@@ -169,7 +171,56 @@ def format_profile(p: dict[str, Any]) -> str:
                      f"{k['vec_ratio']:>7.2f}{k['mte3_ratio']:>7.2f}{k['fixp_ratio']:>7.2f}{k['overlap_ratio']:>8.2f}"
                      f"{k['memory_bound']:>8.2f}{k['tflops']:>9.2f}{100 * k['cube_peak_fraction']:>7.1f}"
                      f"{k.get('engine', 'aicore'):>8}")
-    return "\n".join(lines)
+    lines += ["", *_format_op_statistic(op_statistic(p["kernels"])), "", *_format_top(p["kernels"], top)]
+    return "\n".join(_format_faults(p.get("faults") or []) + lines)
+
+
+def op_statistic(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """msprof's op_statistic of a profile's kernels: per op type and engine, the count, total, avg, min and max
+    time (us) and the share of all kernel time, the largest total first."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for k in kernels:
+        groups.setdefault((k["name"], k.get("engine", "aicore")), []).append(k["time_us"])
+    total = sum(k["time_us"] for k in kernels)
+    rows = [{"op_type": name, "engine": engine, "count": len(times), "total_time_us": sum(times),
+             "avg_time_us": sum(times) / len(times), "min_time_us": min(times), "max_time_us": max(times),
+             "ratio": sum(times) / total if total else 0.0}
+            for (name, engine), times in groups.items()]
+    return sorted(rows, key=lambda r: (-r["total_time_us"], r["op_type"]))
+
+
+def _format_op_statistic(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["per op type (msprof's op_statistic): count, total/avg/min/max time_us, share of kernel time",
+             f"{'op type':<24}{'count':>6}{'total_us':>11}{'avg_us':>10}{'min_us':>10}{'max_us':>10}{'share%':>8}"
+             f"{'engine':>8}"]
+    for r in rows:
+        lines.append(f"{r['op_type']:<24}{r['count']:>6}{r['total_time_us']:>11.2f}{r['avg_time_us']:>10.2f}"
+                     f"{r['min_time_us']:>10.2f}{r['max_time_us']:>10.2f}{100 * r['ratio']:>8.1f}{r['engine']:>8}")
+    return lines
+
+
+def _format_top(kernels: list[dict[str, Any]], top: int) -> list[str]:
+    total = sum(k["time_us"] for k in kernels)
+    ranked = sorted(enumerate(kernels), key=lambda ik: (-ik[1]["time_us"], ik[0]))[:top]
+    lines = [f"top {len(ranked)} of {len(kernels)} kernels by time (#: its place in the run)",
+             f"{'#':>4}  {'kernel':<24}{'time_us':>10}{'share%':>8}{'cum%':>7}"]
+    cumulative = 0.0
+    for i, k in ranked:
+        share = k["time_us"] / total if total else 0.0
+        cumulative += share
+        lines.append(f"{i:>4}  {k['name']:<24}{k['time_us']:>10.2f}{100 * share:>8.1f}{100 * cumulative:>7.1f}")
+    return lines
+
+
+def _format_faults(faults: list[dict[str, Any]]) -> list[str]:
+    """A heading the reader cannot miss when faults were injected: every figure below includes their recovery."""
+    if not faults:
+        return []
+    lines = [f"FAULTS INJECTED: {len(faults)}, recovered; every figure below includes the recovery"]
+    for f in sorted(faults, key=lambda f: f.get("task", 0)):
+        cost = f", +{f['cost_us']:.2f} us" if isinstance(f.get("cost_us"), (int, float)) else ""
+        lines.append(f"  {f.get('kind')}@{f.get('task')} on {f.get('op')} ({f.get('loc')}): {f.get('recovery')}{cost}")
+    return lines + [""]
 
 
 def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | None = None) -> str:

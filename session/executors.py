@@ -48,7 +48,7 @@ class OnRay:
         try:
             import ray
         except ImportError:
-            raise RayUnavailable("Ray is not installed: pip install 'geir[tune]' (or --workers 0 to tune in this "
+            raise RayUnavailable("Ray is not installed: pip install -e '.[tune]' (or --workers 0 to tune in this "
                                  "process)") from None
         self._ray = ray
         self._started = False

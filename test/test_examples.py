@@ -7,6 +7,7 @@ reason its header gives; the GPT-2 block fuses into its kernels with the same re
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import time
 from collections import Counter
@@ -317,6 +318,45 @@ def test_make_model_rejects_bad_options(tmp_path: Path, args: list[str]) -> None
     assert e.value.code == 2
 
 
+SCRIPTS = sorted(EXAMPLES.rglob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_every_example_script_treats_help_as_help_and_writes_nothing(tmp_path: Path, script: Path) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: ") and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no folder named --help, no file
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_example_scripts_write_with_the_mode_the_umask_gives(tmp_path: Path, umask: int) -> None:
+    import subprocess
+    import sys
+
+    runs = [[str(EXAMPLES / "make_model.py"), "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
+             "-o", str(tmp_path / "m.geir")],
+            [str(EXAMPLES / "dynamic" / "make_inputs.py"), str(tmp_path / "dyn")]]
+    try:
+        import onnx  # noqa: F401
+
+        runs.append([str(EXAMPLES / "onnx" / "make_model.py"), str(tmp_path / "onnx")])
+    except ImportError:
+        pass
+    for argv in runs:
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
+                           preexec_fn=lambda: os.umask(umask))
+        assert r.returncode == 0, r.stderr
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.suffix for p in written} >= {".geir", ".npz"}
+    for p in written:
+        assert p.stat().st_mode & 0o777 == 0o666 & ~umask, (p, oct(p.stat().st_mode))
+
+
 # --- the ONNX example ---------------------------------------------------------------------------
 
 def test_onnx_example_is_what_its_script_writes(tmp_path: Path) -> None:
@@ -324,7 +364,7 @@ def test_onnx_example_is_what_its_script_writes(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("make_onnx_model", EXAMPLES / "onnx" / "make_model.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(str(tmp_path)) == 0
+    assert script.main([str(tmp_path)]) == 0
     assert onnx.load(str(tmp_path / "attention.onnx")) == onnx.load(str(EXAMPLES / "onnx" / "attention.onnx"))
     with (np.load(tmp_path / "attention_inputs.npz") as made,
           np.load(EXAMPLES / "onnx" / "attention_inputs.npz") as shipped):

@@ -448,6 +448,69 @@ def test_unwritable_output_is_an_error(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["dir.npz"]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--overlap-compile", "2"]])
+def test_an_output_that_fails_at_the_end_replaces_no_other_and_deletes_nothing(tmp_path, capsys, extra):
+    # /dev/full passes the check before the run (a writable device) and fails only when written
+    keep, trace = tmp_path / "keep.npz", tmp_path / "t.json"
+    keep.write_bytes(b"the results of an earlier run")
+    graph = ROOT / "examples" / "gpt2_block.geir" if extra else ATTENTION
+    rc, out, err = gerun([graph, *extra, "-o", keep, "--trace", trace, "--profile-json", "/dev/full"], capsys)
+    assert rc == 1 and "result0" in out  # the run itself went through
+    assert err.splitlines() == ["gerun: error: cannot write '/dev/full': No space left on device"]
+    assert keep.read_bytes() == b"the results of an earlier run"
+    assert os.listdir(tmp_path) == ["keep.npz"]  # no trace, no temporary
+
+
+def test_an_onnx_model_runs_through_the_onnx_frontend_as_gedoctor_reads_it(tmp_path, capsys):
+    pytest.importorskip("onnx")
+    model, inputs = ROOT / "examples" / "onnx" / "attention.onnx", ROOT / "examples" / "onnx" / "attention_inputs.npz"
+    out = tmp_path / "o.npz"
+    rc, stdout, err = gerun([model, "--inputs", inputs, "--check", "-o", out], capsys)
+    assert rc == 0, err
+    assert stdout.splitlines()[-1] == "check: PASS"
+    # the oracle: the model as onnx's own reference evaluator runs it
+    from onnx.reference import ReferenceEvaluator
+
+    with np.load(inputs) as z, np.load(out) as got:
+        (want,) = ReferenceEvaluator(str(model)).run(None, {"x": z["x"]})
+        assert close(got["result0"], want, (1e-4, 1e-5))
+    rc, _, err = gerun([model, "--weights", inputs], capsys)
+    assert rc == 2 and "an ONNX model carries its own weights" in err
+
+
+@pytest.mark.parametrize("name, data, kind", [
+    ("w.npz", None, "a zip archive (an .npz? arrays go to --inputs or --weights)"),
+    ("m.geir", bytes(range(256)) * 4, "a binary file"),
+])
+def test_a_binary_file_is_one_error_line_that_echoes_none_of_its_bytes(tmp_path, capsys, name, data, kind):
+    f = tmp_path / name
+    f.write_bytes(data if data is not None else (ROOT / "examples" / "gpt2_block.npz").read_bytes()[:20000])
+    rc, out, err = gerun([f], capsys)
+    assert rc == 1 and out == ""
+    assert err == (f"{f}: error: {kind}, not GEIR text (a .geir file is UTF-8 text; an ONNX model is read by its "
+                   f".onnx suffix)\n")
+    rc, _, err2 = run_geopt([f], capsys)
+    assert rc == 1 and err2 == err.replace("gerun", "geopt")
+
+
+def run_geopt(argv, capsys):
+    rc = geopt_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_a_pickled_npz_gets_geirs_own_words_not_numpys(tmp_path, capsys):
+    pickled = tmp_path / "p.npz"
+    np.savez(pickled, q=np.array([{"a": 1}], dtype=object))
+    for flag in ("--inputs", "--weights"):
+        rc, out, err = gerun([ATTENTION, flag, pickled], capsys)
+        assert rc == 1 and out == ""
+        assert "allow_pickle" not in err and err.count("\n") == 1
+        assert err.startswith(f"gerun: error: cannot read {flag.strip('-')} '{pickled}': it holds an object array "
+                              f"(pickled Python objects), which GEIR never loads")
+
+
 def test_internal_errors_are_one_line(tmp_path, capsys, monkeypatch):
     def boom(*a, **k):
         raise ZeroDivisionError("oops")

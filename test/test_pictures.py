@@ -415,7 +415,7 @@ def test_timeline_without_matplotlib_stops_before_running(tmp_path, capsys, monk
     out_png = tmp_path / "t.png"
     rc, out, err = run_tool(gerun_main, [ATTENTION, "--timeline", out_png], capsys)
     assert rc == 1
-    assert err == "gerun: error: --timeline needs matplotlib: pip install 'geir[plot]'\n"
+    assert err == "gerun: error: --timeline needs matplotlib: pip install -e '.[plot]'\n"
     assert out == "" and not out_png.exists()
 
 
@@ -427,3 +427,52 @@ def test_timeline_bad_input_writes_no_file(tmp_path, capsys):
     rc, _, err = run_tool(gerun_main, [bad, "--timeline", out_png], capsys)
     assert rc == 1 and "use of undefined value '%nope'" in err
     assert not out_png.exists()
+
+
+# --- the graph as a PNG beside the DOT file (no Graphviz) ------------------------------------------------------
+
+def _colour(hex_colour: str) -> np.ndarray:
+    return np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+
+
+def test_geopt_dot_writes_a_png_of_the_same_graph_beside_it(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from geir.dot import RULE_COLOURS
+    from geir.graph_picture import graph_picture
+
+    out_dot, fused = tmp_path / "gpt2.dot", tmp_path / "fused.geir"
+    rc, _, err = run_tool(geopt_main, [EXAMPLES / "gpt2_block.geir", "--passes=fuse", "--dot", out_dot, "-o", fused],
+                          capsys)
+    assert rc == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["fused.geir", "gpt2.dot", "gpt2.png"]
+    dot = read_dot(out_dot.read_text())
+    # the layout holds what the DOT file holds: a node per argument, op and result, an edge per use
+    picture = graph_picture([parse_file(str(fused)).graph()])
+    assert len(picture.nodes) == len([n for n in dot["nodes"] if not n.startswith("legend")])
+    assert len(picture.edges) == len(dot["edges"])
+    for a, b in picture.edges:  # every edge points down, from an operand to its user
+        assert picture.nodes[a].row < picture.nodes[b].row
+    image = matplotlib.image.imread(str(tmp_path / "gpt2.png"))[..., :3]
+    assert (tmp_path / "gpt2.png").read_bytes().startswith(PNG_SIGNATURE) and image.shape[1] >= 600
+    # each rule that filled a node in the DOT file fills boxes in the picture, in the same colour
+    for rule in set(fused_nodes(dot).values()):
+        hits = np.all(np.abs(image - _colour(RULE_COLOURS[rule])) < 0.02, axis=-1).sum()
+        assert hits > 500, rule
+
+
+def test_no_png_beside_a_dot_written_to_stdout_or_a_device(tmp_path, capsys):
+    rc, out, _ = run_tool(geopt_main, [ATTENTION, "--dot", "-"], capsys)
+    assert rc == 0 and out.startswith("digraph")
+    rc, _, err = run_tool(geopt_main, [ATTENTION, "--dot", os.devnull], capsys)
+    assert rc == 0 and not os.path.exists(os.devnull + ".png") and not Path("/dev/null.png").exists()
+
+
+def test_geopt_dot_without_matplotlib_writes_the_dot_and_says_why_no_png(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out_dot = tmp_path / "a.dot"
+    rc, _, err = run_tool(geopt_main, [ATTENTION, "--dot", out_dot], capsys)
+    assert rc == 0
+    assert err == f"geopt: note: no PNG beside {out_dot}: drawing it needs matplotlib: pip install -e '.[plot]'\n"
+    assert os.listdir(tmp_path) == ["a.dot"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from geir import files
 from geir.files import STALE_TEMPORARY_S, current_umask, write_atomically
 from geir.passes import PASSES
 from geir.runtime.profile import PROFILE_KEYS, format_profile
@@ -234,6 +235,41 @@ def test_gerun_profile_prints_the_legend():
     assert keys == ["simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us"]
 
 
+def test_gerun_profile_says_when_faults_were_injected_and_rolls_kernels_up_by_op_type(tmp_path):
+    import json
+    from collections import defaultdict
+
+    clean = tool("gerun", ROOT / "examples" / "gpt2_block.geir", "--no-fuse", "--profile")
+    assert clean.returncode == 0, clean.stderr
+    assert "FAULTS INJECTED" not in clean.stdout
+    r = tool("gerun", ROOT / "examples" / "gpt2_block.geir", "--no-fuse", "--profile", "--profile-json",
+             tmp_path / "p.json", "--inject-fault", "core@3", "--inject-fault", "dma@1")
+    assert r.returncode == 0, r.stderr
+    p = json.loads((tmp_path / "p.json").read_text())
+    text = r.stdout[r.stdout.index("FAULTS INJECTED"):]
+    assert text.startswith("FAULTS INJECTED: 2, recovered; every figure below includes the recovery\n")
+    assert "  core@3 on ge.reduce_mean (" in text and "  dma@1 on copy out (" in text
+    # the rollup, recomputed from the JSON's kernels (the same run) by hand
+    times = defaultdict(list)
+    for k in p["kernels"]:
+        times[k["name"]].append(k["time_us"])
+    total = sum(map(sum, times.values()))
+    rollup = text[text.index("per op type"):text.index("top 10 of")].splitlines()[2:-1]
+    assert [line.split()[0] for line in rollup] == sorted(times, key=lambda n: (-sum(times[n]), n))
+    for line in rollup:
+        name, count, tot, avg, lo, hi, share, engine = line.split()
+        t = times[name]
+        assert int(count) == len(t) and engine == "aicore"
+        assert [float(tot), float(avg), float(lo), float(hi)] == pytest.approx(
+            [sum(t), sum(t) / len(t), min(t), max(t)], abs=0.006)
+        assert float(share) == pytest.approx(100 * sum(t) / total, abs=0.06)
+    top = text[text.index("top 10 of"):].splitlines()[2:]
+    order = sorted(range(len(p["kernels"])), key=lambda i: (-p["kernels"][i]["time_us"], i))[:10]
+    assert [int(line.split()[0]) for line in top] == order
+    assert float(top[-1].split()[-1]) == pytest.approx(
+        100 * sum(p["kernels"][i]["time_us"] for i in order) / total, abs=0.11)
+
+
 # --- 3. files: outputs never onto inputs -----------------------------------------------------------------
 
 @pytest.fixture
@@ -348,6 +384,55 @@ def test_the_next_write_removes_stale_temporaries_of_its_own_target_only(tmp_pat
     assert young.exists() and other.exists() and unlike.exists()
 
 
+def test_several_files_are_written_all_or_none_and_a_failed_rename_puts_back_what_was_there(tmp_path, monkeypatch):
+    a, b, c = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"
+    a.write_text("old a")
+    b.write_text("old b")
+    real_replace = os.replace
+
+    def fail_on_c(src, dst, *args, **kw):
+        if Path(dst) == c:
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "replace", fail_on_c)
+    with pytest.raises(files.ToolError, match="cannot write '.*c.txt': No space left on device"):
+        files.write_all_atomically([(str(a), "new a"), (str(b), b"new b"), (str(c), "new c")])
+    # a and b were renamed over before c failed: both have their old contents back, c never appeared
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt"]
+    assert a.read_text() == "old a" and b.read_text() == "old b"
+    monkeypatch.setattr(os, "replace", real_replace)
+    files.write_all_atomically([(str(a), "new a"), (str(b), b"new b"), (str(c), "new c")])
+    assert [p.read_text() for p in (a, b, c)] == ["new a", "new b", "new c"]
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]  # no temporary, no kept link left
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_device_that_cannot_be_written_replaces_no_file(tmp_path):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("keep")
+    with pytest.raises(files.ToolError, match="cannot write '/dev/full'"):
+        files.write_all_atomically([(str(keep), "new"), ("/dev/full", "x" * 100_000)])
+    assert keep.read_text() == "keep" and os.listdir(tmp_path) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("name, argv, flag", [
+    ("gerun", [ATTENTION, "-o", "{dir}/ok.npz", "--trace", "{dir}/no/such/t.json"], "--trace"),
+    ("gerun", [ATTENTION, "--profile-json", "{dir}"], "--profile-json"),
+    ("geopt", ["{dir}/a.geir", "-o", "{dir}/ok.geir", "--dot", "{dir}/a.geir/x.dot"], "--dot"),
+    ("geimport", ["{dir}/m.onnx", "-o", "{dir}/no/m.geir"], "-o"),
+])
+def test_an_output_that_cannot_be_written_is_an_error_before_any_work(tmp_path, name, argv, flag):
+    (tmp_path / "a.geir").write_text(GOOD)
+    (tmp_path / "m.onnx").write_bytes(b"not read: the output is checked first")
+    r = tool(name, *[str(a).format(dir=tmp_path) for a in argv])
+    no_traceback(r)
+    assert r.returncode == 1 and r.stdout == ""  # nothing ran: no result line, no import error
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"{name}: error: cannot write {flag} '{tmp_path}") and ": " in line[len(name) + 9:]
+    assert sorted(os.listdir(tmp_path)) == ["a.geir", "m.onnx"]
+
+
 # --- 3. files: SIGKILL and SIGINT ------------------------------------------------------------------------
 
 # Runs a tool's main with one function wrapped: after (or instead of) it, the process says so in
@@ -413,7 +498,7 @@ def test_sigint_after_the_output_is_written_exits_130_with_one_line(tmp_path):
     f = tmp_path / "a.geir"
     f.write_text(GOOD)
     out = tmp_path / "out.geir"
-    p, _ = _start(tmp_path, "geopt", "geir.tools.geopt", "write_atomically", "after", f, "-o", out)
+    p, _ = _start(tmp_path, "geopt", "geir.tools.geopt", "write_all_atomically", "after", f, "-o", out)
     p.send_signal(signal.SIGINT)
     stdout, stderr = p.communicate(timeout=60)
     assert (p.returncode, stdout, stderr) == (130, "", "geopt: interrupted\n")

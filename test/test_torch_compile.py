@@ -132,6 +132,35 @@ def test_new_shapes_are_compiled_too(graphs):
     assert len(ran) == 3
 
 
+class Loss(nn.Module):
+    """A 0-d result (a loss-like mean) beside a 1-element one."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h * h).mean(), h.sum(dim=(0, 1)).amax(dim=-1, keepdim=True)
+
+
+def test_a_zero_d_result_comes_back_zero_d_as_in_eager_torch(graphs):
+    model = _model(Loss)
+    fast = torch.compile(model, backend="geir")
+    x = _x(2, 8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GeirFallbackWarning)
+        with torch.no_grad():
+            got = fast(x)
+            eager = model(x)
+            wide = copy.deepcopy(model).double()(x.double())
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in eager] == [(), (1,)]
+    for g, w, e in zip(got, wide, eager):
+        verdict = compare(g.numpy(), w.numpy(), TensorType(tuple(g.shape), DType.f32), e.double().numpy())
+        assert verdict.passed, verdict.render("result")
+    assert any(c is not None and c.last_result is not None for g in graphs for c in g.compiled.values())
+
+
 def test_an_unsupported_op_runs_eagerly_with_a_warning_naming_it(graphs):
     model = _model(Cumulative)
     fast = torch.compile(model, backend="geir")

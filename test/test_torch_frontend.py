@@ -372,6 +372,19 @@ def test_several_outputs_keep_their_structure():
         assert_matches(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_d_result_comes_back_zero_d_as_in_eager_torch(dtype):
+    class Reductions(nn.Module):
+        def forward(self, x):
+            return x.sum(), (x * x).mean(), x.amax(dim=(0, 1), keepdim=True)
+
+    x = _randn(4, 32, dtype=dtype)
+    fast = compile(Reductions(), (x,))
+    for got, want, eager in zip(fast(x), *_reference(Reductions(), (x,))):
+        assert got.shape == eager.shape  # () for the sums: torch's 0-d, not (1,)
+        assert_matches(got, want, eager, dtype)
+
+
 def test_inputs_of_the_wrong_dtype_are_refused():
     fast = compile(nn.ReLU(), (_randn(8),))
     with pytest.raises(TypeError, match="compiled for f32"):

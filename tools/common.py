@@ -14,7 +14,16 @@ from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_targe
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
 from geir.ir import Graph, Module
 
-from geir.files import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, ToolError, read_input, write_atomically  # noqa: F401
+from geir.files import (  # noqa: F401
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    ToolError,
+    output_problem,
+    read_input,
+    write_all_atomically,
+    write_atomically,
+)
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a program stopped by Ctrl-C
 
@@ -36,19 +45,61 @@ def print_all(e: DiagnosticError, printer: DiagnosticPrinter) -> None:
         printer(d)
 
 
-def parse_verified(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> tuple[Module, str]:
-    """A file's bytes decoded, parsed and verified, with its text (registered in `sources` for carets);
-    on failure the diagnostics are printed and ToolError('') raised."""
-    from geir.parser import decode_source, parse
-    from geir.verifier import verify_module
+# a text file has few control bytes; a binary one (an .npz, an ONNX protobuf, a picture) has many
+BINARY_SAMPLE_BYTES = 8192
+BINARY_CONTROL_SHARE = 0.05
+_TEXT_CONTROLS = b"\t\n\r\f\v\x1b"
 
+
+def binary_kind(data: bytes) -> str | None:
+    """What a binary input is ('a zip archive (an .npz?)', 'a binary file'), or None for text.
+
+    A file is binary when its first bytes hold several NULs or more than BINARY_CONTROL_SHARE
+    control bytes: one stray NUL in a text file is a diagnostic at its line, not a binary file.
+    """
+    sample = data[:BINARY_SAMPLE_BYTES]
+    if not sample:
+        return None
+    controls = sum(1 for b in sample if b < 0x20 and b not in _TEXT_CONTROLS)
+    if sample.count(0) < 2 and controls <= BINARY_CONTROL_SHARE * len(sample):
+        return None
+    if sample.startswith(b"PK\x03\x04"):
+        return "a zip archive (an .npz? arrays go to --inputs or --weights)"
+    return "a binary file"
+
+
+def decode_or_report(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> str | None:
+    """The source text of an input (registered in `sources` for carets), or None with the error printed.
+
+    A binary input is one `path: error:` line that echoes none of its bytes; text with a bad byte is
+    a diagnostic at that byte, its line shown.
+    """
+    from geir.parser import decode_source
+
+    kind = binary_kind(data)
+    if kind is not None:
+        printer(Diagnostic("error", f"{kind}, not GEIR text (a .geir file is UTF-8 text; an ONNX model is read by "
+                                    f"its .onnx suffix)", Location(name, 0, 0)))
+        return None
     try:
         text = decode_source(data, name)
     except DiagnosticError as e:
         sources.add(name, data.decode("utf-8", errors="replace"))
         print_all(e, printer)
-        raise ToolError("") from None
+        return None
     sources.add(name, text)
+    return text
+
+
+def parse_verified(name: str, data: bytes, sources: SourceManager, printer: DiagnosticPrinter) -> tuple[Module, str]:
+    """A file's bytes decoded, parsed and verified, with its text (registered in `sources` for carets);
+    on failure the diagnostics are printed and ToolError('') raised."""
+    from geir.parser import parse
+    from geir.verifier import verify_module
+
+    text = decode_or_report(name, data, sources, printer)
+    if text is None:
+        raise ToolError("")
     try:
         module = parse(text, name)
     except DiagnosticError as e:
@@ -60,6 +111,56 @@ def parse_verified(name: str, data: bytes, sources: SourceManager, printer: Diag
             printer(d)
         raise ToolError("")
     return module, text
+
+
+def is_onnx(path: str) -> bool:
+    """Whether a tool reads FILE as an ONNX model (by its suffix, as gedoctor, getune and gerun do)."""
+    return path.lower().endswith(".onnx")
+
+
+def read_module(path: str, weights_flag: str | None, sources: SourceManager,
+                printer: DiagnosticPrinter) -> tuple[Module, str, str, dict | None]:
+    """(module, its name in diagnostics, its text, an ONNX model's weights or None) of FILE: a .geir file
+    parsed and verified, or an .onnx model through the ONNX frontend (then --weights is a usage error)."""
+    if is_onnx(path):
+        if weights_flag:
+            raise ToolError("--weights applies to a .geir file; an ONNX model carries its own weights", EXIT_USAGE)
+        return _import_onnx(path, sources)
+    name, data = read_input(path)
+    module, text = parse_verified(name, data, sources, printer)
+    return module, name, text, None
+
+
+def import_model(path: str, sources: SourceManager) -> tuple[Module, dict]:
+    """An ONNX model through the ONNX frontend, located in its text as geimport writes it; a clean error when it
+    or onnx is missing."""
+    module, _, _, weights = _import_onnx(path, sources)
+    return module, weights
+
+
+def _import_onnx(path: str, sources: SourceManager) -> tuple[Module, str, str, dict]:
+    """(module, name, text, weights) of an ONNX model, its text registered in `sources` under the name."""
+    from geir.parser import parse
+    from geir.printer import print_module
+
+    if not os.path.isfile(path):
+        raise ToolError(f"cannot read '{path}': no such file")
+    hint = "install the extra: pip install -e '.[onnx]'"
+    try:
+        from geir.frontends.onnx import OnnxImportError, import_onnx
+    except ImportError as e:
+        raise ToolError(f"cannot read ONNX models here: {e} ({hint})") from None
+    try:
+        module, weights = import_onnx(path)
+    except OnnxImportError as e:
+        raise ToolError(f"{path}: {e}") from None
+    except ImportError as e:
+        raise ToolError(f"cannot read ONNX models here: {e} ({hint})") from None
+    # parsed back from its text, each op has a line a diagnostic or finding can point at and show
+    name = f"{path} (as imported)"
+    text = print_module(module)
+    sources.add(name, text)
+    return parse(text, name), name, text, dict(weights)
 
 
 def tool_error(tool: str, message: str) -> None:
@@ -152,6 +253,19 @@ def refuse_overwrites(inputs: list[tuple[str, str | None]], outputs: list[tuple[
             if _same_file(path, other):
                 raise ToolError(f"{other_flag} '{other}' and {flag} '{path}' are the same file: give each output "
                                 f"its own path", EXIT_USAGE)
+
+
+def refuse_unwritable(outputs: list[tuple[str, str | None]]) -> None:
+    """An error (exit 1, as a failed write is) naming the flag and the path when an output cannot be written.
+
+    Asked before any work, so that a long run does not end in `cannot write`; None and '-' (stdout)
+    are left out. The write itself (write_all_atomically) still replaces all or nothing.
+    """
+    for flag, path in outputs:
+        if path and path != "-":
+            problem = output_problem(path)
+            if problem is not None:
+                raise ToolError(f"cannot write {flag} '{path}': {problem}")
 
 
 def checked_pipeline(args: argparse.Namespace, sources: SourceManager) -> str:

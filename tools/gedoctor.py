@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 from geir.tools.common import (
     seed,
     EXIT_FAILURE,
@@ -34,16 +32,13 @@ from geir.tools.common import (
     add_version,
     check_target,
     checked_pipeline,
-    parse_verified,
-    read_input,
+    import_model,  # noqa: F401  (getune and the tests take it from here)
+    read_module,
     run_tool,
     select_graph,
 )
 
 from geir.diagnostics import Diagnostic, DiagnosticError, SourceManager
-from geir.ir import Module
-from geir.parser import parse
-from geir.printer import print_module
 
 if TYPE_CHECKING:
     from geir.session.doctor import Diagnosis, KernelView
@@ -86,40 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_tool(TOOL, run, build_arg_parser().parse_args(argv))
 
 
-def read_module(args: argparse.Namespace, sources: SourceManager,
-                printer: DiagnosticPrinter) -> tuple[Module, dict[str, np.ndarray] | None]:
-    """The module to diagnose and, for an ONNX model, its weights (None: from --weights or beside FILE)."""
-    if args.input.lower().endswith(".onnx"):
-        if args.weights:
-            raise ToolError("--weights applies to a .geir file; an ONNX model carries its own weights", EXIT_USAGE)
-        return import_model(args.input, sources)
-    name, data = read_input(args.input)
-    module, _ = parse_verified(name, data, sources, printer)
-    return module, None
-
-
-def import_model(path: str, sources: SourceManager) -> tuple[Module, dict[str, np.ndarray]]:
-    """An ONNX model through the ONNX frontend, located in its text as geimport writes it; a clean error when it
-    or onnx is missing."""
-    if not Path(path).is_file():
-        raise ToolError(f"cannot read '{path}': no such file")
-    try:
-        from geir.frontends.onnx import OnnxImportError, import_onnx
-    except ImportError as e:
-        raise ToolError(f"cannot read ONNX models here: {e} (install the extra: pip install -e '.[onnx]')") from None
-    try:
-        module, weights = import_onnx(path)
-    except OnnxImportError as e:
-        raise ToolError(f"{path}: {e}") from None
-    except ImportError as e:
-        raise ToolError(f"cannot read ONNX models here: {e} (install the extra: pip install -e '.[onnx]')") from None
-    # parsed back from its text, each op has a line a diagnostic or finding can point at and show
-    name = f"{path} (as imported)"
-    text = print_module(module)
-    sources.add(name, text)
-    return parse(text, name), dict(weights)
-
-
 def run(args: argparse.Namespace) -> int:
     from geir.session.doctor import diagnose_graph, diagnose_program
     from geir.runtime.interpreter import RuntimeFailure
@@ -134,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
     pipeline = checked_pipeline(args, sources)
-    module, onnx_weights = read_module(args, sources, printer)
+    module, _, _, onnx_weights = read_module(args.input, args.weights, sources, printer)
     graph = select_graph(module, args.entry, args.input)
     lowered = graph.kind == "rt.program"
     if lowered and (args.passes is not None or args.no_fuse):

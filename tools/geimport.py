@@ -21,7 +21,16 @@ import sys
 from pathlib import Path
 
 from geir.files import npz_bytes
-from geir.tools.common import EXIT_OK, EXIT_USAGE, ToolError, add_version, refuse_overwrites, run_tool, write_atomically
+from geir.tools.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    ToolError,
+    add_version,
+    refuse_overwrites,
+    refuse_unwritable,
+    run_tool,
+    write_all_atomically,
+)
 
 from geir.printer import print_module
 
@@ -51,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if out.suffix == ".npz":
         raise ToolError(f"-o {args.output}: the graph goes to a .geir file; the weights go beside it", EXIT_USAGE)
     weights_path = out.with_suffix(".npz")
-    refuse_overwrites([("MODEL.onnx", args.model)], [("-o", args.output), ("the weights beside -o", str(weights_path))])
+    outputs = [("-o", args.output), ("the weights beside -o", str(weights_path))]
+    refuse_overwrites([("MODEL.onnx", args.model)], outputs)
+    refuse_unwritable(outputs)
     from geir.frontends.onnx import OnnxImportError, import_onnx
 
     if not os.path.isfile(args.model):
@@ -62,16 +73,8 @@ def run(args: argparse.Namespace) -> int:
     except OnnxImportError as e:
         raise ToolError(f"{args.model}: {e}") from None
     text = print_module(module)
-    # both files or neither: the weights first, removed again if the graph cannot be written
-    write_atomically(str(weights_path), npz_bytes(weights))
-    try:
-        write_atomically(str(out), text)
-    except ToolError:
-        try:
-            os.unlink(weights_path)
-        except OSError:
-            pass
-        raise
+    # both files or neither, and an existing pair stays whole if either cannot be written
+    write_all_atomically([(str(weights_path), npz_bytes(weights)), (str(out), text)])
     return EXIT_OK
 
 

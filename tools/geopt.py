@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
 import typing
+from pathlib import Path
 
 import attrs
 from geir.passes import (
@@ -28,10 +30,12 @@ from geir.tools.common import (
     add_target_options,
     add_version,
     check_target,
+    decode_or_report,
     read_input,
     refuse_overwrites,
+    refuse_unwritable,
     run_tool,
-    write_atomically,
+    write_all_atomically,
 )
 from geir.tools.verify_diagnostics import check_diagnostics, parse_expectations, unmet
 
@@ -43,7 +47,7 @@ from geir.diagnostics import (
     SourceManager,
 )
 from geir.dot import FusionRecorder, graph_title, to_dot
-from geir.parser import decode_source, parse
+from geir.parser import parse
 from geir.printer import print_module
 from geir.verifier import verify_module
 
@@ -107,8 +111,24 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="do not verify the IR after each pass")
     p.add_argument("--dot", metavar="OUT.dot",
                    help="also write the resulting graph as Graphviz DOT (atomically), the ops that fuse made "
-                        "filled by rule; '--dot -' prints the DOT on stdout in place of the IR")
+                        "filled by rule, and beside it the same graph as a PNG drawn without Graphviz (OUT.png; "
+                        "needs matplotlib: the plot extra); '--dot -' prints the DOT on stdout in place of the IR")
     return p
+
+
+def picture_path(dot: str | None) -> str | None:
+    """Where the PNG of the graph goes beside a --dot file (its stem with .png), or None: no DOT file (stdout, a
+    device), or no matplotlib (a note says so)."""
+    from geir.graph_picture import matplotlib_available
+
+    if not dot or dot == "-" or (os.path.exists(dot) and not os.path.isfile(dot)):
+        return None
+    if not matplotlib_available():
+        print(f"{TOOL}: note: no PNG beside {dot}: drawing it needs matplotlib: pip install -e '.[plot]'",
+              file=sys.stderr)
+        return None
+    path = Path(dot).with_suffix(".png")
+    return str(path if str(path) != dot else Path(dot + ".png"))
 
 
 def _pass_names(values: list[str], flag: str) -> set[str]:
@@ -159,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     check_target(args.target)
-    refuse_overwrites([("FILE", args.input)], [("-o", args.output), ("--dot", args.dot)])
+    picture = picture_path(args.dot)
+    outputs = [("-o", args.output), ("--dot", args.dot), ("the picture beside --dot", picture)]
+    refuse_overwrites([("FILE", args.input)], outputs)
+    refuse_unwritable(outputs)
     sources = SourceManager()
     try:
         pipeline = complete_pipeline(parse_pipeline(args.passes))
@@ -174,14 +197,9 @@ def run(args: argparse.Namespace) -> int:
 
     name, data = read_input(args.input)
     printer = DiagnosticPrinter(sources)
-    try:
-        text = decode_source(data, name)
-    except DiagnosticError as e:
-        sources.add(name, data.decode("utf-8", errors="replace"))
-        for d in e.diagnostics:
-            printer(d)
+    text = decode_or_report(name, data, sources, printer)  # a binary file: one line, none of its bytes
+    if text is None:
         return EXIT_FAILURE
-    sources.add(name, text)
     timer = Timer()
 
     def dump(when: str, p, module) -> None:
@@ -227,10 +245,17 @@ def run(args: argparse.Namespace) -> int:
     if args.dot and not failed:
         graphs = [g for m in modules for g in m.graphs]
         dot = to_dot(graphs, recorder.marks(graphs), graph_title(name, pipeline_text(pipeline)))
+    files: list[tuple[str, str | bytes]] = []  # -o and --dot: both or neither
     if args.output and not failed:
-        write_atomically(args.output, result)
+        files.append((args.output, result))
     if dot is not None and args.dot != "-":
-        write_atomically(args.dot, dot)
+        files.append((args.dot, dot))
+        if picture is not None:  # the same graph drawn by matplotlib, for a reader without Graphviz
+            from geir.graph_picture import graph_picture, render_png
+
+            files.append((picture, render_png(graph_picture(graphs, recorder.marks(graphs),
+                                                            graph_title(name, pipeline_text(pipeline))))))
+    write_all_atomically(files)
     if args.dot == "-":
         if dot is not None:
             sys.stdout.write(dot)

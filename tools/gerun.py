@@ -4,11 +4,14 @@
           [--target NAME] [--passes=PIPELINE | --no-fuse] [--check] [--profile] [--profile-json P.json]
           [--trace TRACE.json] [--op-summary OUT.csv] [--inject-fault KIND@N]
 
-A file holding `ge.graph`s is compiled (default pipeline, `--passes`, or `--no-fuse`; `lower` ends
+An `.onnx` model is imported by the ONNX frontend first (its weights with it), as gedoctor and getune
+read one. A file holding `ge.graph`s is compiled (default pipeline, `--passes`, or `--no-fuse`; `lower` ends
 every pipeline); a file holding an `rt.program` runs as it is. Several `--inputs` run one after
 the other in one session on the program compiled once.
 
-Files written (all atomically, and only when the whole run succeeded):
+Files written (only when the whole run succeeded, and all or none: each goes to a temporary beside
+it, and only when every one is written are they renamed over their targets, so a file that cannot be
+written leaves every existing one as it was; every path is checked writable before the run):
 - `--output`: `result0`, `result1`, ... (one run) or `run0.result0`, ... (several runs); bf16 as float32.
 - `--profile-json`: one run: exactly the spec's profile keys. Several runs: the last run's profile
   at top level (the spec's keys) plus `runs`, the list of every run's profile in order.
@@ -27,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -47,13 +49,14 @@ from geir.tools.common import (
     add_version,
     check_target,
     checked_pipeline,
-    parse_verified,
+    is_onnx,
     print_all,
-    read_input,
+    read_module,
     refuse_overwrites,
+    refuse_unwritable,
     run_tool,
     select_graph,
-    write_atomically,
+    write_all_atomically,
 )
 
 from geir.accuracy import TOLERANCES, compare  # noqa: F401  (the tolerance policy, re-exported for the tests)
@@ -75,7 +78,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         description="Compile a GEIR graph (or take a lowered rt.program) and run it on the simulated NPU.",
     )
     add_version(p, TOOL)
-    p.add_argument("input", metavar="FILE", help="a .geir file holding ge.graphs or an rt.program (- for stdin)")
+    p.add_argument("input", metavar="FILE",
+                   help="a .geir file holding ge.graphs or an rt.program (- for stdin), or an .onnx model")
     p.add_argument("--entry", metavar="NAME", help="the graph to run (default @main, else the only graph)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--inputs", action="append", default=[], metavar="IN.npz",
@@ -216,7 +220,14 @@ def _load_npz(path: str, what: str) -> dict[str, np.ndarray]:
         raise
     except OSError as e:
         raise ToolError(f"cannot read {what} '{path}': {e.strerror or e}") from None
-    except Exception as e:  # noqa: BLE001 - a corrupt archive (BadZipFile, ValueError, ...)
+    except ValueError as e:
+        if "allow_pickle" not in str(e):
+            raise ToolError(f"cannot read {what} '{path}': {e}") from None
+        # numpy's own words name a flag of its API; say what is in the file and what GEIR takes instead
+        raise ToolError(f"cannot read {what} '{path}': it holds an object array (pickled Python objects), which GEIR "
+                        f"never loads, as running a pickle can run any code; save numeric arrays (np.savez of arrays "
+                        f"of a numeric or bool dtype)") from None
+    except Exception as e:  # noqa: BLE001 - a corrupt archive (BadZipFile, ...)
         raise ToolError(f"cannot read {what} '{path}': {e}") from None
 
 
@@ -469,16 +480,22 @@ def weights_path(args: argparse.Namespace) -> str | None:
     """--weights, else the .npz beside FILE with its stem (None for stdin)."""
     if args.weights:
         return args.weights
-    return str(Path(args.input).with_suffix(".npz")) if args.input != "-" else None
+    if args.input == "-" or is_onnx(args.input):  # an ONNX model carries its weights
+        return None
+    return str(Path(args.input).with_suffix(".npz"))
 
 
 def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
     """No output onto the graph, its weights or an --inputs archive, nor two outputs onto one file."""
     weights = ("--weights" if args.weights else "the weights archive beside FILE", weights_path(args))
     inputs = [("FILE", args.input), weights] + [("--inputs", path) for path in args.inputs]
-    refuse_overwrites(inputs, [("--output", args.output), ("--profile-json", args.profile_json),
-                               ("--trace", args.trace), ("--timeline", args.timeline),
-                               ("--op-summary", args.op_summary)])
+    refuse_overwrites(inputs, output_flags(args))
+
+
+def output_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """Every file gerun may write, as (flag, path)."""
+    return [("--output", args.output), ("--profile-json", args.profile_json), ("--trace", args.trace),
+            ("--timeline", args.timeline), ("--op-summary", args.op_summary)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -487,11 +504,12 @@ def run(args: argparse.Namespace) -> int:
         raise ToolError(f"--timing-only computes no values: {'--output' if args.output else '--check'} needs a full "
                         f"run", EXIT_USAGE)
     refuse_overwriting_inputs(args)
+    refuse_unwritable(output_flags(args))  # before the run, not after it
     if args.timeline:
         from geir.runtime.timeline import matplotlib_available
 
         if not matplotlib_available():  # said before anything runs, not after a long run
-            raise ToolError("--timeline needs matplotlib: pip install 'geir[plot]'")
+            raise ToolError("--timeline needs matplotlib: pip install -e '.[plot]'")
     faults: list[tuple[str, int]] = []
     requested_faults = [parse_fault(f) for f in args.inject_fault]
     sources = SourceManager()
@@ -514,8 +532,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     from geir.runtime.profile import format_profile, profile
     from geir.session import Session, ShapeMismatch
 
-    name, data = read_input(args.input)
-    module, text = parse_verified(name, data, sources, printer)
+    # a .geir file, or an .onnx model through the ONNX frontend (its weights with it), as gedoctor and getune read them
+    module, name, text, onnx_weights = read_module(args.input, args.weights, sources, printer)
     graph = select_graph(module, args.entry, name)
     is_program = graph.kind == "rt.program"
     if is_program and args.check:
@@ -532,7 +550,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         printer(too_big)
         return EXIT_FAILURE
 
-    weights = {} if args.timing_only else load_weights(graph, args, printer)
+    weights = {} if args.timing_only else onnx_weights if onnx_weights is not None else load_weights(graph, args,
+                                                                                                        printer)
 
     if args.overlap_compile is not None:
         return _run_overlapped(args, module, graph, text, name, weights, is_program, pipeline)
@@ -654,18 +673,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
         ge_spans = [span for group in span_groups for span in group]
         files.append((args.timeline, render_png(timeline_data(results, ge_spans, f"{name} @{graph.name}"))))
-    written: list[str] = []
-    try:
-        for path, payload in files:
-            write_atomically(path, payload)
-            written.append(path)
-    except ToolError:
-        for path in written:  # all or nothing
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        raise
+    write_all_atomically(files)  # all or nothing: no file is replaced unless every one can be
     return EXIT_OK
 
 
@@ -717,8 +725,7 @@ def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, we
         files.append((args.trace, run.trace()))
     if args.op_summary:  # the parts ran one after another: one table, as for several runs
         files.append((args.op_summary, _op_summary_csv(run.results)))
-    for path, payload in files:
-        write_atomically(path, payload)
+    write_all_atomically(files)
     return EXIT_OK
 
 

@@ -35,6 +35,7 @@ from geir.tools.common import (
     parse_verified,
     read_input,
     refuse_overwrites,
+    refuse_unwritable,
     run_tool,
     select_graph,
     write_atomically,
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     points, sweep_rows = _points(args, targets, axes)
     db = args.db or str(default_path())
     refuse_overwrites([("FILE", args.input)], [("--db", db), ("--csv", args.csv)])
+    refuse_unwritable([("--csv", args.csv)])  # before minutes of tuning (the repository says its own problems)
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
     if args.input.lower().endswith(".onnx"):  # through the ONNX frontend, as gedoctor reads one; weights unneeded

@@ -8,6 +8,7 @@ attention_kv.geir takes q, k, v ({prefill,decode}_*.npz); the model from
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,7 +20,11 @@ MODEL_LENGTHS = (128, 512, 2048)
 MODEL_HIDDEN = 256
 
 
-def main(out: str) -> int:
+def main(argv: list[str] | None = None) -> int:
+    # argparse, so that --help is help and not a folder named "--help"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", metavar="OUT_DIR", nargs="?", default=".", help="the folder to write into (default: .)")
+    out = ap.parse_args(argv).out
     rng = np.random.default_rng(0)
     Path(out).mkdir(parents=True, exist_ok=True)
     for name, (sq, skv) in STEPS.items():
@@ -34,4 +39,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
+    sys.exit(main())

@@ -12,6 +12,7 @@ on every run.
 
 from __future__ import annotations
 
+import argparse
 import io
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from geir.files import write_all_atomically
 
 SEQ, HIDDEN, HEADS = 64, 64, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -69,14 +72,19 @@ def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
-def main(out: str) -> int:
+def main(argv: list[str] | None = None) -> int:
+    # argparse, so that --help is help and not a folder named "--help"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", metavar="OUT_DIR", nargs="?", default=str(Path(__file__).parent),
+                    help="the folder to write into (default: examples/onnx)")
+    folder = Path(ap.parse_args(argv).out)
     model, inputs = build()
-    folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "attention.onnx").write_bytes(model.SerializeToString(deterministic=True))
-    (folder / "attention_inputs.npz").write_bytes(npz_bytes(inputs))
+    # both files or neither, each with the mode the umask gives, as the tools write theirs
+    write_all_atomically([(str(folder / "attention.onnx"), model.SerializeToString(deterministic=True)),
+                          (str(folder / "attention_inputs.npz"), npz_bytes(inputs))])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent)))
+    sys.exit(main())
