@@ -433,8 +433,8 @@ def without_core(cores: Cores, dead: int) -> Cores:
 
 
 # fields of a tiling that are not blocks: a count of buffers or cores, of key or row segments (0 reads as 1),
-# the bytes a budget records
-_NOT_BLOCKS = ("template", "buffers", "cores", "segments")
+# MatMul's iterate_order (0 is M first), the bytes a budget records
+_NOT_BLOCKS = ("template", "buffers", "cores", "segments", "iterate_order")
 
 
 def _empty_block(tiling: KernelTiling | None, launch: Operation) -> str | None:

@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 
 from geir import files
@@ -130,6 +131,20 @@ def test_a_tiling_block_of_0_is_refused_when_the_program_loads(tmp_path, capsys,
     line = ZERO_BLOCK.splitlines()[2]
     assert out == "" and err == (f"{f}:3:{col}: error: the tiling of ge.relu: 'elems' is 0, but the launch's tensors "
                                  f"are not empty: a block must hold at least one element\n{line}\n{' ' * (col - 1)}^\n")
+
+
+def test_a_matmul_walked_m_first_is_not_a_block_of_0(tmp_path):
+    # iterate_order 0 is MatMul's M-first order (an LM head's), not an empty block: the program runs
+    from geir.session import DEFAULT_PIPELINE, compile_module, run_program
+    from geir.parser import parse
+
+    text = ("ge.graph @main(%a: tensor<64x128xf16>, %b: tensor<128x256xf16>) -> tensor<64x256xf16> {\n"
+            "  %c = ge.matmul %a, %b : tensor<64x256xf16>\n  ge.return %c\n}\n")
+    module, _ = compile_module(parse(text, "m.geir"), DEFAULT_PIPELINE)
+    (launch,) = [op for op in module.graphs[0].ops if op.name == "rt.launch"]
+    launch.attributes["tiling"] = {**launch.attributes["tiling"], "iterate_order": 0}
+    result = run_program(module.graphs[0], {"a": np.ones((64, 128), np.float16), "b": np.ones((128, 256), np.float16)})
+    assert np.array_equal(result.outputs[0], np.full((64, 256), 128, np.float16))
 
 
 # --- 2. mlir-opt's manners ----------------------------------------------------------------------------
