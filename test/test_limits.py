@@ -347,12 +347,12 @@ def test_64_bit_integers_at_the_edges_are_taken(tmp_path, capsys):
     assert rc == 0 and "hi = 9223372036854775807, lo = -9223372036854775808, zeros = 1}" in out
 
 
-@pytest.mark.parametrize("memory", ["{inpofuts = 9437184, constants = 0, arena = 1024}",
-                                    "{inputs = 9437184, constants = -1, arena = 1024}", "5", "[1, 2]"])
+@pytest.mark.parametrize("memory", ["{inpofuts = 37748736, constants = 0, arena = 1024}",
+                                    "{inputs = 37748736, constants = -1, arena = 1024}", "5", "[1, 2]"])
 @pytest.mark.parametrize("tool", [gerun_main, gedoctor_main])
 def test_a_program_without_a_memory_layout_is_refused_before_it_runs(memory, tool, tmp_path, capsys):
     text = (Path(__file__).resolve().parent.parent / "examples" / "doctor" / "single_buffer.geir").read_text()
-    layout = re.search(r"memory = (\{inputs = 9437184, constants = 0, arena = \d+\})", text)[1]
+    layout = re.search(r"memory = (\{inputs = 37748736, constants = 0, arena = \d+\})", text)[1]
     src = tmp_path / "p.geir"
     src.write_text(text.replace(f"memory = {layout}", f"memory = {memory}"))
     assert tool([str(src)]) == 1

@@ -552,8 +552,8 @@ LAUNCH = SINGLE_BUFFER.splitlines()[18]
 
 
 @pytest.mark.parametrize("old, new, message", [
-    ("} : tensor<1x6x2048x128xf16>", "} : tensor<1x6x0x128xf16>",
-     "result type tensor<1x6x0x128xf16> contradicts the inferred type tensor<1x6x2048x128xf16>"),
+    ("} : tensor<1x24x2048x128xf16>", "} : tensor<1x24x0x128xf16>",
+     "result type tensor<1x24x0x128xf16> contradicts the inferred type tensor<1x24x2048x128xf16>"),
     ("causal = false", "causal = 3",
      "rt.launch of ge.flash_attention: attribute 'causal' must be true or false, not the integer 3"),
     ("layout = \"BNSD\"", "layout = \"BNSD\", window = 4",
@@ -572,14 +572,14 @@ def test_a_launch_that_contradicts_its_kernel_op_is_an_error_at_it(old, new, mes
 
 @pytest.mark.parametrize("old, new, line", [
     # a copy's two sides are one tensor: the Runtime writes the host array into a view of the declared type
-    ("%k: tensor<1x6x2048x128xf16>", "%k: tensor<1x3x2048x128xf16>", 12),
-    ("%0 = rt.d2h %o {stream = 0} : tensor<1x6x2048x128xf16>", "%0 = rt.d2h %o {stream = 0} : tensor<1x6x2048x128xf32>", 22),
+    ("%k: tensor<1x24x2048x128xf16>", "%k: tensor<1x12x2048x128xf16>", 12),
+    ("%0 = rt.d2h %o {stream = 0} : tensor<1x24x2048x128xf16>", "%0 = rt.d2h %o {stream = 0} : tensor<1x24x2048x128xf32>", 22),
 ])
 def test_a_copy_that_changes_its_tensor_is_an_error_at_it(old, new, line):
     assert old in SINGLE_BUFFER
     text = SINGLE_BUFFER.replace(old, new)
     if "f32" in new:
-        text = text.replace("-> tensor<1x6x2048x128xf16> attributes", "-> tensor<1x6x2048x128xf32> attributes")
+        text = text.replace("-> tensor<1x24x2048x128xf16> attributes", "-> tensor<1x24x2048x128xf32> attributes")
     with pytest.raises(DiagnosticError) as e:
         verify_module(parse(text, "p.geir"))
     d = e.value.diagnostics[0]
