@@ -55,7 +55,7 @@ from typing import Sequence
 
 import attrs
 
-from geir.kernels.base import KernelStats
+from geir.kernels.base import AIC_PIPES, AIV_PIPES, KernelStats
 from geir.runtime.interpreter import RunResult
 from geir.target_npu.target import Target
 
@@ -113,9 +113,6 @@ _COLUMNS: tuple[tuple[str, str | None], ...] = (
 )
 OP_SUMMARY_COLUMNS: tuple[str, ...] = tuple(name for name, _ in _COLUMNS)
 
-# the pipes only a cube core (AIC) has, and those only a vector core (AIV) has; MTE2 is on both
-_AIC_PIPES = ("CUBE", "MTE1", "FIXP")
-_AIV_PIPES = ("VECTOR", "MTE3", "AIV_MTE2")
 _INTEGER_FIELDS = {"device_id", "task_id", "stream_id", "block_dim", "mix_block_dim", "aic_total_cycles",
                    "aiv_total_cycles"}
 
@@ -232,8 +229,8 @@ def _fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: 
     per_cube = int(target.data["cores"].get("vector_per_cube", 1))
     split = per_cube > 1  # cube and vector units are separate cores (Atlas A2)
     lanes = k.cores
-    uses_cube = any(k.busy[p] > 0 for p in _AIC_PIPES)
-    uses_vector = any(k.busy[p] > 0 for p in _AIV_PIPES)
+    uses_cube = any(k.busy[p] > 0 for p in AIC_PIPES)
+    uses_vector = any(k.busy[p] > 0 for p in AIV_PIPES)
     if not split:
         task_type, block_dim, mix = "AI_CORE", lanes, 0
         aic_cores = aiv_cores = lanes
