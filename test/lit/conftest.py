@@ -60,8 +60,8 @@ class LitItem(pytest.Item):
     """One lit test; its verdict comes from the session's single lit run."""
 
     def runtest(self) -> None:
-        results = _session_results(self.session)
         rel = self.path.resolve().relative_to(LIT_DIR).as_posix()
+        results = _session_results(self.session) or _run_lit([str(self.path)])
         result = results.get(rel)
         if result is None:
             raise LitFailure(f"lit reported no result for {rel}", results.get("<lit>", ""))
@@ -88,6 +88,9 @@ class LitFailure(Exception):
 def _session_results(session: pytest.Session) -> dict[str, dict]:
     """Run lit once over every collected lit test (on first use) and return the results by path."""
     stash = session.config.stash
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # under pytest-xdist each worker collects every file but runs only its share: lit runs per file
+        return {}
     if _RESULTS not in stash:
         paths = sorted({str(item.path) for item in session.items if isinstance(item, LitItem)})
         stash[_RESULTS] = _run_lit(paths)
