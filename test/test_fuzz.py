@@ -14,7 +14,7 @@ import pytest
 from geir.tools import fuzz
 from geir.tools.fuzz import Case, campaign, judge, run_case, signature
 
-COUNTS = {"geopt": 4000, "gerun": 400, "geimport": 1500, "gedoctor": 200, "getune": 60}
+COUNTS = {"geopt": 2000, "gerun": 200, "geimport": 750, "gedoctor": 100, "getune": 30}
 
 
 def test_a_bounded_campaign_finds_nothing():
