@@ -243,7 +243,7 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
             sc -= m_safe[..., None]
             p = np.exp(sc, out=sc)  # in place: the score tile becomes P
             alpha = np.exp(m_old - m_safe)
-            p_in = round_in_f32(p, dt) if half else p  # the cube takes P in the inputs' dtype
+            p_in = round_in_f32(p, dt, probabilities=True) if half else p  # the cube takes P in the inputs' dtype
             if causal:
                 l[:, :, sel] = l[:, :, sel] * alpha + p.sum(axis=-1)
                 acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + np.matmul(p_in, vb)

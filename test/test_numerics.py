@@ -43,3 +43,23 @@ def test_round_to_f16_matches_numpy(values) -> None:
         got, want = round_to(x, np.float16), x.astype(np.float16)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16)) or \
         np.all((got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want)))
+
+
+def test_round_in_f32_is_exact_on_every_float_around_the_f16_subnormal_edge():
+    # every f32 from 2^-16 to 2^-13: subnormal f16s, the smallest normal binade and the switch between them
+    lo, hi = np.array([2.0**-16, 2.0**-13], np.float32).view(np.uint32)
+    x = np.arange(lo, hi + 1, dtype=np.uint32).view(np.float32)
+    want = x.astype(np.float16).astype(np.float32)
+    assert _same_bits(round_in_f32(x, np.float16), want)
+    assert _same_bits(round_in_f32(x, np.float16, probabilities=True), want)
+    assert _same_bits(round_in_f32(-x[::-1], np.float16), -want[::-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1.0, width=32) | st.just(float("nan")), min_size=1, max_size=64),
+       st.booleans())
+def test_round_in_f32_of_probabilities_matches_two_conversions(values, transposed) -> None:
+    x = np.array(values, dtype=np.float32)
+    x = np.stack([x, x * np.float32(1e-5)])  # the second row is mostly f16 subnormals
+    x = x.T if transposed else x  # a strided view is rounded as well
+    assert _same_bits(round_in_f32(x, np.float16, probabilities=True), x.astype(np.float16).astype(np.float32))

@@ -118,39 +118,61 @@ def round_to(a: np.ndarray, dt: np.dtype) -> np.ndarray:
         return out
 
 
-def round_in_f32(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+# Veltkamp's splitter for f16's 11 significant bits: 2^(24 - 11) + 1
+_F16_SPLITTER = np.float32(8193)
+_F16_TINY = np.float32(2.0 ** -14)  # the smallest normal f16
+_F16_INF_FROM = np.float32(65520)  # the halfway point past 65504, f16's largest finite: from here on inf
+
+
+def round_in_f32(a: np.ndarray, dt: np.dtype, *, probabilities: bool = False) -> np.ndarray:
     """float32 values rounded to `dt` (f16 or bf16) but kept as float32: `a.astype(dt).astype(f32)`, bit for bit.
 
-    For operands the cube takes in half precision but numpy multiplies in f32: integer arithmetic on
-    the f32 bits rounds the mantissa to nearest-even without two slow dtype conversions. This runs
-    on every probability tile of FlashAttention, so it works in place where it can.
+    For operands the cube takes in half precision but numpy multiplies in f32; this runs on every
+    probability tile of FlashAttention, so it avoids numpy's slow f16 conversions. f16 uses Veltkamp's
+    split (y = 8193 a; a rounded = y - (y - a)), which in round-to-nearest-even f32 arithmetic gives
+    the nearest 11-bit value with ties to even for every normal f16 (checked exhaustively over the
+    f32s, test_numerics.py samples it); below 2^-14 an f16 is a multiple of 2^-24, which adding and
+    removing 0.75 (whose ulp is 2^-24) rounds to. bf16 rounds the mantissa on the f32 bits.
+    `probabilities` promises values in [0, 1] or NaN (FlashAttention's P): no overflow or sign to mind.
     """
     a = np.asarray(a, dtype=np.float32)
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")  # the subnormals are patched through a flat view
     name = np.dtype(dt).name
-    if name not in ("float16", "bfloat16"):
+    if name == "float16":
+        return _round_f16_in_f32(a, probabilities)
+    if name != "bfloat16":
         return a.astype(dt).astype(np.float32)
     bits = a.view(np.uint32)
-    shift, keep = (16, np.uint32(0xFFFF0000)) if name == "bfloat16" else (13, np.uint32(0xFFFFE000))
-    r = bits >> shift
+    r = bits >> 16
     r &= np.uint32(1)
-    r += np.uint32((1 << (shift - 1)) - 1)
+    r += np.uint32((1 << 15) - 1)
     r += bits  # round half to even at the kept mantissa's last bit
-    r &= keep
+    r &= np.uint32(0xFFFF0000)
     out = r.view(np.float32)
-    if name == "float16":
-        # below 2^-14 an f16 is a multiple of 2^-24: adding 0.75 (whose ulp is 2^-24) rounds to it
-        small = (bits & np.uint32(0x7FFFFFFF)) < np.uint32(0x38800000)
-        if small.any():
-            sub = a + np.float32(0.75)
-            sub -= np.float32(0.75)
-            np.copysign(sub, a, out=sub)  # a tiny negative that rounds to zero is -0.0
-            np.copyto(out, sub, where=small)
-        with np.errstate(invalid="ignore"):
-            # past 65504 an f16 is infinite (fmax/fmin skip NaNs, which are handled below)
-            if out.size and (np.fmax.reduce(out, axis=None) > 65504 or np.fmin.reduce(out, axis=None) < -65504):
-                out = np.where(np.abs(out) > np.float32(65504), np.copysign(np.float32(np.inf), a), out)
     with np.errstate(invalid="ignore"):
         has_nan = a.size and np.isnan(a.sum())  # one reduction; inf - inf only costs the slow check below
     if has_nan:
-        out = np.where(np.isnan(a), a, out)
+        out = np.where(np.isnan(a), a, out)  # the bit arithmetic could carry a NaN's payload into inf
+    return out
+
+
+def _round_f16_in_f32(a: np.ndarray, probabilities: bool) -> np.ndarray:
+    """`a.astype(float16).astype(float32)` in f32 arithmetic (see round_in_f32)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.multiply(a, _F16_SPLITTER)
+        t = np.subtract(out, a)
+        out -= t  # a NaN stays NaN; an overflow or inf turns into NaN, put right below
+        small = np.less(a, _F16_TINY) if probabilities else (np.abs(a) < _F16_TINY)
+        at = np.flatnonzero(small)
+        if at.size:
+            # a gather of the few subnormals is cheaper than a masked copy over the whole tile
+            flat = a.reshape(-1)
+            sub = flat[at] + np.float32(0.75)
+            sub -= np.float32(0.75)
+            np.copysign(sub, flat[at], out=sub)  # a tiny negative that rounds to zero (or -0.0) is -0.0
+            out.reshape(-1)[at] = sub
+        if not probabilities and out.size and not (np.fmax.reduce(a, axis=None) < _F16_INF_FROM
+                                                   and np.fmin.reduce(a, axis=None) > -_F16_INF_FROM):
+            out = np.where(np.abs(a) >= _F16_INF_FROM, np.copysign(np.float32(np.inf), a), out)
     return out
