@@ -338,7 +338,8 @@ def gerun_cmd() -> list[str]:
 def host_speed(s: int, tmp: Path) -> None:
     b, n, d = 1, 8, 64
     say(f"4. Host speed: gerun wall time, fused attention B={b} N={n} S={s} D={d} f16")
-    say("   goal: <= 1.5x a bare numpy FlashAttention-2 loop with the same blocks; torch's CPU SDPA beside it")
+    say("   goal: gerun <= 1.5x a bare numpy FlashAttention-2 loop with the same blocks (spec section 5), the")
+    say("   Runtime's run of the fused kernel, timing included, <= 1.0x (issue 26); torch's CPU SDPA beside it")
     text = attention_text(b, n, s, d)
     f = tmp / f"attention_{s}.geir"
     f.write_text(text)
@@ -366,9 +367,7 @@ def host_speed(s: int, tmp: Path) -> None:
 
     in_process = best_of(2, run_gerun_in_process)
     inputs = inputs_for(program)
-    t0 = time.perf_counter()
-    run_program(program, inputs)
-    runtime_s = time.perf_counter() - t0
+    runtime_s = best_of(2, lambda: run_program(program, inputs))
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     scale = 1 / math.sqrt(d)
     ref = numpy_flash_attention(q, k, v, scale, s1, s2)
@@ -382,7 +381,7 @@ def host_speed(s: int, tmp: Path) -> None:
     say(f"   gerun in process (no interpreter start-up)   {in_process:8.2f} s   {in_process / np_s:5.2f}x numpy   "
         f"{verdict(in_process / np_s <= 1.5)} (<= 1.5x)   {in_process / np_p_s:5.2f}x the P-rounding loop")
     say(f"   of which the Runtime's run                   {runtime_s:8.2f} s   {runtime_s / np_s:5.2f}x numpy   "
-        f"{runtime_s / np_p_s:5.2f}x the P-rounding loop")
+        f"{verdict(runtime_s / np_s <= 1.0)} (<= 1.0x)   {runtime_s / np_p_s:5.2f}x the P-rounding loop")
     row: dict[str, Any] = {"S": s, "s1": s1, "s2": s2, "numpy_s": np_s, "numpy_round_p_s": np_p_s, "gerun_s": wall, "gerun_in_process_s": in_process,
                            "runtime_s": runtime_s, "ratio": ratio, "pass": ratio <= 1.5}
     try:

@@ -4,10 +4,11 @@ checks its text.
     python bench/doc_figures.py --write     # re-run every block's command, put its output in the block
     python bench/doc_figures.py --check     # re-run and compare; exit 1 with a diff naming file and line
     python bench/doc_figures.py --list      # the blocks and their commands
+    python bench/doc_figures.py --write --recorded   # also re-run the recorded blocks (minutes to half an hour)
 
 A block in README.md, ARCHITECTURE.md or any examples/**/README.md:
 
-    <!-- figure: COMMAND [| text] [| host-noise=50%] -->
+    <!-- figure: COMMAND [| text] [| host-noise=50%] [| recorded] -->
     ...the command's output...
     <!-- /figure -->
 
@@ -15,14 +16,19 @@ COMMAND runs in a shell from the repository root, with the running interpreter's
 `python` is this Python and `geopt`, `gerun`, ... are the installed tools); it may pipe (`gedoctor X | grep Y`):
 the options are the trailing `| text` and `| host-noise=P%`. `text` puts the output in a fenced
 code block (otherwise it is markdown, e.g. a table). Simulated figures are exact, so a block compares exactly;
-a block whose output holds host wall times declares `host-noise=P%`: its numbers may differ by up to P % and
-everything else must match.
+a block whose output holds host wall times declares `host-noise=P%`: its numbers may differ by up to P %, its
+PASS / MISS verdicts may flip, and everything else must match. A block whose command takes too long to re-run in the test suite (getune's whole
+tuning suite, half an hour) declares `recorded`: `--write --recorded` runs it and keeps its output, headed by the
+command and the date, in bench/records/; the block shows that record, and the check compares the block with the
+record and the record's command with the block's, without re-running it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import difflib
+import hashlib
 import os
 import re
 import subprocess
@@ -34,7 +40,9 @@ import attrs
 ROOT = Path(__file__).resolve().parent.parent
 OPEN = re.compile(r"^<!-- figure: (?P<spec>.*?) -->$")
 CLOSE = "<!-- /figure -->"
+RECORDS = ROOT / "bench" / "records"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+VERDICT = re.compile(r"\b(PASS|MISS)\b")
 
 
 @attrs.frozen
@@ -48,6 +56,12 @@ class Block:
     text_fence: bool
     host_noise: float | None  # relative tolerance on numbers, or None: exact
     body: str
+    recorded: bool = False  # shown from its record in bench/records/, re-run only on request
+
+    @property
+    def record(self) -> Path:
+        """Where a recorded block's output is kept: named by its command."""
+        return RECORDS / f"{hashlib.sha1(self.command.encode()).hexdigest()[:12]}.txt"
 
     @property
     def where(self) -> str:
@@ -73,7 +87,7 @@ def blocks_of(path: Path) -> list[Block]:
         # the options are the trailing `| text` and `| host-noise=P%`; the command before them may pipe itself
         parts = [p.strip() for p in m.group("spec").split(" | ")]
         options: list[str] = []
-        while len(parts) > 1 and (parts[-1] == "text" or parts[-1].startswith("host-noise=")):
+        while len(parts) > 1 and (parts[-1] in ("text", "recorded") or parts[-1].startswith("host-noise=")):
             options.insert(0, parts.pop())
         command = " | ".join(parts)
         noise = None
@@ -88,19 +102,42 @@ def blocks_of(path: Path) -> list[Block]:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == CLOSE)
         except StopIteration:
             raise SystemExit(f"{path.relative_to(ROOT)}:{i + 1}: error: figure block without {CLOSE}") from None
-        out.append(Block(path, i + 1, end + 1, command, "text" in options, noise, "\n".join(lines[i + 1:end])))
+        out.append(Block(path, i + 1, end + 1, command, "text" in options, noise, "\n".join(lines[i + 1:end]),
+                         "recorded" in options))
         i = end + 1
     return out
 
 
-def render(block: Block) -> str:
-    """The block's text as its command prints it now."""
+def render(block: Block, rerun_recorded: bool = False) -> str:
+    """The block's text as its command prints it now (a recorded block: as its record holds it)."""
+    if block.recorded and not rerun_recorded:
+        return _fenced(block, recorded_output(block))
     # never the repository root on PYTHONPATH: its kernels/ would shadow Hugging Face's `kernels` package
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     done = subprocess.run(block.command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{block.where}: error: `{block.command}` exited {done.returncode}:\n{done.stderr[-2000:]}")
     text = (done.stdout + done.stderr).rstrip("\n")
+    if block.recorded:
+        RECORDS.mkdir(exist_ok=True)
+        text = f"$ {block.command}\n# recorded {datetime.date.today().isoformat()}\n{text}"
+        block.record.write_text(text + "\n", encoding="utf-8")
+    return _fenced(block, text)
+
+
+def recorded_output(block: Block) -> str:
+    """A recorded block's kept output; an error naming the block if there is none for its command."""
+    if not block.record.is_file():
+        raise SystemExit(f"{block.where}: error: no record of `{block.command}`: "
+                         f"python bench/doc_figures.py --write --recorded")
+    text = block.record.read_text(encoding="utf-8").rstrip("\n")
+    if not text.startswith(f"$ {block.command}\n"):
+        raise SystemExit(f"{block.where}: error: {block.record.name} is not the record of "
+                         f"`{block.command}`")
+    return text
+
+
+def _fenced(block: Block, text: str) -> str:
     return f"```\n{text}\n```" if block.text_fence else text
 
 
@@ -108,9 +145,10 @@ def same(block: Block, now: str) -> bool:
     """Whether the block's text holds what its command prints now (numbers within its host noise, if any)."""
     if block.host_noise is None:
         return block.body == now
-    # host times change width from run to run: the columns' padding is not part of the figure
+    # host times change width from run to run: the columns' padding is not part of the figure, and a verdict on a
+    # host time (PASS / MISS against its goal) moves with it
     def shape(text: str) -> str:
-        return re.sub(r"[ \t]+", " ", NUMBER.sub("#", text))
+        return re.sub(r"[ \t]+", " ", VERDICT.sub("VERDICT", NUMBER.sub("#", text)))
 
     if shape(block.body) != shape(now):
         return False
@@ -142,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="re-run every block and write its output into it")
     mode.add_argument("--check", action="store_true", help="re-run every block and compare (exit 1 on a difference)")
     mode.add_argument("--list", action="store_true", help="list the blocks and their commands")
+    parser.add_argument("--recorded", action="store_true",
+                        help="with --write: also re-run the recorded blocks and keep their new records")
+    parser.add_argument("--match", metavar="TEXT", help="only the blocks whose command contains TEXT")
     parser.add_argument("files", nargs="*", type=Path, help="only these markdown files")
     args = parser.parse_args(argv)
     files = [p.resolve() for p in args.files] or doc_files()
@@ -149,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     for path in files:
         updates = {}
         for block in blocks_of(path):
-            if args.list:
-                print(f"{block.where}: {block.command}")
+            if args.match and args.match not in block.command:
                 continue
-            now = render(block)
+            if args.list:
+                print(f"{block.where}: {block.command}{'   (recorded)' if block.recorded else ''}")
+                continue
+            now = render(block, rerun_recorded=args.write and args.recorded)
             if same(block, now):
                 continue
             if args.write:

@@ -1,6 +1,6 @@
 """Parse, verify and print throughput of GEIR on a long op chain, side by side with xdsl-opt.
 
-    python bench/parse_throughput.py [--ops 20000] [--repeat 3]
+    python bench/parse_throughput.py [--ops 20000] [--repeat 3] [--sizes 5000,10000,20000,40000]
 
 Prints ops/s for parse, verify and print in-process, for `geopt` end to end (a subprocess,
 interpreter start-up included), and for `xdsl-opt` on the equivalent `arith.addf` chain when
@@ -61,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sizes", help="the end-to-end chain lengths, comma-separated (default: ops/4, ops/2, ops, 2 ops)")
     args = ap.parse_args()
     n, r = args.ops, args.repeat
 
@@ -80,7 +81,7 @@ def main() -> None:
     geopt = tool("geopt")
     xdsl = tool("xdsl-opt")
     with tempfile.TemporaryDirectory() as tmp:
-        sizes = [n // 4, n // 2, n, 2 * n]
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [n // 4, n // 2, n, 2 * n]
         print("\nEnd to end (a fresh process each run; interpreter start-up included)")
         print(f"  {'ops':>8}  {'geopt s':>9} {'geopt ops/s':>12}  {'xdsl-opt s':>10} {'xdsl ops/s':>11}  {'ratio':>6}")
         for size in sizes:

@@ -34,3 +34,19 @@ def test_a_changed_figure_is_caught_and_host_noise_is_bounded(tmp_path):
     noisy = TOOL.Block(tmp_path / "x.md", 1, 3, "echo", False, 0.5, "took 2.0 s, 3 runs")
     assert TOOL.same(noisy, "took 2.9 s, 3 runs") and not TOOL.same(noisy, "took 4.5 s, 3 runs")
     assert not TOOL.same(noisy, "took 2.0 s, 3 runs, slower")  # the words must match
+    verdict = TOOL.Block(tmp_path / "x.md", 1, 3, "echo", False, 0.5, "1.1x MISS (<= 1.0x)")
+    assert TOOL.same(verdict, "0.9x PASS (<= 1.0x)")  # a verdict on a host time moves with it
+    assert not TOOL.same(TOOL.Block(tmp_path / "x.md", 1, 3, "echo", False, None, "PASS"), "MISS")
+
+
+def test_a_recorded_block_shows_its_record_and_a_foreign_record_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(TOOL, "RECORDS", tmp_path)
+    block = TOOL.Block(ROOT / "x.md", 1, 3, "echo slow", True, None, "", recorded=True)
+    with pytest.raises(SystemExit, match="no record of `echo slow`"):
+        TOOL.render(block)
+    # re-running writes the record: the command, the date, the output
+    assert TOOL.render(block, rerun_recorded=True).splitlines()[1:4:2] == ["$ echo slow", "slow"]
+    assert TOOL.render(block) == TOOL.render(block, rerun_recorded=True)
+    block.record.write_text("$ echo other\n# recorded 2026-12-04\nslow\n")
+    with pytest.raises(SystemExit, match="is not the record of `echo slow`"):
+        TOOL.render(block)
