@@ -164,8 +164,8 @@ def _round_f16_in_f32(a: np.ndarray, probabilities: bool) -> np.ndarray:
         t = np.subtract(out, a)
         out -= t  # a NaN stays NaN; an overflow or inf turns into NaN, put right below
         small = np.less(a, _F16_TINY) if probabilities else (np.abs(a) < _F16_TINY)
-        at = np.flatnonzero(small)
-        if at.size:
+        if small.any():
+            at = np.flatnonzero(small)
             # a gather of the few subnormals is cheaper than a masked copy over the whole tile
             flat = a.reshape(-1)
             sub = flat[at] + np.float32(0.75)
