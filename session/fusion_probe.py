@@ -77,20 +77,29 @@ def probe_fusion(graph: Graph, pipeline: str, target: str, file: str = "<input>"
 
     records: list = []
     run_passes(module, complete_pipeline([Fuse()]), target, verify_each=False, records=records)
-    candidates = [Candidate(o.rule, o.loc, o.reason, _root_at(before, FUSION_RULES[o.rule].ROOT, o.loc))
+    at_place = _ops_by_place(before)
+    candidates = [Candidate(o.rule, o.loc, o.reason, _root_at(at_place, FUSION_RULES[o.rule].ROOT, o.loc))
                   for o in records if isinstance(o, FusionOutcome)]
     return Probe(before, candidates, fuse)
 
 
-def _root_at(graph: Graph, root: str | tuple[str, ...], loc: Location) -> Operation | None:
+def _place(loc: Location) -> tuple:
+    return (loc.file, loc.line, loc.col)
+
+
+def _ops_by_place(graph: Graph) -> dict[tuple, list[Operation]]:
+    """The graph's ops by source location, in graph order (one pass: a probe looks up every outcome)."""
+    index: dict[tuple, list[Operation]] = {}
+    for op in graph.ops:
+        index.setdefault(_place(op.loc), []).append(op)
+    return index
+
+
+def _root_at(at_place: dict[tuple, list[Operation]], root: str | tuple[str, ...], loc: Location) -> Operation | None:
     """The op a rule is rooted at, found by its location (the last one there, as a rule roots at the end)."""
     names = (root,) if isinstance(root, str) else root
-    found = [op for op in graph.ops if op.name in names and _same_place(op.loc, loc)]
+    found = [op for op in at_place.get(_place(loc), ()) if op.name in names]
     return found[-1] if found else None
-
-
-def _same_place(a: Location, b: Location) -> bool:
-    return (a.file, a.line, a.col) == (b.file, b.line, b.col)
 
 
 def _ends_region(op: Operation) -> bool:
