@@ -27,6 +27,7 @@ from geir.ir import Graph, Module, Operation, Value
 from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.placement import AICPU, ENGINE_ATTR, engine_of
+from geir.target_npu.target import load_target
 from geir.traits import Terminator
 
 ALIGN = 512
@@ -72,7 +73,7 @@ class _Builder:
             self.emit("rt.wait", [], {"event": event, "stream": stream}, [], loc)
 
 
-def lower_graph(graph: Graph) -> Graph:
+def lower_graph(graph: Graph, target: str | None = None) -> Graph:
     """The rt.program for a graph that has been tiled and planned (static shapes)."""
     for v in graph.args:
         if not v.type.is_static:
@@ -150,6 +151,10 @@ def lower_graph(graph: Graph) -> Graph:
         "memory": {"inputs": inputs_size, "constants": constants_size, "arena": graph.attributes["arena_size"]},
         "streams": b.next_stream,
     }
+    if target is not None:
+        # the tilings, the plan's workspaces and the schedules they imply hold on this chip only: the Runtime
+        # refuses to run the program on another
+        program.attributes["target"] = target
     if "arena_lower_bound" in graph.attributes:  # the plan's live-bytes bound, for reports against the arena
         program.attributes["arena_lower_bound"] = graph.attributes["arena_lower_bound"]
     return program
@@ -217,4 +222,5 @@ class Lower(Pass):
     REQUIRES = ("infer-shapes", "tile", "plan")
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        module.graphs = [lower_graph(g) if g.kind == "ge.graph" else g for g in module.graphs]
+        target = load_target(ctx.target).name
+        module.graphs = [lower_graph(g, target) if g.kind == "ge.graph" else g for g in module.graphs]

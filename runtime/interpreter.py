@@ -377,12 +377,24 @@ class Runtime:
         return stats
 
 
+def target_mismatch(program: Graph, target: Target) -> Diagnostic | None:
+    """An error if the program was lowered for another chip than `target`: its tilings, workspaces and the
+    schedules they name hold there only (a program that records no target is taken as lowered for any)."""
+    compiled = program.attributes.get("target")
+    if not isinstance(compiled, str) or compiled == target.name:
+        return None
+    return Diagnostic("error", f"rt.program @{program.name} was lowered for target '{compiled}', not '{target.name}': "
+                               f"its tilings and memory plan hold on '{compiled}' only; run it with --target {compiled} "
+                               f"or compile the ge.graph for '{target.name}'", program.loc)
+
+
 def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling | None], list[Diagnostic]]:
     """Each launch's typed tiling (by id of the launch), decoded by its kernel from the `tiling` attribute,
     and an error at every launch whose kernel is unknown, refuses its operands on `target` (a dtype the
     cube has no mode for) or whose tiling attribute is malformed."""
     tilings: dict[int, KernelTiling | None] = {}
-    problems: list[Diagnostic] = []
+    mismatch = target_mismatch(program, target)
+    problems: list[Diagnostic] = [mismatch] if mismatch is not None else []
     for op in program.ops:
         if op.name != "rt.launch":
             continue

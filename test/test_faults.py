@@ -83,8 +83,14 @@ def test_the_last_core_stopping_cannot_be_recovered(program, inputs, tmp_path) -
     text = (TARGET_DIR / "ascend910b.toml").read_text()
     one = tmp_path / "one_core.toml"
     one.write_text(text.replace('name = "ascend910b"', 'name = "one_core"').replace("cube = 24", "cube = 1"))
+    one_core_program = compile_module(parse(UNFUSED), NO_FUSE_PIPELINE, str(one))[0].graphs[0]
     with pytest.raises(RuntimeFailure, match="the only core stopped during kernel #0"):
-        _run(program, inputs, [("core", 0)], target=str(one))
+        _run(one_core_program, inputs, [("core", 0)], target=str(one))
+
+
+def test_a_program_lowered_for_another_chip_is_refused(program, inputs) -> None:
+    with pytest.raises(RuntimeFailure, match="lowered for target 'ascend910b', not 'ascend910a'"):
+        _run(program, inputs, target="ascend910a")
 
 
 def _tiling(template: str, **blocks):

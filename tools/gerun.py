@@ -558,9 +558,13 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     session = None
     if is_program:
-        from geir.runtime.interpreter import load_tilings
+        from geir.runtime.interpreter import load_tilings, target_mismatch
 
         program = graph
+        mismatch = target_mismatch(program, load_target(args.target))
+        if mismatch is not None:
+            printer(mismatch)
+            return EXIT_USAGE  # the program is fine; the command asked for another chip
         problems = load_tilings(program, load_target(args.target))[1]
         for d in problems:
             printer(d)
