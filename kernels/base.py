@@ -129,6 +129,10 @@ class Kernel:
         reserves them for the launch). By default none."""
         return 0
 
+    def schedule_problem(self, tiling: KernelTiling, target: Target) -> str | None:
+        """Why `target` cannot run the schedule `tiling` names (a tiling chosen for another chip), or None."""
+        return None
+
     def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
         """A small op on which `tiling` does per result element the arithmetic it does on `sig`: where a tuned
         tiling's numbers are checked against the reference before it is stored. By default the op itself."""

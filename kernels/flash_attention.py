@@ -23,7 +23,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
-from geir.kernels.flash_attention_a2 import PRELOAD, cv_budget, vector_rows
+from geir.kernels.flash_attention_a2 import cv_budget, vector_rows
 from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, SOFTMAX_PASSES, cv_grid, time_cv_split
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
@@ -91,6 +91,9 @@ class FlashAttentionKernel(Kernel):
     def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
         return tiling_rules.check_instance(sig, tiling)
 
+    def schedule_problem(self, tiling: FlashTiling, target: Target) -> str | None:
+        return schedule_problem(tiling, target)
+
     def workspace_bytes(self, tiling: FlashTiling, sig: OpSignature) -> int:
         return tiling_rules.workspace_bytes(tiling, sig)
 
@@ -107,6 +110,18 @@ class FlashAttentionKernel(Kernel):
         return [np.swapaxes(out, 1, 2) if bsnd else out]
 
 
+def schedule_problem(tiling: FlashTiling, target: Target) -> str | None:
+    """Why this chip cannot run the schedule the tiling names, or None: the CV-split schedule needs separate cube
+    and vector cores, and on such a chip only flash-decoding also has an on-chip schedule (IncreFlashAttention's)."""
+    if tiling.cv_split and not target.separate_cube_vector:
+        return (f"the tiling names the CV-split schedule (preload = {tiling.preload}), which needs separate cube and "
+                f"vector cores; {target.name} has none")
+    if not tiling.cv_split and target.separate_cube_vector and tiling.template != FLASH_DECODE:
+        return (f"the tiling names the on-chip schedule (no preload), but {target.name}'s cube and vector units are "
+                f"separate cores: template {tiling.template} runs there as the CV-split schedule (preload and v_rows)")
+    return None
+
+
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
                             scale: float, tiling: FlashTiling, ctx: LaunchContext) -> np.ndarray:
     """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm."""
@@ -117,14 +132,16 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     if ctx.fault == "ub_overflow":
         raise CapacityError("UB", 2 * target.buffer_bytes("ub"), target.buffer_bytes("ub"), 0,
                             "the injected fault's score tile")
-    # on a chip whose cube and vector units are separate cores every template runs the CV-split schedule
-    # (flash-decoding too, as IncreFlashAttention does on A2); a flash-decoding tiling without the CV fields
-    # (written for another chip) runs the on-chip one
+    # the schedule is the tiling's, decided once when it was chosen for the program's target (the Runtime refuses a
+    # program lowered for another chip, and a tiling whose schedule this chip cannot run: schedule_problem)
     decode = tiling.template == FLASH_DECODE
-    cv = target.separate_cube_vector and (tiling.cv_split or not decode)
+    problem = schedule_problem(tiling, target)
+    if problem is not None:
+        raise ValueError(problem)
+    cv = tiling.cv_split
     mask_isz = _bytes(mask.dtype) if mask is not None else 0
     if cv:
-        preload = tiling.preload or PRELOAD
+        preload = tiling.preload
         v_rows = tiling.v_rows or vector_rows(s2, -(-s1 // target.data["cores"].get("vector_per_cube", 1)))
         allocate(target, cv_budget(s1, s2, D, v_rows, DType.from_numpy(q.dtype), target, buffers=nbuf,
                                    causal=causal, mask_itemsize=mask_isz), f"the {s1} x {s2} CV block (d = {D})")

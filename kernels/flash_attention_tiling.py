@@ -70,7 +70,7 @@ SPLIT_EFFICIENCY = 0.85
 FLASH_ROW_VECTORS = 3
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class FlashTiling(KernelTiling):
     """A FlashAttention kernel's template, blocks and the budgets they use, with the rule that chose them."""
 
@@ -343,8 +343,10 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
             if cv_decode:
                 rule += (f"; CV-split: each AIV takes {-(-s1 // chip.data['cores'].get('vector_per_cube', 1))} rows "
                          f"in {v_rows} x {s2} f32 vector blocks, the cube issues {PRELOAD} mm1 ahead")
-            return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, segments, budget.l1, budget.l0a,
-                               budget.l0b, budget.l0c, work, skipped, PRELOAD if cv_decode else 0, v_rows, rule=rule)
+            return FlashTiling(template=template, s1=s1, s2=s2, d=d, buffers=buffers, cores=cores, ub_bytes=budget.ub,
+                               segments=segments, l1_bytes=budget.l1, l0a_bytes=budget.l0a, l0b_bytes=budget.l0b,
+                               l0c_bytes=budget.l0c, work_units=work, skipped_blocks=skipped,
+                               preload=PRELOAD if cv_decode else 0, v_rows=v_rows, rule=rule)
     s1, s2, (buf, need, cap) = last
     raise TilingError(f"no flash_attention tiling fits {chip.name}: even the smallest block s1 = {s1}, s2 = {s2} "
                       f"with head dim {d} ({dtype}, {buffers} buffers) needs {need} bytes of {buf}, which holds {cap}")
@@ -403,8 +405,10 @@ def choose_cv_tiling(bsz: int | None, n: int | None, nkv: int | None, sq: int | 
                      f"{cores} AIC ({vpc} AIV each); GM workspace {ws} bytes per AIC")
             if skipped:
                 rule += f"; causal skips {skipped} fully masked blocks per head"
-            return FlashTiling(template, s1, s2, d, buffers, cores, budget.ub, 1, budget.l1, budget.l0a, budget.l0b,
-                               budget.l0c, work, skipped, preload, v_rows, rule, design)
+            return FlashTiling(template=template, s1=s1, s2=s2, d=d, buffers=buffers, cores=cores, ub_bytes=budget.ub,
+                               segments=1, l1_bytes=budget.l1, l0a_bytes=budget.l0a, l0b_bytes=budget.l0b,
+                               l0c_bytes=budget.l0c, work_units=work, skipped_blocks=skipped, preload=preload,
+                               v_rows=v_rows, rule=rule, design=design)
     s1, v_rows, (buf, need, cap) = last
     raise TilingError(f"no flash_attention tiling fits {chip.name}: even S1.i = {s1} x S2.i = {s2} with {v_rows}-row "
                       f"vector blocks (head dim {d}, {dtype}) needs {need} bytes of {buf}, which holds {cap}")
@@ -500,10 +504,12 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[FlashTi
                 if b.overflow(chip) is None:
                     work = decode_units(bsz, n, nkv, sq, s1) * segments
                     for preload in (1, 2):  # as the CV-split candidates
-                        out.append(FlashTiling(FLASH_DECODE, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub,
-                                               segments, b.l1, b.l0a, b.l0b, b.l0c, work,
-                                               decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0, preload,
-                                               v_rows, rule=f"{rule}, CV-split, preload {preload}"))
+                        out.append(FlashTiling(
+                            template=FLASH_DECODE, s1=s1, s2=s2, d=d, buffers=buffers,
+                            cores=min(work, chip.cube_cores), ub_bytes=b.ub, segments=segments, l1_bytes=b.l1,
+                            l0a_bytes=b.l0a, l0b_bytes=b.l0b, l0c_bytes=b.l0c, work_units=work,
+                            skipped_blocks=decode_skipped(n, nkv, sq, skv, s1, s2) if causal else 0,
+                            preload=preload, v_rows=v_rows, rule=f"{rule}, CV-split, preload {preload}"))
         return out
     if chip.separate_cube_vector:
         return cv_candidates(bsz, n, nkv, sq, skv, d, q.dtype, causal, has_mask, mask_itemsize, chip, buffers)
@@ -547,8 +553,9 @@ def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int
     b = _budget(s1, s2, d, buffers, sig, chip)
     if skipped is None:
         skipped = causal_skipped(sq, skv, s1, s2) if causal else 0
-    return FlashTiling(template, s1, s2, d, buffers, min(work, chip.cube_cores), b.ub, segments, b.l1, b.l0a, b.l0b,
-                       b.l0c, work, skipped, rule=rule)
+    return FlashTiling(template=template, s1=s1, s2=s2, d=d, buffers=buffers, cores=min(work, chip.cube_cores),
+                       ub_bytes=b.ub, segments=segments, l1_bytes=b.l1, l0a_bytes=b.l0a, l0b_bytes=b.l0b,
+                       l0c_bytes=b.l0c, work_units=work, skipped_blocks=skipped, rule=rule)
 
 
 def check_instance(sig: OpSignature, tiling: FlashTiling) -> OpSignature:

@@ -419,6 +419,11 @@ def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling
         except TilingAttrError as e:
             problems.append(Diagnostic("error", str(e), op.attr_loc("tiling")))
             continue
+        unrunnable = kernel.schedule_problem(tilings[id(op)], target) if tilings[id(op)] is not None else None
+        if unrunnable is not None:
+            problems.append(Diagnostic("error", f"{op.kernel} cannot run on {target.name}: {unrunnable}",
+                                       op.attr_loc("tiling")))
+            continue
         empty = _empty_block(tilings[id(op)], op)
         if empty is not None:
             problems.append(Diagnostic("error", f"the tiling of {op.kernel}: '{empty}' is 0, but the launch's tensors "

@@ -67,7 +67,8 @@ def test_both_schedules_compute_the_same_numbers(case):
     # blocks both schedules fit: the CV block 64 x 256, and the on-chip kernel's tile of the same size
     cv = _cv_tiling(q, k, causal, mask, blocks=(64, 256))
     assert cv.cv_split and (cv.s1, cv.s2) == (64, 256)
-    onchip = FlashTiling(cv.template, 64, 256, cv.d, 2, cv.cores, 1, 1, 1, 1, 1, 1)
+    onchip = FlashTiling(template=cv.template, s1=64, s2=256, d=cv.d, buffers=2, cores=cv.cores, ub_bytes=1, segments=1,
+                         l1_bytes=1, l0a_bytes=1, l0b_bytes=1, l0c_bytes=1)
     a = flash_attention_forward(q, k, v, mask, causal, scale, cv, _context(A2))
     b = flash_attention_forward(q, k, v, mask, causal, scale, onchip, _context(ONCHIP))
     assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -10,6 +10,7 @@ import pytest
 
 from geir.kernels.base import LaunchContext
 from geir.kernels.flash_attention import flash_attention_forward
+from geir.kernels.flash_attention_a2 import PRELOAD
 from geir.ops.linalg import FlashAttention
 from geir.kernels.flash_attention_tiling import FlashTiling, choose_flash_tiling
 from geir.target_npu import load_target
@@ -36,9 +37,11 @@ def _tiling(q, k, causal: bool, mask, target: str = "ascend910b", buffers: int =
                                mask_itemsize=mask.dtype.itemsize if mask is not None else None).to_attr()
 
 
-def _blocks(s1: int, s2: int, buffers: int = 2) -> FlashTiling:
-    """A FlashAttention tiling with these blocks (its budgets are the kernel's to check)."""
-    return FlashTiling("S1s2Bn2gs1", s1, s2, 128, buffers, 24, 1, 1, 1, 1, 1, 1)
+def _blocks(s1: int, s2: int, buffers: int = 2, cv: bool = True) -> FlashTiling:
+    """A FlashAttention tiling with these blocks (its budgets are the kernel's to check); `cv`: the CV-split schedule
+    a split-core chip runs, else the on-chip one."""
+    return FlashTiling(template="S1s2Bn2gs1", s1=s1, s2=s2, d=128, buffers=buffers, cores=24, ub_bytes=1, segments=1,
+                       l1_bytes=1, l0a_bytes=1, l0b_bytes=1, l0c_bytes=1, preload=PRELOAD if cv else 0)
 
 
 def _run(b, n, sq, d, *, nkv=None, skv=None, dtype=np.float16, causal=False, mask_kind=None, target="ascend910b",
@@ -123,7 +126,7 @@ def test_cube_runs_the_next_scores_while_the_vector_units_run_the_softmax() -> N
     # so on core 1 the cube and the vector units, not the loads, set the pace
     q = rng.standard_normal((1, 8, 128, 128)).astype(np.float16)
     k, v = (rng.standard_normal((1, 1, 512, 128)).astype(np.float16) for _ in range(2))
-    flash_attention_forward(q, k, v, None, False, 0.088, _blocks(128, 128), ctx)
+    flash_attention_forward(q, k, v, None, False, 0.088, _blocks(128, 128, cv=False), ctx)
 
     def on_core_1(name: str) -> list[tuple[float, float]]:
         out = []
@@ -139,6 +142,14 @@ def test_cube_runs_the_next_scores_while_the_vector_units_run_the_softmax() -> N
         # S of block t+1 is on the cube before P V of block t, and overlaps block t's softmax
         assert scores[t + 1][0] < pv[t][0]
         assert scores[t + 1][0] < softmax[t][1] and scores[t + 1][1] > softmax[t][0]
+
+
+def test_a_tiling_names_its_schedule_and_a_chip_that_cannot_run_it_refuses() -> None:
+    q = np.zeros((1, 1, 128, 128), np.float16)
+    with pytest.raises(ValueError, match="CV-split schedule .* needs separate cube and vector cores"):
+        flash_attention_forward(q, q, q, None, False, 0.088, _blocks(128, 128, cv=True), _context(ONCHIP))
+    with pytest.raises(ValueError, match="names the on-chip schedule .* separate cores"):
+        flash_attention_forward(q, q, q, None, False, 0.088, _blocks(128, 128, cv=False), _context())
 
 
 def test_a_tile_too_large_for_the_buffers_is_an_error() -> None:
