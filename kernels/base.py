@@ -232,7 +232,7 @@ def started_cores(target: Target, busy: np.ndarray, vector_units: int = 0) -> in
     aiv = worked[[PIPE_INDEX[p] for p in AIV_PIPES]].any(axis=0) | (worked[PIPE_INDEX["MTE2"]] & ~aic)
     if vector_units and not aic.any():
         return vector_units
-    return int(aic.sum() + int(target.data["cores"].get("vector_per_cube", 1)) * aiv.sum())
+    return int(aic.sum() + target.vector_per_cube * aiv.sum())
 
 
 def _delay(cores: Cores, start: float, head: float, first: int, lanes: np.ndarray) -> None:

@@ -340,7 +340,7 @@ class VectorLanes:
         self.ctx = ctx
         self.target = ctx.target
         self.lanes = ctx.cores.count
-        self.per = int(ctx.target.data["cores"].get("vector_per_cube", 1))
+        self.per = ctx.target.vector_per_cube
         self.slots = self.lanes * self.per
 
     def waves(self, units: int):

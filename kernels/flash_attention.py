@@ -142,7 +142,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     mask_isz = _bytes(mask.dtype) if mask is not None else 0
     if cv:
         preload = tiling.preload
-        v_rows = tiling.v_rows or vector_rows(s2, -(-s1 // target.data["cores"].get("vector_per_cube", 1)))
+        v_rows = tiling.v_rows or vector_rows(s2, -(-s1 // target.vector_per_cube))
         allocate(target, cv_budget(s1, s2, D, v_rows, DType.from_numpy(q.dtype), target, buffers=nbuf,
                                    causal=causal, mask_itemsize=mask_isz), f"the {s1} x {s2} CV block (d = {D})")
     else:

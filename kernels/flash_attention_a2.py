@@ -74,7 +74,7 @@ def cv_budget(s1: int, s2: int, d: int, v_rows: int, dtype: DType, chip: Target,
     fm, fk, _ = fractal(chip, dtype)
     s1, s2, d = align(s1, fm), align(s2, fm), align(d, fm)
     b = dtype.itemsize
-    half = -(-s1 // chip.data["cores"].get("vector_per_cube", 1))
+    half = -(-s1 // chip.vector_per_cube)
     # UB: S in (f32) and P out (input dtype) of a sub-block, with its mask tiles; the f32 O accumulator of the
     # AIV's rows and one landing buffer for each block's P V
     score = v_rows * s2 * (F32_BYTES + b + (1 if causal else 0) + mask_itemsize) * buffers

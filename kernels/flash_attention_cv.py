@@ -219,7 +219,7 @@ class _Costs:
     """The cycles of a CV block's on-chip instructions (the same for every block of a launch)."""
 
     def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int, v_rows: int, buffers: int):
-        vpc = target.data["cores"].get("vector_per_cube", 1)
+        vpc = target.vector_per_cube
         chunk = min(cube_chunk(align(s1, 16), align(s2, 16), align(D, 16), isz, buffers, target), s2)
         self.chunks = -(-s2 // chunk)
         self.half = -(-s1 // vpc)  # rows each AIV takes

@@ -198,7 +198,7 @@ def flash_budget(s1: int, s2: int, d: int, dtype: DType, buffers: int, chip: Tar
     b = dtype.itemsize
     # Each vector unit paired with the cube takes its share of the block's rows (910B: one AIC, two
     # AIVs, each with its own UB), so UB is budgeted per vector unit for s1 / vector_per_cube rows.
-    rows = -(-s1 // chip.data["cores"].get("vector_per_cube", 1))
+    rows = -(-s1 // chip.vector_per_cube)
     # Score side, X = (4 / bytes + 1) * buffers in units of the input dtype: the f32 scores the cube
     # delivers plus their softmax P in the input dtype for the second matmul, both double-buffered so
     # FIXP lands block j+1 while the vector unit works on block j (f16: 6 bytes per element, f32: 8).
@@ -341,7 +341,7 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
             if skipped:
                 rule += f"; causal skips {skipped} fully masked blocks per head"
             if cv_decode:
-                rule += (f"; CV-split: each AIV takes {-(-s1 // chip.data['cores'].get('vector_per_cube', 1))} rows "
+                rule += (f"; CV-split: each AIV takes {-(-s1 // chip.vector_per_cube)} rows "
                          f"in {v_rows} x {s2} f32 vector blocks, the cube issues {PRELOAD} mm1 ahead")
             return FlashTiling(template=template, s1=s1, s2=s2, d=d, buffers=buffers, cores=cores, ub_bytes=budget.ub,
                                segments=segments, l1_bytes=budget.l1, l0a_bytes=budget.l0a, l0b_bytes=budget.l0b,
@@ -382,7 +382,7 @@ def choose_cv_tiling(bsz: int | None, n: int | None, nkv: int | None, sq: int | 
     if not design.s1_i:  # the document gives no block for this template: say which one GEIR runs
         rule += f"; CV block {s1_0} x {s2}"
     first = None
-    vpc = chip.data["cores"].get("vector_per_cube", 1)
+    vpc = chip.vector_per_cube
     for s1 in halvings(s1_0, SMALLEST_BLOCK):
         for v_rows in halvings(vector_rows(s2, -(-s1 // vpc)), 1):
             budget = cv_budget(s1, s2, d, v_rows, dtype, chip, buffers=buffers, causal=causal,
@@ -435,7 +435,7 @@ def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Mi
 def cv_fit(s1: int, s2: int, d: int, dtype: DType, chip: Target, buffers: int, causal: bool,
            mask_bytes: int) -> tuple[int, Budget]:
     """(vector sub-block rows, budget) of an s1 x s2 CV block: the most rows whose UB fits, else the fewest's."""
-    vpc = chip.data["cores"].get("vector_per_cube", 1)
+    vpc = chip.vector_per_cube
     for v_rows in halvings(vector_rows(s2, -(-s1 // vpc)), 1):
         b = cv_budget(s1, s2, d, v_rows, dtype, chip, buffers=buffers, causal=causal, mask_itemsize=mask_bytes)
         if b.overflow(chip) is None:

@@ -140,7 +140,7 @@ def matmul_budget(m: int, n: int, k: int, itemsize: int, buffers: int, chip: Tar
     """
     depth_a = buffers if depth_a is None else depth_a
     depth_b = buffers if depth_b is None else depth_b
-    rows = -(-m // chip.data["cores"].get("vector_per_cube", 1))
+    rows = -(-m // chip.vector_per_cube)
     ub = rows * n * (F32_BYTES + itemsize) * buffers if epilogue else 0
     l1 = (depth_a * m * k + depth_b * k * n) * itemsize + (n * itemsize if bias else 0)
     return Budget(ub, l1, m * k * itemsize * buffers, k * n * itemsize * buffers,
@@ -347,7 +347,7 @@ def _block_and_head(m: int, n: int, K: int | None, dtype: DType, epilogue: bool,
     fm, fk, fn = fractal(chip, dtype)
     cube = -(-m // fm) * -(-K // fk) * -(-n // fn)
     load = (m + n) * K * dtype.itemsize / chip.data["memory"]["gm_read_bytes_per_cycle_l2"]
-    started = 1 + (int(chip.data["cores"].get("vector_per_cube", 1)) if _template(epilogue, False, chip)
+    started = 1 + (chip.vector_per_cube if _template(epilogue, False, chip)
                    == MIX_EPILOGUE else 0)
     return max(cube, load), chip.head_cycles(started)
 

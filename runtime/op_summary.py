@@ -226,7 +226,7 @@ def _fields(k: KernelStats, task_id: int, stream: int, start_us: float, target: 
     """Every field of a kernel's row except the wait, which depends on the row before it."""
     if k.engine == "aicpu":
         return _aicpu_fields(k, task_id, stream, start_us, target)
-    per_cube = int(target.data["cores"].get("vector_per_cube", 1))
+    per_cube = target.vector_per_cube
     split = per_cube > 1  # cube and vector units are separate cores (Atlas A2)
     lanes = k.cores
     uses_cube = any(k.busy[p] > 0 for p in AIC_PIPES)

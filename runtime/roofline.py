@@ -96,7 +96,7 @@ def bandwidths(target: Target, kernel: str = "ge.matmul", both_sides: bool = Fal
     `both_sides`: a kernel that moves data through the cube cores' and the vector cores' own ports (the CV-split
     FlashAttention of a chip whose cube and vector units are separate cores) has the ports of both."""
     mem = target.data["memory"]
-    vector_ports = target.cube_cores * target.data["cores"].get("vector_per_cube", 1)
+    vector_ports = target.cube_cores * target.vector_per_cube
     if both_sides:
         ports = target.cube_cores + vector_ports
     else:

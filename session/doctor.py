@@ -625,7 +625,7 @@ def cv_split_schedule(k: KernelStats, target: Target) -> dict[str, Any] | None:
     ratio = {p: k.busy[p] / (k.cycles * k.cores) for p in ("MTE2", "CUBE", "FIXP", "VECTOR", "AIV_MTE2", "MTE3")}
     exchange = max(("MTE2", "FIXP"), key=ratio.get)
     return {"cv_block": [t.s1, t.s2], "v_rows": t.v_rows, "preload": t.preload,
-            "vector_per_cube": int(target.data["cores"].get("vector_per_cube", 1)), "pipe_ratios": ratio,
+            "vector_per_cube": target.vector_per_cube, "pipe_ratios": ratio,
             "exchange_pipe": exchange}
 
 

@@ -519,7 +519,7 @@ def cube_cycles(target: Target, dtype: str, m: int, k: int, n: int) -> float:
 
 def vector_cycles(target: Target, nbytes: int | np.ndarray, instructions: int = 1) -> np.ndarray | float:
     """Cycles of one core's vector units for `instructions` passes over `nbytes` of operands."""
-    per_cycle = target.data["vector"]["bytes_per_cycle"] * target.data["cores"].get("vector_per_cube", 1)
+    per_cycle = target.data["vector"]["bytes_per_cycle"] * target.vector_per_cube
     return instructions * np.ceil(np.asarray(nbytes) / per_cycle)
 
 

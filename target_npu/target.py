@@ -35,6 +35,11 @@ class Target:
         return self.data["cores"]["vector"]
 
     @property
+    def vector_per_cube(self) -> int:
+        """Vector units (AIVs) paired with each cube core: 2 on Atlas A2's split cores, 1 where they share a core."""
+        return int(self.data["cores"].get("vector_per_cube", 1))
+
+    @property
     def separate_cube_vector(self) -> bool:
         """Whether the cube and vector units are separate cores exchanging data only through GM ([cores]
         separate_cube_vector: Atlas A2's AIC and AIV), rather than units of one AI core."""
