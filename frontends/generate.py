@@ -238,6 +238,25 @@ def _cache_layer_class():
     return BoundLayer
 
 
+def kv_heads_of(cfg: Any) -> int:
+    """The number of key/value heads as each Hugging Face config spells it: `num_key_value_heads` (LLaMA, Qwen2,
+    Mistral), `num_kv_heads` (Falcon's new decoder), `multi_query` (one K/V head: Falcon, GPT-BigCode), else one per
+    query head; a config that names no head count is an error saying what was looked for."""
+    for name in ("num_key_value_heads", "num_kv_heads"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0 and (name != "num_kv_heads" or getattr(cfg, "new_decoder_architecture",
+                                                                                     True)):
+            return value
+    if getattr(cfg, "multi_query", False):
+        return 1
+    for name in ("num_attention_heads", "n_head", "num_heads"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"generate: cannot tell how many key/value heads {type(cfg).__name__} has: it sets none of "
+                     f"num_key_value_heads, num_kv_heads, multi_query, num_attention_heads, n_head")
+
+
 class _StepModule(torch.nn.Module):
     """One step as a function of tensors: token ids, the mask over the cache's slots, the slots written, the
     position ids, and the cache (made here, zeroed, for the prefill); returns the last logits and the cache."""
@@ -248,7 +267,7 @@ class _StepModule(torch.nn.Module):
         self.prefill = prefill
         cfg = model.config
         self.layers = cfg.num_hidden_layers
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.kv_heads = kv_heads_of(cfg)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layer_class = _cache_layer_class()
 

@@ -144,3 +144,29 @@ def test_the_trace_puts_ge_and_the_device_on_one_axis_with_memory_counters(run14
     assert all(c["args"]["arena"] >= c["args"]["arena_lower_bound"] > 0 for c in counters)
     ge = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
     assert len(ge) == [s.plan_cache for s in run.steps].count("miss")
+
+
+def test_falcon_multi_query_generates_what_hugging_face_does():
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, vocab_size=100,
+                                    multi_query=True, new_decoder_architecture=False, bos_token_id=0, eos_token_id=0)
+    model = transformers.FalconForCausalLM(cfg).eval()
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    run = generate(model, ids, 6, buckets="pow2")
+    assert torch.equal(run.tokens, _hf(model, ids, torch.ones_like(ids), 6))
+
+
+def test_the_kv_heads_are_read_as_each_config_spells_them():
+    from geir.frontends.generate import kv_heads_of
+
+    assert kv_heads_of(transformers.LlamaConfig(num_attention_heads=8, num_key_value_heads=2)) == 2
+    assert kv_heads_of(transformers.FalconConfig(num_attention_heads=8, multi_query=True)) == 1
+    assert kv_heads_of(transformers.FalconConfig(num_attention_heads=8, new_decoder_architecture=True,
+                                                 num_kv_heads=4)) == 4
+    assert kv_heads_of(transformers.GPT2Config(n_head=6)) == 6  # one K/V head per query head
+
+    class Bare:
+        pass
+
+    with pytest.raises(ValueError, match="cannot tell how many key/value heads Bare has"):
+        kv_heads_of(Bare())
