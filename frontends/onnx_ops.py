@@ -517,7 +517,7 @@ def _split(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 @converter("Slice")
 def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
-    """Slice with step 1 (attributes before opset 10, inputs after)."""
+    """Slice (attributes before opset 10, inputs after), with positive steps where the bounds are constants."""
     x = required(xs, 0, "data")
     if node.opset < 10:
         starts, ends = list(node.attr("starts")), list(node.attr("ends"))
@@ -536,17 +536,18 @@ def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
         ends = int_list(given[1], "ends")
         axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(len(starts)))
         steps = int_list(xs[4], "steps") if optional(xs, 4) is not None else [1] * len(starts)
-    if any(s != 1 for s in steps):
-        raise ImportProblem(f"Slice with steps {steps} (GEIR slices take every element)")
+    if any(s < 1 for s in steps):
+        raise ImportProblem(f"Slice with steps {steps} (GEIR slices step forwards: a positive step)")
     axes = [normalize_axis(a, x.rank) for a in axes]
     # clamp to the dimension where it is known, so the IR holds readable numbers
     bound = [x.shape[a] if x.shape[a] is not None else 2 ** 62 for a in axes]
     starts = [max(-n, min(n, s)) for s, n in zip(starts, bound)]
     ends = [max(-n, min(n, e)) for e, n in zip(ends, bound)]
-    if all(x.shape[a] is not None and s in (0, -x.shape[a]) and e == x.shape[a]
-           for a, s, e in zip(axes, starts, ends)):
+    if all(x.shape[a] is not None and s in (0, -x.shape[a]) and e == x.shape[a] and st == 1
+           for a, s, e, st in zip(axes, starts, ends, steps)):
         return [x]
-    return [b.emit1("ge.slice", [x], {"axes": axes, "starts": starts, "ends": ends})]
+    strided = {"steps": steps} if any(st != 1 for st in steps) else {}
+    return [b.emit1("ge.slice", [x], {"axes": axes, "starts": starts, "ends": ends, **strided})]
 
 
 @converter("Gather")

@@ -659,10 +659,13 @@ def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
     if "length" in a:  # narrow
         start = a["start"] % x.type.shape[axis] if a["start"] < 0 else a["start"]
         return _slice(b, x, axis, start, start + a["length"])
-    if a.get("step", 1) != 1:
-        raise b.error(f"slicing with step {a['step']} is not supported (ge.slice takes step 1)")
     start = 0 if a.get("start") is None else a["start"]
     end = x.type.shape[axis] if a.get("end") is None else a["end"]
+    step = a.get("step", 1)
+    if step != 1:  # GPT-J's interleaved rotary: x[..., ::2]
+        if x.type.shape[axis] is None and (start < 0 or end < 0):
+            raise b.error("slicing from the end of a run-time dimension is not supported")
+        return b.value("ge.slice", [x], {"axes": [axis], "starts": [start], "ends": [max(end, start)], "steps": [step]})
     return _slice(b, x, axis, start, end)
 
 

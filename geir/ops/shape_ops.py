@@ -123,35 +123,46 @@ class Split(Operation):
 
 @op("ge.slice")
 class Slice(Operation):
-    """`x[starts:ends]` on the given axes (negative indices count from the end, clamped as in numpy)."""
+    """`x[starts:ends:steps]` on the given axes (negative indices count from the end, clamped as in numpy; steps
+    positive, 1 when absent: GPT-J's `x[..., ::2]`, ONNX Slice's steps)."""
 
     OPERAND_NAMES = ("x",)
     TRAITS = (DataMovement,)
     axes = Attr("ints")
     starts = Attr("ints")
     ends = Attr("ints")
+    steps = Attr("ints", default=None)
 
     def verify(self) -> str | None:
         if not len(self.axes) == len(self.starts) == len(self.ends):
             return f"slice axes, starts and ends must have one entry each, got {len(self.axes)}, {len(self.starts)}, {len(self.ends)}"
+        if self.steps is not None:
+            if len(self.steps) != len(self.axes):
+                return f"slice steps must have one entry per axis, got {len(self.steps)} for {len(self.axes)} axes"
+            bad = next((st for st in self.steps if st < 1), None)
+            if bad is not None:
+                return f"slice steps must be positive, got {bad}"
         return None
+
+    def _steps(self) -> list[int]:
+        return list(self.steps) if self.steps is not None else [1] * len(self.axes)
 
     def infer(self, x: TensorType) -> TensorType:
         shape = list(x.shape)
         seen: set[int] = set()
-        for a, s, e in zip(self.axes, self.starts, self.ends):
+        for a, s, e, st in zip(self.axes, self.starts, self.ends, self._steps()):
             axis = normalize_axis(a, x.rank)
             if axis in seen:
                 raise ShapeError(f"slice names axis {a} twice")
             seen.add(axis)
             dim = x.shape[axis]
-            shape[axis] = None if dim is None else len(range(*slice(s, e).indices(dim)))
+            shape[axis] = None if dim is None else len(range(*slice(s, e, st).indices(dim)))
         return TensorType(tuple(shape), x.dtype)
 
     def compute(self, x: np.ndarray) -> np.ndarray:
         index = [slice(None)] * x.ndim
-        for a, s, e in zip(self.axes, self.starts, self.ends):
-            index[a] = slice(s, e)
+        for a, s, e, st in zip(self.axes, self.starts, self.ends, self._steps()):
+            index[a] = slice(s, e, st)
         return x[tuple(index)]
 
 
