@@ -352,8 +352,11 @@ def _gemm(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 @converter("Conv")
 def _conv(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
-    """2-D Conv as one ge.conv2d (GE lowers it to the cube); auto_pad SAME_* becomes explicit pads."""
+    """2-D Conv as one ge.conv2d (GE lowers it to the cube); auto_pad SAME_* becomes explicit pads. A 1-D Conv
+    (Whisper) is the 2-D one over a unit height: [N, C, L] as [N, C, 1, L], the same numbers."""
     x, w, bias = required(xs, 0, "X"), required(xs, 1, "W"), optional(xs, 2)
+    if x.rank == 3 and w.rank == 3:
+        return _conv1d(b, node, x, w, bias)
     if x.rank != 4 or w.rank != 4:
         raise ImportProblem(f"a {x.rank - 2}-D Conv (X of rank {x.rank}, W of rank {w.rank}): GEIR has ge.conv2d "
                             f"(NCHW input, OIHW weight) only")
@@ -379,6 +382,33 @@ def _conv(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     operands = [x, w] + ([bias] if bias is not None else [])
     return [b.emit1("ge.conv2d", operands, {"strides": strides, "pads": pads, "dilations": dilations,
                                             "groups": int(node.attr("group", 1))})]
+
+
+def _conv1d(b: GraphBuilder, node: Node, x: Tensor, w: Tensor, bias: Tensor | None) -> list[Tensor]:
+    """A 1-D Conv as ge.conv2d over a unit height, its attributes widened with the height's identity."""
+    kernel = list(node.attr("kernel_shape", list(w.shape[2:])))
+    if kernel != list(w.shape[2:]):
+        raise ImportProblem(f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}", unsupported=False)
+    (stride,), (dilation,) = list(node.attr("strides", [1])), list(node.attr("dilations", [1]))
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        n, k = x.shape[2], kernel[0]
+        if n is None or k is None:
+            raise ImportProblem(f"Conv with auto_pad {auto_pad} on a length known only at run time")
+        total = max(0, (-(-n // stride) - 1) * stride + (k - 1) * dilation + 1 - n)
+        before = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+        pads = [before, total - before]
+    elif auto_pad in ("NOTSET", "VALID"):
+        pads = list(node.attr("pads", [0, 0])) if auto_pad == "NOTSET" else [0, 0]
+    else:
+        raise ImportProblem(f"Conv auto_pad '{auto_pad}' (NOTSET, SAME_UPPER, SAME_LOWER or VALID)", unsupported=False)
+    x4 = reshape_to(b, x, [x.shape[0], x.shape[1], 1, x.shape[2]])
+    w4 = reshape_to(b, w, [w.shape[0], w.shape[1], 1, w.shape[2]])
+    operands = [x4, w4] + ([bias] if bias is not None else [])
+    out = b.emit1("ge.conv2d", operands, {"strides": [1, stride], "pads": [0, pads[0], 0, pads[1]],
+                                          "dilations": [1, dilation], "groups": int(node.attr("group", 1))})
+    return [reshape_to(b, out, [out.shape[0], out.shape[1], out.shape[3]])]
 
 
 # --- data movement -------------------------------------------------------------------------------------

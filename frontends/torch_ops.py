@@ -410,6 +410,46 @@ def _addmm(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.add", [out, bias])
 
 
+@converts("aten.baddbmm")
+def _baddbmm(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """beta * input + alpha * (batch1 @ batch2): Bloom's ALiBi scores (the bias input), a batched matmul and two
+    scalings, as addmm."""
+    dtype = result_dtype(b, node)
+    out = matmul(b, operand(b, a["batch1"], dtype), operand(b, a["batch2"], dtype), f"{node.name}_mm")
+    if a.get("alpha", 1) != 1:
+        out = b.value("ge.mul", [out, b.scalar(a["alpha"], dtype, "alpha")], hint=f"{node.name}_alpha")
+    if a.get("beta", 1) == 0:  # torch ignores the input then (even its NaNs)
+        return out
+    bias = operand(b, _input(a), dtype)
+    if a.get("beta", 1) != 1:
+        bias = b.value("ge.mul", [bias, b.scalar(a["beta"], dtype, "beta")], hint=f"{node.name}_beta")
+    return b.value("ge.add", [out, bias], hint=node.name)
+
+
+@converts("aten.repeat_interleave")
+def _repeat_interleave(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """Each element repeated `repeats` times along `dim` (a count known at export): a unit axis after `dim`,
+    broadcast to the count, merged back into `dim` (grouped-query K/V heads repeated for their query heads)."""
+    x = tensor(b, _input(a), "the input")
+    repeats = a.get("repeats")
+    if not isinstance(repeats, int) or isinstance(repeats, bool):
+        raise b.error("repeat_interleave with a tensor of repeats is not supported (a count known at export is)")
+    if a.get("dim") is None:
+        x = reshape_to(b, x, (x.type.num_elements,), hint=f"{node.name}_flat")
+    axis = _axis(b, a.get("dim", 0) or 0, x.type.rank)
+    shape = x.type.shape
+    if shape[axis] is None:
+        raise b.error("repeat_interleave along a run-time dimension is not supported")
+    unit = reshape_to(b, x, shape[:axis + 1] + (1,) + shape[axis + 1:], hint=f"{node.name}_unit")
+    grow = tuple(repeats if i == axis + 1 else 1 for i in range(x.type.rank + 1))
+    ones = TensorType(grow, x.type.dtype)
+    if x.type.dtype is DType.i1:
+        wide = b.value("ge.select", [unit, _splat(b, True, ones, "true"), _splat(b, False, ones, "false")])
+    else:
+        wide = b.value("ge.mul", [unit, _splat(b, 1, ones, f"{node.name}_ones")], hint=f"{node.name}_wide")
+    return reshape_to(b, wide, shape[:axis] + (shape[axis] * repeats,) + shape[axis + 1:], hint=node.name)
+
+
 # --- convolution --------------------------------------------------------------------------------------
 
 def _pair(v: Any, what: str) -> list[int]:
@@ -420,6 +460,45 @@ def _pair(v: Any, what: str) -> list[int]:
     if len(v) != 2 or not all(isinstance(d, int) for d in v):
         raise TypeError(f"{what} {v}")
     return [int(d) for d in v]
+
+
+@converts("aten.conv1d")
+def _conv1d(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """1-D convolution (Whisper's front end) as ge.conv2d over a unit height: [N, C, L] as [N, C, 1, L], the
+    kernel [O, I, K] as [O, I, 1, K]; the numbers are the 1-D convolution's exactly."""
+    dtype = result_dtype(b, node)
+    x = operand(b, tensor(b, _input(a), "the input"), dtype)
+    w = operand(b, tensor(b, a["weight"], "the weight"), dtype)
+    if x.type.rank not in (2, 3) or w.type.rank != 3:
+        raise b.error(f"conv1d takes [N, C, L] (or [C, L]) and a [O, I, K] weight, got {x.type} and {w.type}")
+    unbatched = x.type.rank == 2
+    n, c, length = (1,) + x.type.shape if unbatched else x.type.shape
+    x4 = reshape_to(b, x, (n, c, 1, length), hint=f"{node.name}_nc1l")
+    w4 = reshape_to(b, w, w.type.shape[:2] + (1, w.type.shape[2]), hint=f"{node.name}_w")
+
+    def one(v: Any, what: str) -> int:
+        v = [v] if isinstance(v, int) else list(v)
+        if len(v) != 1 or not isinstance(v[0], int):
+            raise b.error(f"conv1d with a {what} {v} that is not one integer known at export")
+        return int(v[0])
+
+    stride, dilation = one(a.get("stride", 1), "stride"), one(a.get("dilation", 1), "dilation")
+    padding = a.get("padding", 0)
+    if padding == "same":
+        total = dilation * (w.type.shape[2] - 1)
+        before, after = total // 2, total - total // 2
+    elif padding == "valid":
+        before = after = 0
+    else:
+        before = after = one(padding, "padding")
+    operands = [x4, w4]
+    if a.get("bias") is not None:
+        operands.append(operand(b, tensor(b, a["bias"], "the bias"), dtype))
+    attributes = {"strides": [1, stride], "pads": [0, before, 0, after], "dilations": [1, dilation],
+                  "groups": int(a.get("groups", 1))}
+    out = b.value("ge.conv2d", operands, attributes, hint=f"{node.name}_nchw")
+    o, lo = out.type.shape[1], out.type.shape[3]
+    return reshape_to(b, out, (o, lo) if unbatched else (n, o, lo), hint=node.name)
 
 
 @converts("aten.conv2d", "aten.convolution")
