@@ -580,6 +580,32 @@ def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     return [b.emit1("ge.slice", [x], {"axes": axes, "starts": starts, "ends": ends, **strided})]
 
 
+@converter("TopK")
+def _topk(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """TopK with K known at import: one ge.topk (values and i64 indices; the AI CPU runs it)."""
+    x = required(xs, 0, "X")
+    if node.opset < 10:
+        k = int(node.attr("k"))
+    else:
+        given = required(xs, 1, "K")
+        if not given.is_const:
+            raise ImportProblem("TopK with a K computed at run time (GEIR's ge.topk takes a k known at import)")
+        (k,) = int_list(given, "K")
+    attrs = {"k": k, "axis": normalize_axis(node.attr("axis", -1), x.rank),
+             "largest": bool(node.attr("largest", 1)), "sorted": bool(node.attr("sorted", 1))}
+    return b.emit("ge.topk", [x], attrs, results=2)
+
+
+@converter("ConstantOfShape")
+def _constant_of_shape(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
+    """ConstantOfShape of a shape computed at run time (BART with dynamic axes): the value broadcast to it,
+    sized when the shape signature binds (a constant shape is evaluated at import, as every all-constant node)."""
+    shape = required(xs, 0, "input")
+    value = node.attr("value", None)
+    value = np.zeros((), np.float32) if value is None else np.asarray(value).reshape(())
+    return [b.emit1("ge.dynamic_broadcast", [b.const(value), shape])]
+
+
 @converter("Gather")
 def _gather(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     """Gather: ge.gather with indices computed at run time; with indices known at import, slices of the

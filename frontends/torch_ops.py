@@ -426,6 +426,18 @@ def _baddbmm(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.add", [out, bias], hint=node.name)
 
 
+@converts("aten.topk")
+def _topk(b: GraphBuilder, node: Any, a: dict) -> tuple:
+    """The k largest (or smallest) values and their indices: one ge.topk (the AI CPU runs it: no AI Core kernel)."""
+    x = tensor(b, _input(a), "the input")
+    k = a.get("k")
+    if not isinstance(k, int):
+        raise b.error("topk with a k computed at run time is not supported (a k known at export is)")
+    axis = _axis(b, a.get("dim", -1), x.type.rank)
+    return tuple(b.emit("ge.topk", [x], {"k": k, "axis": axis, "largest": bool(a.get("largest", True)),
+                                         "sorted": bool(a.get("sorted", True))}, hint=node.name).results)
+
+
 @converts("aten.repeat_interleave")
 def _repeat_interleave(b: GraphBuilder, node: Any, a: dict) -> Value:
     """Each element repeated `repeats` times along `dim` (a count known at export): a unit axis after `dim`,

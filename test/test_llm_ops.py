@@ -121,3 +121,58 @@ def test_conv1d_runs_as_a_unit_height_conv2d(path, tmp_path):
         want = model.double()(x.double()).numpy()  # torch in float64
     assert outs[0].shape == want.shape == (2, 6, 6)
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
+
+
+class Router(torch.nn.Module):
+    """An MoE router: the two best experts per token and their softmax weights."""
+
+    def forward(self, logits):
+        weights, experts = torch.topk(logits.softmax(-1), 2, dim=-1)
+        return weights, experts
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_topk_picks_the_best_experts_with_their_indices(path, tmp_path):
+    logits = _randn(5, 8, seed=5)
+    weights, experts = run_on_npu(Router(), (logits,), path, tmp_path)[0]
+    probs = torch.softmax(logits.double(), -1).numpy()
+    want = np.argsort(-probs, axis=-1, kind="stable")[:, :2]  # the oracle: numpy's sort of float64 probabilities
+    np.testing.assert_array_equal(experts, want)
+    np.testing.assert_allclose(weights, np.take_along_axis(probs, want, -1), rtol=1e-5)
+
+
+def test_topk_ties_keep_the_lower_index_and_k_past_the_axis_is_refused():
+    from geir.parser import parse
+    from geir.verifier import verify_module
+
+    text = ("ge.graph @main(%x: tensor<2x4xf32>) -> (tensor<2x2xf32>, tensor<2x2xi64>) {\n"
+            "  %v, %i = ge.topk %x {k = 2}\n  ge.return %v, %i\n}\n")
+    op = next(o for o in parse(text).graphs[0].ops if o.name == "ge.topk")
+    values, indices = op.compute(np.array([[1, 3, 3, 0], [2, 2, 2, 2]], np.float32))
+    assert indices.tolist() == [[1, 2], [0, 1]] and values.tolist() == [[3, 3], [2, 2]]
+    errors = []
+    verify_module(parse(text.replace("k = 2", "k = 5").replace("2x2x", "2x5x")), errors.append)
+    assert any("topk k = 5 exceeds dimension 1 = 4" in d.message for d in errors), [d.message for d in errors]
+
+
+def test_constant_of_shape_of_a_run_time_shape(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from geir.frontends.onnx import import_onnx
+
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"]),
+         helper.make_node("ConstantOfShape", ["s"], ["c"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [2.5])),
+         helper.make_node("Add", ["x", "c"], ["y"])],
+        "bart_mask", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    module, weights = import_onnx(str(path))
+    assert [a.type.shape for a in module.graph().args] == [(None, 4)]
+    session = Session(Module([module.graph()], module.file, weights))
+    for batch in (3, 5):  # each run-time shape sized when its signature binds
+        x = np.arange(batch * 4, dtype=np.float32).reshape(batch, 4)
+        program = session.program({"x": x.shape})
+        np.testing.assert_array_equal(run_program(program, {"x": x}, weights).outputs[0], x + 2.5)

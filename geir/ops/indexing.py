@@ -309,3 +309,41 @@ class Cumsum(Operation):
             shifted[tuple(body)] = out[tuple(head)]
             out = shifted
         return np.flip(out, axis) if self.reverse else out
+
+
+@op("ge.topk")
+class TopK(Operation):
+    """The `k` largest (or smallest) values along `axis` and their indices (i64), as torch.topk and ONNX TopK:
+    every MoE router's expert choice. Sorted when asked; ties keep the lower index first."""
+
+    OPERAND_NAMES = ("x",)
+    NUM_RESULTS = 2
+    k = Attr(int)
+    axis = Attr(int, default=-1)
+    largest = Attr(bool, default=True)
+    sorted = Attr(bool, default=True)
+
+    def verify(self) -> str | None:
+        if self.k < 0:
+            return f"topk k must not be negative, got {self.k}"
+        return None
+
+    def infer(self, x: TensorType) -> tuple[TensorType, TensorType]:
+        axis = normalize_axis(self.axis, x.rank)
+        dim = x.shape[axis]
+        if dim is not None and self.k > dim:
+            raise ShapeError(f"topk k = {self.k} exceeds dimension {axis} = {dim}")
+        shape = x.shape[:axis] + (self.k,) + x.shape[axis + 1:]
+        return TensorType(shape, x.dtype), TensorType(shape, DType.i64)
+
+    def compute(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        axis = normalize_axis(self.axis, x.ndim)
+        # a stable sort of the negated values puts the largest first and, among equals, the lower index first
+        keys = -x if self.largest else x
+        if x.dtype.kind == "b":
+            keys = ~x if self.largest else x
+        order = np.argsort(keys, axis=axis, kind="stable")
+        index = np.take(order, np.arange(self.k), axis=axis)
+        if not self.sorted:  # any order is allowed: the index order, as torch's CPU kernel leaves it
+            index = np.sort(index, axis=axis)
+        return np.take_along_axis(x, index, axis=axis), index.astype(np.int64)
