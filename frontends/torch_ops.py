@@ -426,6 +426,74 @@ def _baddbmm(b: GraphBuilder, node: Any, a: dict) -> Value:
     return b.value("ge.add", [out, bias], hint=node.name)
 
 
+def _broadcast_to(b: GraphBuilder, x: Value, t: TensorType, hint: str) -> Value:
+    """`x` cast to t's dtype and broadcast to t's (static) shape: GEIR has no broadcast op, so a multiply by a
+    splat of ones (a select for i1) does it exactly."""
+    x = b.cast(x, t.dtype)
+    if x.type.shape == t.shape:
+        return x
+    if None in t.shape:
+        raise b.error(f"broadcasting to {t} with a run-time dimension is not supported here")
+    if t.dtype is DType.i1:
+        return b.value("ge.select", [x, _splat(b, True, t, "true"), _splat(b, False, t, "false")], hint=hint)
+    return b.value("ge.mul", [x, _splat(b, 1, t, f"{hint}_ones")], hint=hint)
+
+
+@converts("aten.copy")
+def _copy(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """copy(self, src): src in self's dtype and shape (what a slice assignment writes before the scatter)."""
+    return _broadcast_to(b, tensor(b, a["src"], "the source"), result_type(b, node), node.name)
+
+
+@converts("aten.fill")
+def _fill(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """fill(self, value): the value in self's shape and dtype (`x[:, 0] = 3`)."""
+    t = result_type(b, node)
+    value = a["value"]
+    if isinstance(value, Value):
+        return _broadcast_to(b, value, t, node.name)
+    return _splat(b, value, t, node.name)
+
+
+def _scatter_slice(b: GraphBuilder, node: Any, x: Value, src: Value, axis: int, start: int, end: int) -> Value:
+    """x with x[start:end] along `axis` replaced by src: the pieces before and after, concatenated around it."""
+    dim = x.type.shape[axis]
+    if dim is None:
+        raise b.error("a slice assignment along a run-time dimension is not supported")
+    start, end, _ = slice(start, end).indices(dim)
+    pieces = ([_slice(b, x, axis, 0, start)] if start > 0 else []) + [b.cast(src, x.type.dtype)] + \
+        ([_slice(b, x, axis, end, dim)] if end < dim else [])
+    return pieces[0] if len(pieces) == 1 else b.value("ge.concat", pieces, {"axis": axis}, hint=node.name)
+
+
+@converts("aten.slice_scatter")
+def _slice_scatter(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """slice_scatter(input, src, dim, start, end, step): BART's shift_tokens_right writes x[:, 1:] this way."""
+    x, src = tensor(b, _input(a), "the input"), tensor(b, a["src"], "the source")
+    if a.get("step", 1) != 1:
+        raise b.error(f"a slice assignment with step {a['step']} is not supported (step 1 is)")
+    axis = _axis(b, a.get("dim", 0), x.type.rank)
+    start = 0 if a.get("start") is None else a["start"]
+    end = (1 << 62) if a.get("end") is None else a["end"]
+    if not isinstance(start, int) or not isinstance(end, int):
+        raise b.error("a slice assignment with bounds computed at run time is not supported")
+    return _scatter_slice(b, node, x, src, axis, start, end)
+
+
+@converts("aten.select_scatter")
+def _select_scatter(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """select_scatter(input, src, dim, index): `x[:, i] = v`, the row src placed at `index`."""
+    x, src = tensor(b, _input(a), "the input"), tensor(b, a["src"], "the source")
+    axis = _axis(b, a["dim"], x.type.rank)
+    dim = x.type.shape[axis]
+    index = a["index"]
+    if dim is None and index < 0:
+        raise b.error("assigning from the end of a run-time dimension is not supported")
+    index = index % dim if dim is not None else index
+    row = reshape_to(b, src, src.type.shape[:axis] + (1,) + src.type.shape[axis:], hint=f"{node.name}_row")
+    return _scatter_slice(b, node, x, row, axis, index, index + 1)
+
+
 @converts("aten.topk")
 def _topk(b: GraphBuilder, node: Any, a: dict) -> tuple:
     """The k largest (or smallest) values and their indices: one ge.topk (the AI CPU runs it: no AI Core kernel)."""

@@ -176,3 +176,21 @@ def test_constant_of_shape_of_a_run_time_shape(tmp_path):
         x = np.arange(batch * 4, dtype=np.float32).reshape(batch, 4)
         program = session.program({"x": x.shape})
         np.testing.assert_array_equal(run_program(program, {"x": x}, weights).outputs[0], x + 2.5)
+
+
+class ShiftTokensRight(torch.nn.Module):
+    """BART's shift_tokens_right: the ids moved one place right, the decoder's start token first, padding kept."""
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2
+        return shifted.masked_fill(shifted == -100, 1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_slice_assignment_shifts_the_tokens(path, tmp_path):
+    ids = torch.randint(3, 50, (2, 6), generator=torch.Generator().manual_seed(6))
+    outs, _ = run_on_npu(ShiftTokensRight(), (ids,), path, tmp_path)
+    want = np.concatenate([np.full((2, 1), 2), ids.numpy()[:, :-1]], axis=1)  # the shift written out in numpy
+    np.testing.assert_array_equal(outs[0], want)
