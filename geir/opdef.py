@@ -135,10 +135,27 @@ def op(name: str) -> Callable[[T], T]:
         for i, operand in enumerate(cls.OPERAND_NAMES):
             setattr(cls, operand.rstrip("*+?"), _operand_accessor(i, operand))
         cls.NAME = name
+        _check_row_facts(name, cls)
         OPS[name] = cls
         return cls
 
     return register
+
+
+def _check_row_facts(name: str, cls: type) -> None:
+    """An Elementwise or RowWise op must say what its kernel reads (passes, statistics, row axes): refused at
+    registration rather than failing inside the kernel or costed by a silent default."""
+    from geir.traits import ROW_STATISTICS, Elementwise, RowWise
+
+    for trait in (Elementwise, RowWise):
+        missing = [fact for fact in trait.REQUIRED if trait in cls.TRAITS and not hasattr(cls, fact)]
+        if missing:
+            raise TypeError(f"{name} has the {trait.__name__} trait but does not declare {', '.join(missing)} "
+                            f"(what its kernel reads: geir/traits.py {trait.__name__})")
+    if RowWise not in cls.TRAITS:
+        return
+    if cls.SEGMENT_STATISTIC not in ROW_STATISTICS:
+        raise TypeError(f"{name}: SEGMENT_STATISTIC {cls.SEGMENT_STATISTIC!r} is not one of {', '.join(ROW_STATISTICS)}")
 
 
 def _operand_accessor(i: int, spec: str) -> property:

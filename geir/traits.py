@@ -22,6 +22,12 @@ class Trait:
 class Elementwise(Trait):
     """Result element i depends only on element i of each operand, broadcast to the result's shape."""
 
+    # what the vector kernel reads, declared by every op with the trait (checked when it is registered, `op()`):
+    # VECTOR_PASSES, vector instructions per element of a tile on the AI Core (the obvious Ascend C sequence: Exp,
+    # Ln, Sqrt, Div are one; pow is exp(b * ln a); tanh, sigmoid, silu, erf and gelu short exp/div or polynomial
+    # sequences)
+    REQUIRED = ("VECTOR_PASSES",)
+
 
 class InPlaceCapable(Trait):
     """The result may take the memory slot of a same-sized operand that dies at this op, element by element."""
@@ -37,6 +43,18 @@ class CubeOp(Trait):
 
 class RowWise(Trait):
     """Reduces over rows: the vector kernel keeps each whole row in the Unified Buffer."""
+
+    # what the row kernel reads, declared by every op with the trait (checked when it is registered, `op()`):
+    # ROW_PASSES (vector instructions per element of a row tile), ROW_STAT_PASSES (of which a segmented row's
+    # statistics pass does; None for a reduction, whose result is the statistic), SEGMENT_STATISTIC (how the
+    # statistics of a row's segments combine: one of ROW_STATISTICS) and the classmethod row_axes(attributes,
+    # rank) (the axes a row spans)
+    REQUIRED = ("ROW_PASSES", "ROW_STAT_PASSES", "SEGMENT_STATISTIC", "row_axes")
+
+
+# how the statistics of a long row's segments combine (the row kernel's `_SegmentStats`): partial sums, maxima,
+# minima or means; online softmax's running max and sum; Chan's mean and M2 merge; a running sum of squares
+ROW_STATISTICS = ("sum", "max", "min", "mean", "softmax", "mean_m2", "sum_of_squares")
 
 
 class Normalization(Trait):

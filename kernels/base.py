@@ -15,6 +15,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
+from geir.opdef import lookup
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
 from geir.ops.linalg import bnsd
 from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, PipeInterval, buffers_of
@@ -96,6 +97,8 @@ class Kernel:
     """
 
     OPS: ClassVar[tuple[str, ...]] = ()
+    # ops are also this kernel's by a trait they declare (looked up when asked): a new op with it needs no edit here
+    TRAIT: ClassVar[type | None] = None
     TILING: ClassVar[type[KernelTiling]] = KernelTiling
 
     def refuses(self, sig: OpSignature, target: Target) -> str | None:
@@ -171,14 +174,43 @@ class Kernel:
         raise NotImplementedError
 
 
-KERNELS: dict[str, Kernel] = {}
+class KernelRegistry(dict):
+    """Op name -> its AI Core kernel: the ops a kernel lists by name, and, looked up when asked (not frozen when
+    the kernels are imported), every op with the trait a kernel takes (`Kernel.TRAIT`: a new RowWise op finds the
+    row kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_trait: list[tuple[type, Kernel]] = []
+
+    def _by_trait(self, name: str) -> Kernel | None:
+        cls = lookup(name) if self.by_trait else None
+        return next((k for trait, k in self.by_trait if cls is not None and cls.has_trait(trait)), None)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        found = super().get(name)
+        return found if found is not None else (self._by_trait(name) or default)
+
+    def __getitem__(self, name: str) -> Kernel:
+        found = self.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+
+KERNELS: KernelRegistry = KernelRegistry()
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:
-    """Make a kernel class the implementation of the ops it lists."""
+    """Make a kernel class the implementation of the ops it lists, and of every op with its TRAIT."""
     instance = cls()
     for name in cls.OPS:
         KERNELS[name] = instance
+    if cls.TRAIT is not None:
+        KERNELS.by_trait.append((cls.TRAIT, instance))
     return cls
 
 

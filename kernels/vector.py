@@ -45,7 +45,7 @@ from geir.kernels.data_movement import (
 )
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, choice, cut_leading
 from geir.kernels.vector_tiling import RowTiling, ScanTiling, VectorTiling, reduced_axes
-from geir.opdef import ops_with_trait
+from geir.opdef import lookup, ops_with_trait
 from geir.ops.fused import chainable_ops
 from geir.ops.numerics import round_to, work
 from geir.target_npu.target import Target
@@ -55,24 +55,15 @@ _F32 = np.float32
 _HALF = ("float16", "bfloat16")
 UB_BLOCK = 32
 
-# Vector instructions per element of the working tile: the obvious Ascend C sequence of each op
-# (Exp, Ln, Sqrt, Div ... are single instructions; pow = exp(b * ln a); tanh, sigmoid, silu, erf
-# and gelu are short exp/div or polynomial sequences; sin and cos, as Ascend C's math library computes
-# them, a range reduction and a polynomial, counted as erf's). Every other op is one instruction.
-ELEMENTWISE_PASSES = {"ge.pow": 3, "ge.rsqrt": 2, "ge.tanh": 4, "ge.sigmoid": 3, "ge.silu": 4, "ge.erf": 6,
-                      "ge.gelu": 8, "ge.sin": 6, "ge.cos": 6}
-# Per element of a row tile: softmax = max, sub, exp, sum, div; layer_norm = sum, sub, square, sum,
-# scale, mul gamma, add beta; rms_norm = square, sum, scale, mul gamma; reduce_mean = sum, scale.
-ROW_PASSES = {"ge.softmax": 5, "ge.layer_norm": 7, "ge.rms_norm": 4, "ge.reduce_sum": 1, "ge.reduce_max": 1,
-              "ge.reduce_mean": 2}
-# of which the statistics pass of a segmented row does (the rest is the apply pass)
-ROW_STAT_PASSES = {"ge.softmax": 3, "ge.layer_norm": 4, "ge.rms_norm": 2}
+# Vector instructions per element: each op's own VECTOR_PASSES (Elementwise) or ROW_PASSES / ROW_STAT_PASSES
+# (RowWise), declared on the op class and checked when it is registered (geir/traits.py).
 # 16-bit floats are cast to f32 on the way in and back on the way out
 CAST_PASSES = 2
 
 
 def elementwise_passes(name: str) -> int:
-    return ELEMENTWISE_PASSES.get(name, 1)
+    """Vector instructions per element of an elementwise op, as the op declares them."""
+    return lookup(name).VECTOR_PASSES
 
 
 def _is_half(dt: np.dtype) -> bool:
@@ -345,17 +336,19 @@ class CumsumKernel(Kernel):
 
 def _row_op(op: Operation) -> Operation:
     """A detached op of the same kind that works on the last axis of a [tiles, rows, C] array."""
-    attrs = {"ge.softmax": {"axis": -1},
-             "ge.layer_norm": {"axis": -1, "epsilon": op.attr("epsilon")},
-             "ge.rms_norm": {"epsilon": op.attr("epsilon")}}.get(op.name, {"axes": [-1], "keepdims": False})
-    return create_op(op.name, [], [], attrs)
+    attrs = dict(op.attributes)
+    if "axis" in type(op).ATTRS:  # the row starts at one axis (softmax, layer_norm): the tile's last
+        attrs["axis"] = -1
+    if "axes" in type(op).ATTRS:  # a reduction over listed axes: the tile's last, not kept
+        attrs.update(axes=[-1], keepdims=False)
+    return create_op(op.name, [], [], {k: v for k, v in attrs.items() if k in type(op).ATTRS})
 
 
 @register_kernel
 class RowKernel(Kernel):
     """Row-wise ops: the reduced axes (moved last when they are not) stay whole in UB, `rows` rows a tile."""
 
-    OPS = ops_with_trait(RowWise)
+    TRAIT = RowWise  # every op that declares the row facts (geir/traits.py), whenever it was registered
     TILING = RowTiling
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> RowTiling | Miss:
@@ -388,7 +381,7 @@ class RowKernel(Kernel):
         kept = [d for i, d in enumerate(x.shape) if i not in axes]
         R, C = math.prod(kept), math.prod(x.shape[i] for i in axes)
         seg = -(-C // segments) if segments > 1 else C
-        reduce = op.name.startswith("ge.reduce_")
+        reduce = type(op).ROW_STAT_PASSES is None  # a reduction: its result is the row's statistic
         moved = x if trailing else np.moveaxis(x, axes, range(rank - len(axes), rank))
         x2 = np.ascontiguousarray(moved).reshape(R, C) if ctx.compute else None  # timing only: no data to lay out
         out_dt = result_dtype(op, 0, x.dtype)
@@ -432,7 +425,7 @@ class RowKernel(Kernel):
         gm, cores = ctx.gm, ctx.cores
         io = _Streams(ctx)
         lanes = io.lanes
-        reduce = op.name.startswith("ge.reduce_")
+        reduce = type(op).ROW_STAT_PASSES is None  # a reduction: its result is the row's statistic
         in_gm = [io.tensor(n, a) for n, a in zip(ctx.operand_names, [x, *params])]
         out_gm = gm_tensor(gm, ctx.result_names[0], out_shape, out2.dtype.itemsize)
         xg, pg = in_gm[0], in_gm[1:]
@@ -442,7 +435,7 @@ class RowKernel(Kernel):
         streamed = [(g, p) for g, p, r in zip(pg, params, resident) if not r]
         slots = UbSlots(cores, nbuf, ctx.waits)
         row_op = _row_op(op)
-        passes = ROW_PASSES[op.name]
+        passes = type(op).ROW_PASSES
         casts = CAST_PASSES if halves else 0
         # the [R, C] view is the matrix view of x (so a segment is a rectangle of it) when one last axis is reduced
         matrix = trailing and C == xg.cols
@@ -487,7 +480,7 @@ class RowKernel(Kernel):
                            after=[ready[used]], names=("load rows", name, "store rows"))
                 continue
             # segmented rows: a statistics pass over the segments, then (but for reduce_*) an apply pass
-            stat_passes = passes if reduce else ROW_STAT_PASSES[op.name]
+            stat_passes = passes if reduce else type(op).ROW_STAT_PASSES
             cuts = [(s, s * seg, min((s + 1) * seg, C)) for s in range(segments)]
             stats = _SegmentStats(op, row_op, (U, tr))
             for s, c0, c1 in cuts:
@@ -526,48 +519,50 @@ class _SegmentStats:
         self.m2 = np.zeros(shape, dtype=_F32)
 
     def add(self, xs: np.ndarray, count: int) -> None:
-        name = self.op.name
-        if name in ("ge.reduce_sum", "ge.reduce_max"):
+        kind = type(self.op).SEGMENT_STATISTIC
+        if kind in ("sum", "max", "min"):
             part = self.row_op.compute(xs)
-            self.acc = part if self.acc is None else (np.maximum(self.acc, part) if name == "ge.reduce_max"
-                                                      else self.acc + part)
+            merge = {"sum": np.add, "max": np.maximum, "min": np.minimum}[kind]
+            self.acc = part if self.acc is None else merge(self.acc, part)
             return
         xs = work(xs)
-        if name == "ge.reduce_mean":
+        if kind == "mean":
             part = xs.sum(axis=-1)
             self.acc = part if self.acc is None else self.acc + part
-        elif name == "ge.softmax":
+        elif kind == "softmax":
             m_new = np.maximum(self.m, xs.max(axis=-1))
             safe = np.where(np.isneginf(m_new), 0, m_new).astype(xs.dtype)
             with np.errstate(invalid="ignore"):
                 self.l = self.l * np.exp(self.m - safe) + np.exp(xs - safe[..., None]).sum(axis=-1)
             self.m = m_new
-        elif name == "ge.layer_norm":
+        elif kind == "mean_m2":
             mean_s = xs.mean(axis=-1)
             m2_s = np.square(xs - mean_s[..., None]).sum(axis=-1)
             total = self.n + count
             delta = mean_s - self.mean
             self.mean = self.mean + delta * (count / total)
             self.m2 = self.m2 + m2_s + np.square(delta) * (self.n * count / total)
-        else:  # rms_norm
+        else:  # "sum_of_squares" (ROW_STATISTICS names no other)
             part = np.square(xs).sum(axis=-1)
             self.acc = part if self.acc is None else self.acc + part
         self.n += count
 
     def result(self, C: int) -> np.ndarray:
-        if self.op.name == "ge.reduce_mean":
+        if type(self.op).SEGMENT_STATISTIC == "mean":
             return self.acc / C
         return self.acc
 
     def apply(self, xs: np.ndarray, params: list[np.ndarray], C: int) -> np.ndarray:
+        """The apply pass over a segment, from the row's statistics: what softmax, layer norm (mean and M2) and
+        RMS norm (sum of squares) do with theirs."""
         xs = work(xs)
-        name = self.op.name
+        kind = type(self.op).SEGMENT_STATISTIC
         eps = self.op.attr("epsilon")
         with np.errstate(invalid="ignore", divide="ignore"):
-            if name == "ge.softmax":
+            if kind == "softmax":
                 safe = np.where(np.isneginf(self.m), 0, self.m).astype(xs.dtype)
                 return np.exp(xs - safe[..., None]) / self.l[..., None]
-            if name == "ge.layer_norm":
+            if kind == "mean_m2":
                 var = self.m2 / C
                 y = (xs - self.mean[..., None]) / np.sqrt(var + eps)[..., None]
                 return y * work(params[0]) + work(params[1])

@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from geir.opdef import lookup
 from geir.kernels.tiling import (
     F32_BYTES,
     Budget,
@@ -98,14 +99,8 @@ class ScanTiling(KernelTiling):
 
 
 def reduced_axes(name: str, attributes: dict[str, Any], rank: int) -> tuple[int, ...]:
-    """The axes a row-wise op reduces over (its row): softmax's axis, layer_norm's trailing axes, ..."""
-    if name == "ge.softmax":
-        return (attributes.get("axis", -1) % rank,)
-    if name == "ge.layer_norm":
-        return tuple(range(attributes.get("axis", -1) % rank, rank))
-    if name == "ge.rms_norm":
-        return (rank - 1,)
-    return tuple(sorted(a % rank for a in attributes.get("axes", []))) if rank else ()
+    """The axes a row-wise op reduces over (its row), as the op declares them (RowWise's `row_axes`)."""
+    return lookup(name).row_axes(attributes, rank)
 
 
 def _row_extent(name: str, x: TensorType, attributes: dict[str, Any]) -> tuple[int | None, int | None]:

@@ -18,6 +18,7 @@ class Binary(Operation):
 
     OPERAND_NAMES = ("a", "b")
     TRAITS = (Elementwise, InPlaceCapable)
+    VECTOR_PASSES = 1  # vector instructions per element (geir/traits.py Elementwise)
     fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
 
     def infer(self, a: TensorType, b: TensorType) -> TensorType:
@@ -47,7 +48,8 @@ for _name, _fn in {
     "min": np.minimum,
     "pow": np.power,
 }.items():
-    op(f"ge.{_name}")(type(_name.capitalize(), (Binary,), {"fn": staticmethod(_fn), "__doc__": f"elementwise {_name}"}))
+    op(f"ge.{_name}")(type(_name.capitalize(), (Binary,), {"fn": staticmethod(_fn), "__doc__": f"elementwise {_name}",
+                                                           "VECTOR_PASSES": 3 if _name == "pow" else 1}))
 
 
 class Compare(Binary):
@@ -67,6 +69,7 @@ class Select(Operation):
 
     OPERAND_NAMES = ("cond", "a", "b")
     TRAITS = (Elementwise, InPlaceCapable)
+    VECTOR_PASSES = 1  # vector instructions per element (geir/traits.py Elementwise)
 
     def infer(self, cond: TensorType, a: TensorType, b: TensorType) -> TensorType:
         if cond.dtype != DType.i1:
@@ -83,6 +86,7 @@ class Unary(Operation):
 
     OPERAND_NAMES = ("x",)
     TRAITS = (Elementwise, InPlaceCapable)
+    VECTOR_PASSES = 1  # vector instructions per element (geir/traits.py Elementwise)
     FLOAT_ONLY = True
     fn: Callable[[np.ndarray], np.ndarray]
 
@@ -115,9 +119,13 @@ _UNARY = {
     "sin": (np.sin, True),
     "cos": (np.cos, True),
 }
+# vector instructions per element where more than one: short exp/div or polynomial sequences; sin and cos, as
+# Ascend C's math library computes them, a range reduction and a polynomial, counted as erf's
+_UNARY_PASSES = {"rsqrt": 2, "tanh": 4, "sigmoid": 3, "silu": 4, "erf": 6, "sin": 6, "cos": 6}
 for _name, (_fn, _float_only) in _UNARY.items():
     op(f"ge.{_name}")(
-        type(_name.capitalize(), (Unary,), {"fn": staticmethod(_fn), "FLOAT_ONLY": _float_only, "__doc__": f"elementwise {_name}"})
+        type(_name.capitalize(), (Unary,), {"fn": staticmethod(_fn), "FLOAT_ONLY": _float_only, "__doc__": f"elementwise {_name}",
+                                            "VECTOR_PASSES": _UNARY_PASSES.get(_name, 1)})
     )
 
 
@@ -126,6 +134,7 @@ class FloatTest(Operation):
 
     OPERAND_NAMES = ("x",)
     TRAITS = (Elementwise,)
+    VECTOR_PASSES = 1  # vector instructions per element (geir/traits.py Elementwise)
     fn: Callable[[np.ndarray], np.ndarray]
 
     def infer(self, x: TensorType) -> TensorType:
@@ -144,6 +153,8 @@ for _name, _fn in {"isinf": np.isinf, "isnan": np.isnan}.items():
 class Gelu(Unary):
     """GELU, exact (`approximate = "none"`) or with the tanh approximation."""
 
+    VECTOR_PASSES = 8
+
     approximate = Attr(str, default="none", choices=("none", "tanh"))
 
     def compute(self, x: np.ndarray) -> np.ndarray:
@@ -159,6 +170,7 @@ class Cast(Operation):
 
     OPERAND_NAMES = ("x",)
     TRAITS = (Elementwise, InPlaceCapable)
+    VECTOR_PASSES = 1  # vector instructions per element (geir/traits.py Elementwise)
     to = Attr(DType)
 
     def infer(self, x: TensorType) -> TensorType:

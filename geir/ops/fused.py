@@ -44,6 +44,7 @@ class FusedElementwise(Operation):
 
     OPERAND_NAMES = ("x+",)
     TRAITS = (Elementwise, InPlaceCapable, Fused)
+    VECTOR_PASSES = None  # its steps' passes, added up by the kernel
     body = Attr(list)
 
     def verify(self) -> str | None:

@@ -19,6 +19,14 @@ class Reduce(Operation):
     TRAITS = (RowWise,)
     axes = Attr("ints")
     keepdims = Attr(bool, default=False)
+    # the row kernel's facts (geir/traits.py RowWise): one pass (reduce_mean: the sum, then the scale)
+    ROW_PASSES = 1
+    ROW_STAT_PASSES = None
+    SEGMENT_STATISTIC = "sum"
+
+    @classmethod
+    def row_axes(cls, attributes: dict, rank: int) -> tuple[int, ...]:
+        return tuple(sorted(a % rank for a in attributes.get("axes", []))) if rank else ()
 
     def normalized_axes(self, rank: int) -> tuple[int, ...]:
         axes = tuple(normalize_axis(a, rank) for a in self.axes)
@@ -39,9 +47,10 @@ class Reduce(Operation):
         return type(self).fn(work(x), axis=axes, keepdims=self.keepdims)
 
 
-for _name, _fn in {"sum": np.sum, "max": np.max, "mean": np.mean}.items():
+for _name, _fn, _passes in (("sum", np.sum, 1), ("max", np.max, 1), ("mean", np.mean, 2)):
     op(f"ge.reduce_{_name}")(
-        type(f"Reduce{_name.capitalize()}", (Reduce,), {"fn": staticmethod(_fn), "__doc__": f"reduce_{_name} over axes"})
+        type(f"Reduce{_name.capitalize()}", (Reduce,), {"fn": staticmethod(_fn), "__doc__": f"reduce_{_name} over axes",
+                                                        "ROW_PASSES": _passes, "SEGMENT_STATISTIC": _name})
     )
 
 
@@ -52,6 +61,14 @@ class Softmax(Operation):
     OPERAND_NAMES = ("x",)
     TRAITS = (RowWise,)
     axis = Attr(int, default=-1)
+    # per element: max, sub, exp, sum, div; the statistics pass of a segmented row: max, sub-exp, sum (online)
+    ROW_PASSES = 5
+    ROW_STAT_PASSES = 3
+    SEGMENT_STATISTIC = "softmax"
+
+    @classmethod
+    def row_axes(cls, attributes: dict, rank: int) -> tuple[int, ...]:
+        return (attributes.get("axis", -1) % rank,)
 
     def infer(self, x: TensorType) -> TensorType:
         require_float(x)
@@ -77,6 +94,14 @@ class LayerNorm(Operation):
     TRAITS = (RowWise, Normalization)
     axis = Attr(int, default=-1)
     epsilon = Attr(float, default=1e-5)
+    # per element: sum, sub, square, sum, scale, mul gamma, add beta; statistics: the first four (Chan's merge)
+    ROW_PASSES = 7
+    ROW_STAT_PASSES = 4
+    SEGMENT_STATISTIC = "mean_m2"
+
+    @classmethod
+    def row_axes(cls, attributes: dict, rank: int) -> tuple[int, ...]:
+        return tuple(range(attributes.get("axis", -1) % rank, rank))
 
     def infer(self, x: TensorType, gamma: TensorType, beta: TensorType) -> TensorType:
         require_float(x)
@@ -100,6 +125,14 @@ class RmsNorm(Operation):
     OPERAND_NAMES = ("x", "gamma")
     TRAITS = (RowWise, Normalization)
     epsilon = Attr(float, default=1e-6)
+    # per element: square, sum, scale, mul gamma; statistics: square and sum
+    ROW_PASSES = 4
+    ROW_STAT_PASSES = 2
+    SEGMENT_STATISTIC = "sum_of_squares"
+
+    @classmethod
+    def row_axes(cls, attributes: dict, rank: int) -> tuple[int, ...]:
+        return (rank - 1,)
 
     def infer(self, x: TensorType, gamma: TensorType) -> TensorType:
         require_float(x)
