@@ -95,7 +95,7 @@ def test_a_program_lowered_for_another_chip_is_refused(program, inputs) -> None:
 
 def _tiling(template: str, **blocks):
     """A typed tiling of the kernel whose template this is, with these blocks (the rest filled in)."""
-    kernel = next(k for k in KERNELS.values() if template in k.TILING.TEMPLATES)
+    kernel = next(k for k in [*KERNELS.values(), *(k for _, k in KERNELS.by_trait)] if template in k.TILING.TEMPLATES)
     fields = {f.name: 1 for f in attrs.fields(kernel.TILING) if f.default is attrs.NOTHING}
     return kernel, kernel.TILING(**{**fields, "template": template, "buffers": 2} | blocks)
 
