@@ -521,12 +521,8 @@ def _repeat_interleave(b: GraphBuilder, node: Any, a: dict) -> Value:
     if shape[axis] is None:
         raise b.error("repeat_interleave along a run-time dimension is not supported")
     unit = reshape_to(b, x, shape[:axis + 1] + (1,) + shape[axis + 1:], hint=f"{node.name}_unit")
-    grow = tuple(repeats if i == axis + 1 else 1 for i in range(x.type.rank + 1))
-    ones = TensorType(grow, x.type.dtype)
-    if x.type.dtype is DType.i1:
-        wide = b.value("ge.select", [unit, _splat(b, True, ones, "true"), _splat(b, False, ones, "false")])
-    else:
-        wide = b.value("ge.mul", [unit, _splat(b, 1, ones, f"{node.name}_ones")], hint=f"{node.name}_wide")
+    wide = _broadcast_to(b, unit, TensorType(shape[:axis + 1] + (repeats,) + shape[axis + 1:], x.type.dtype),
+                         f"{node.name}_wide")
     return reshape_to(b, wide, shape[:axis] + (shape[axis] * repeats,) + shape[axis + 1:], hint=node.name)
 
 
