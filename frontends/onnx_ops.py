@@ -587,10 +587,8 @@ def _topk(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     if node.opset < 10:
         k = int(node.attr("k"))
     else:
-        given = required(xs, 1, "K")
-        if not given.is_const:
-            raise ImportProblem("TopK with a K computed at run time (GEIR's ge.topk takes a k known at import)")
-        (k,) = int_list(given, "K")
+        # a K fed at run time is refused as every size the model computes then (ge.topk's k is known at import)
+        (k,) = int_list(required(xs, 1, "K"), "K")
     attrs = {"k": k, "axis": normalize_axis(node.attr("axis", -1), x.rank),
              "largest": bool(node.attr("largest", 1)), "sorted": bool(node.attr("sorted", 1))}
     return b.emit("ge.topk", [x], attrs, results=2)

@@ -155,6 +155,29 @@ def test_topk_ties_keep_the_lower_index_and_k_past_the_axis_is_refused():
     assert any("topk k = 5 exceeds dimension 1 = 4" in d.message for d in errors), [d.message for d in errors]
 
 
+def _topk_op(rows: int, cols: int, dtype: str, k: int, largest: bool = True):
+    """One parsed ge.topk over the last axis of a rows x cols tensor."""
+    from geir.parser import parse
+
+    text = (f"ge.graph @main(%x: tensor<{rows}x{cols}x{dtype}>) -> (tensor<{rows}x{k}x{dtype}>, "
+            f"tensor<{rows}x{k}xi64>) {{\n  %v, %i = ge.topk %x {{k = {k}, largest = {str(largest).lower()}}}\n"
+            f"  ge.return %v, %i\n}}\n")
+    return next(o for o in parse(text).graphs[0].ops if o.name == "ge.topk")
+
+
+def test_topk_orders_nan_above_every_number_and_integers_without_overflow():
+    x = np.array([[1, np.nan, 3, np.inf, 0], [-np.inf, 2, np.nan, -1, np.nan]], np.float32)
+    for largest in (True, False):
+        values, _ = _topk_op(2, 5, "f32", 3, largest).compute(x)
+        want = torch.topk(torch.from_numpy(x), 3, largest=largest).values.numpy()  # torch: NaN is the largest
+        np.testing.assert_array_equal(values, want)
+    low = np.iinfo(np.int64).min
+    ints = np.array([[low, 7, -1, 7, 0]], np.int64)
+    values, indices = _topk_op(1, 5, "i64", 5).compute(ints)
+    assert values.tolist() == [sorted(ints[0].tolist(), reverse=True)]  # -x would wrap at the minimum
+    assert indices.tolist() == [[1, 3, 4, 2, 0]]  # ties in index order
+
+
 def test_constant_of_shape_of_a_run_time_shape(tmp_path):
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
