@@ -589,6 +589,8 @@ def _conv2d(b: GraphBuilder, node: Any, a: dict) -> Value:
     w = operand(b, tensor(b, a["weight"], "the weight"), dtype)
     if a.get("transposed", False):
         raise b.error("a transposed convolution (conv_transpose) is not supported: GEIR has ge.conv2d only")
+    if str(node.target.overloadpacket) == "aten.convolution" and x.type.rank == 3 and w.type.rank == 3:
+        return _conv1d(b, node, a)  # what torch's decompositions leave of conv1d
     unbatched = str(node.target.overloadpacket) == "aten.conv2d" and x.type.rank == 3
     if unbatched:  # conv2d takes [C, H, W] as a batch of one
         x = reshape_to(b, x, (1,) + x.type.shape, hint=f"{node.name}_batch")
@@ -819,13 +821,26 @@ def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
         start = a["start"] % x.type.shape[axis] if a["start"] < 0 else a["start"]
         return _slice(b, x, axis, start, start + a["length"])
     start = 0 if a.get("start") is None else a["start"]
-    end = x.type.shape[axis] if a.get("end") is None else a["end"]
     step = a.get("step", 1)
     if step != 1:  # GPT-J's interleaved rotary: x[..., ::2]
+        end = (1 << 62) if a.get("end") is None else a["end"]  # ge.slice clamps to the dimension, as torch does
         if x.type.shape[axis] is None and (start < 0 or end < 0):
             raise b.error("slicing from the end of a run-time dimension is not supported")
         return b.value("ge.slice", [x], {"axes": [axis], "starts": [start], "ends": [max(end, start)], "steps": [step]})
+    end = x.type.shape[axis] if a.get("end") is None else a["end"]
     return _slice(b, x, axis, start, end)
+
+
+@converts("aten.flip")
+def _flip(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """The elements in reverse order along `dims`: one ge.slice stepping backwards (-1) from each axis's last
+    element past its first (an end of -(2^62) is before the first element of any dimension, run-time ones too)."""
+    x = tensor(b, _input(a), "the input")
+    axes = sorted({_axis(b, d, x.type.rank) for d in a["dims"]})
+    if not axes:
+        return x
+    return b.value("ge.slice", [x], {"axes": axes, "starts": [-1] * len(axes), "ends": [-(1 << 62)] * len(axes),
+                                     "steps": [-1] * len(axes)}, hint=node.name)
 
 
 @converts("aten.select")

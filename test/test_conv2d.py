@@ -207,9 +207,9 @@ class _Convolution(torch.nn.Module):
 
 
 @pytest.mark.parametrize("weight, x, transposed, words", [
-    ((3, 2, 3), (1, 2, 8), False, "a 1-D convolution"),
+    ((3, 2, 3, 3, 3), (1, 2, 8, 8, 8), False, "a 3-D convolution"),
     ((2, 3, 3, 3), (1, 2, 8, 8), True, "a transposed convolution"),
-], ids=["1-d", "transposed"])
+], ids=["3-d", "transposed"])
 def test_torch_convolutions_geir_cannot_take_are_named(weight, x, transposed, words):
     from geir.frontends.torch import TorchImportError, compile as geir_compile
 

@@ -217,3 +217,112 @@ def test_a_slice_assignment_shifts_the_tokens(path, tmp_path):
     outs, _ = run_on_npu(ShiftTokensRight(), (ids,), path, tmp_path)
     want = np.concatenate([np.full((2, 1), 2), ids.numpy()[:, :-1]], axis=1)  # the shift written out in numpy
     np.testing.assert_array_equal(outs[0], want)
+
+
+class Flip(torch.nn.Module):
+    """torch.flip: the ONNX exporter writes it as a Slice stepping backwards, torch.export as aten.flip."""
+
+    def forward(self, x):
+        return torch.flip(x, [0, 2]) * 2.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_flip_is_a_slice_stepping_backwards(path, tmp_path):
+    x = _randn(2, 3, 4, seed=7)
+    outs, ops = run_on_npu(Flip(), (x,), path, tmp_path)
+    assert "ge.slice" in ops
+    np.testing.assert_array_equal(outs[0], np.flip(x.numpy(), (0, 2)) * 2.0)  # numpy's flip is the oracle
+
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [
+    ([-1], [INT64_MIN], [1], [-1]),  # the whole axis backwards, as the exporter writes torch.flip
+    ([INT64_MAX], [-20], [1], [-2]),  # bounds past both ends
+    ([-100], [-100], [1], [-1]),  # ONNX clamps the start to the first element: one element, not none
+    ([5, 1], [0, INT64_MAX], [1, 0], [-3, 2]),  # a backward and a forward step on the run-time axis
+    ([-1, 0], [INT64_MIN, 7], [0, 1], [-1, 3]),  # backwards along the run-time axis
+], ids=["flip", "past-both-ends", "clamped-start", "mixed", "run-time-axis"])
+def test_onnx_slice_steps_follow_the_onnx_spec(starts, ends, axes, steps, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from geir.frontends.onnx import import_onnx
+
+    consts = [numpy_helper.from_array(np.array(v, np.int64), name)
+              for v, name in ((starts, "starts"), (ends, "ends"), (axes, "axes"), (steps, "steps"))]
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"])], "slice",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    module, weights = import_onnx(str(path))
+    session = Session(Module([module.graph()], module.file, weights))
+    x = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)
+    got = run_program(session.program({"x": x.shape}), {"x": x}, weights).outputs[0]
+    np.testing.assert_array_equal(got, _slice_by_onnx_spec(x, starts, ends, axes, steps))
+    if starts != [-100]:  # there ONNX's reference (numpy's slicing) gives none, against its spec's clamping
+        np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])
+
+
+def _slice_by_onnx_spec(x: np.ndarray, starts, ends, axes, steps) -> np.ndarray:
+    """ONNX Slice as its operator spec words it: a negative bound plus the dimension, then clamped to
+    [0, dim] (start and end) for a forward step, to [0, dim - 1] (start) and [-1, dim - 1] (end) for a
+    backward one; the elements at start, start + step, ... before end."""
+    out = x
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        dim = x.shape[a]
+        s, e = (s + dim if s < 0 else s), (e + dim if e < 0 else e)
+        if st > 0:
+            s, e = min(max(s, 0), dim), min(max(e, 0), dim)
+        else:
+            s, e = min(max(s, 0), dim - 1), min(max(e, -1), dim - 1)
+        out = np.take(out, list(range(s, e, st)), axis=a)
+    return out
+
+
+def test_a_shape_sliced_with_a_step_sizes_what_it_makes(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from geir.frontends.onnx import import_onnx
+
+    consts = [numpy_helper.from_array(np.array(v, np.int64), name)
+              for v, name in (([0], "starts"), ([3], "ends"), ([0], "axes"), ([2], "steps"))]
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"]),
+         helper.make_node("Slice", ["s", "starts", "ends", "axes", "steps"], ["every_other"]),  # [batch, 6]
+         helper.make_node("ConstantOfShape", ["every_other"], ["y"],
+                          value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.5]))],
+        "strided_shape", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], consts)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    module, weights = import_onnx(str(path))
+    session = Session(Module([module.graph()], module.file, weights))
+    x = np.zeros((3, 4, 6), np.float32)
+    got = run_program(session.program({"x": x.shape}), {"x": x}, weights).outputs[0]
+    np.testing.assert_array_equal(got, np.full((3, 6), 1.5, np.float32))  # x.shape[::2] filled, by hand
+
+
+class Convolution1d(torch.nn.Module):
+    """aten.convolution on [N, C, L], as torch's decompositions leave conv1d."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(_randn(5, 3, 3, seed=8))
+
+    def forward(self, x):
+        return torch.ops.aten.convolution(x, self.w, None, [2], [1], [1], False, [0], 1)
+
+
+def test_a_1d_aten_convolution_runs_as_conv1d_does(tmp_path):
+    x = _randn(2, 3, 9, seed=9)
+    outs, _ = run_on_npu(Convolution1d().eval(), (x,), "torch", tmp_path)
+    w = Convolution1d().w.detach().double()
+    want = torch.nn.functional.conv1d(x.double(), w, stride=2, padding=1).numpy()  # torch in float64
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
