@@ -506,6 +506,19 @@ def _topk(b: GraphBuilder, node: Any, a: dict) -> tuple:
                                          "sorted": bool(a.get("sorted", True))}, hint=node.name).results)
 
 
+@converts("aten.sort", "aten.argsort")
+def _sort(b: GraphBuilder, node: Any, a: dict) -> Any:
+    """A sort along `dim` is ge.topk of every element (k = the dimension, sorted; equals keep their index order,
+    so stable or not the result is a stable sort's): an MoE layer's tokens ordered by expert."""
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a.get("dim", -1), x.type.rank)
+    if x.type.shape[axis] is None:
+        raise b.error("sorting along a run-time dimension is not supported (ge.topk takes a k known at export)")
+    values, indices = b.emit("ge.topk", [x], {"k": x.type.shape[axis], "axis": axis,
+                                              "largest": bool(a.get("descending", False))}, hint=node.name).results
+    return indices if str(node.target.overloadpacket) == "aten.argsort" else (values, indices)
+
+
 @converts("aten.repeat_interleave")
 def _repeat_interleave(b: GraphBuilder, node: Any, a: dict) -> Value:
     """Each element repeated `repeats` times along `dim` (a count known at export): a unit axis after `dim`,

@@ -326,3 +326,75 @@ def test_a_1d_aten_convolution_runs_as_conv1d_does(tmp_path):
     w = Convolution1d().w.detach().double()
     want = torch.nn.functional.conv1d(x.double(), w, stride=2, padding=1).numpy()  # torch in float64
     np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
+
+
+class ExpertOrder(torch.nn.Module):
+    """An MoE layer's dispatch: the token slots ordered by the expert they go to (torch.sort), and argsort."""
+
+    def forward(self, experts, scores):
+        ordered, slots = torch.sort(experts, dim=-1, stable=True)
+        return ordered, slots, torch.argsort(scores, dim=0, descending=True)
+
+
+def test_sort_and_argsort_order_as_a_stable_sort(tmp_path):
+    experts = torch.randint(0, 4, (2, 12), generator=torch.Generator().manual_seed(10))  # many equal keys
+    scores = _randn(6, 3, seed=11)
+    ordered, slots, ranked = run_on_npu(ExpertOrder(), (experts, scores), "torch", tmp_path)[0]
+    want = np.argsort(experts.numpy(), axis=-1, kind="stable")  # numpy's stable sort is the oracle
+    np.testing.assert_array_equal(slots, want)
+    np.testing.assert_array_equal(ordered, np.take_along_axis(experts.numpy(), want, -1))
+    np.testing.assert_array_equal(ranked, np.argsort(-scores.double().numpy(), axis=0, kind="stable"))
+
+
+def _hf_model(kind: str) -> tuple[torch.nn.Module, tuple]:
+    """A tiny random-init Hugging Face model (no download) returning its last hidden state, and its input."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(12))
+    if kind == "whisper":  # the encoder: two 1-D convolutions over the mel frames
+        cfg = transformers.WhisperConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                         decoder_attention_heads=4, num_mel_bins=8, max_source_positions=16,
+                                         vocab_size=100, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                         decoder_start_token_id=0)
+        model, args = transformers.WhisperModel(cfg).get_encoder(), (_randn(1, 8, 32, seed=13),)
+    elif kind == "gptj":  # interleaved rotary: x[..., ::2], repeat_interleave of sin and cos
+        cfg = transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, vocab_size=100,
+                                      bos_token_id=0, eos_token_id=0)
+        model, args = transformers.GPTJModel(cfg), (ids,)
+    else:  # Bloom: ALiBi scores by baddbmm
+        cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=100)
+        model, args = transformers.BloomModel(cfg), (ids,)
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x).last_hidden_state
+
+    return Hidden().eval(), args
+
+
+@pytest.mark.parametrize("kind", ["gptj", "bloom", "whisper"])
+def test_tiny_hugging_face_models_import_and_match_torch(kind, tmp_path):
+    model, args = _hf_model(kind)
+    outs, _ = run_on_npu(model, args, "torch", tmp_path)
+    with torch.no_grad():
+        want = model.double()(*(a.double() if a.is_floating_point() else a for a in args)).numpy()  # float64
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_bart_shift_tokens_right_imports_as_written():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    class Shift(torch.nn.Module):
+        def forward(self, ids):
+            return shift_tokens_right(ids, 1, 2)  # pad 1, decoder start 2
+
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(14))
+    ids[1, -2:] = -100  # labels' ignored positions become padding
+    outs, _ = run_on_npu(Shift(), (ids,), "torch", None)
+    want = np.concatenate([np.full((2, 1), 2), ids.numpy()[:, :-1]], axis=1)  # the shift written out in numpy
+    np.testing.assert_array_equal(outs[0], np.where(want == -100, 1, want))
