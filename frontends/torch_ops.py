@@ -847,12 +847,13 @@ def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
 @converts("aten.flip")
 def _flip(b: GraphBuilder, node: Any, a: dict) -> Value:
     """The elements in reverse order along `dims`: one ge.slice stepping backwards (-1) from each axis's last
-    element past its first (an end of -(2^62) is before the first element of any dimension, run-time ones too)."""
+    element past its first (end -dim - 1; -(2^62) on a run-time axis, before the first element of any size)."""
     x = tensor(b, _input(a), "the input")
     axes = sorted({_axis(b, d, x.type.rank) for d in a["dims"]})
     if not axes:
         return x
-    return b.value("ge.slice", [x], {"axes": axes, "starts": [-1] * len(axes), "ends": [-(1 << 62)] * len(axes),
+    ends = [-(1 << 62) if x.type.shape[d] is None else -x.type.shape[d] - 1 for d in axes]
+    return b.value("ge.slice", [x], {"axes": axes, "starts": [-1] * len(axes), "ends": ends,
                                      "steps": [-1] * len(axes)}, hint=node.name)
 
 

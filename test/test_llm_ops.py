@@ -398,3 +398,16 @@ def test_bart_shift_tokens_right_imports_as_written():
     outs, _ = run_on_npu(Shift(), (ids,), "torch", None)
     want = np.concatenate([np.full((2, 1), 2), ids.numpy()[:, :-1]], axis=1)  # the shift written out in numpy
     np.testing.assert_array_equal(outs[0], np.where(want == -100, 1, want))
+
+
+def test_flip_along_a_run_time_axis(tmp_path):
+    from torch.export import Dim
+
+    module = from_module(Flip(), (_randn(2, 3, 4),), dynamic_shapes=({2: Dim("L")},))
+    session = Session(Module([module.graph()], module.file, module.resources))
+    name = session.generic.args[0].name
+    assert session.generic.args[0].type.shape == (2, 3, None)
+    for length in (4, 9):  # one import, two lengths: the backward slice's end is before the first of any
+        x = _randn(2, 3, length, seed=length).numpy()
+        out = run_program(session.program({name: x.shape}), {name: x}, module.resources).outputs[0]
+        np.testing.assert_array_equal(out, np.flip(x, (0, 2)) * 2.0)

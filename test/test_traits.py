@@ -130,6 +130,7 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.split": (1, {"axis": 1, "sizes": [1, 3]}),
     "ge.slice": (1, {"axes": [0], "starts": [1], "ends": [3]}),
     "ge.cumsum": (1, {"axis": 1}),
+    "ge.topk": (1, {"k": 4}),  # every element, sorted: the shape kept, the values moved across the row
     "ge.conv2d": (2, {"pads": [1, 1, 2, 2]}),  # a 4x4 kernel over a 4x4 image, padded to keep its shape
 }
 
