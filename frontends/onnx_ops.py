@@ -547,7 +547,7 @@ def _split(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
 
 @converter("Slice")
 def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
-    """Slice (attributes before opset 10, inputs after), with positive steps where the bounds are constants."""
+    """Slice (attributes before opset 10, inputs after), with any nonzero steps where the bounds are constants."""
     x = required(xs, 0, "data")
     if node.opset < 10:
         starts, ends = list(node.attr("starts")), list(node.attr("ends"))
@@ -560,19 +560,21 @@ def _slice(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
             axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(count or 0))
             steps = int_list(xs[4], "steps") if optional(xs, 4) is not None else [1] * len(axes)
             if any(s != 1 for s in steps):
-                raise ImportProblem(f"Slice with steps {steps} (GEIR slices take every element)")
+                raise ImportProblem(f"Slice with steps {steps} and bounds computed at run time (ge.dynamic_slice "
+                                    f"takes every element)")
             return [b.emit1("ge.dynamic_slice", [x] + given, {"axes": [normalize_axis(a, x.rank) for a in axes]})]
         starts = int_list(given[0], "starts")
         ends = int_list(given[1], "ends")
         axes = int_list(xs[3], "axes") if optional(xs, 3) is not None else list(range(len(starts)))
         steps = int_list(xs[4], "steps") if optional(xs, 4) is not None else [1] * len(starts)
-    if any(s < 1 for s in steps):
-        raise ImportProblem(f"Slice with steps {steps} (GEIR slices step forwards: a positive step)")
+    if 0 in steps:
+        raise ImportProblem(f"Slice with steps {steps}: ONNX's steps are nonzero", unsupported=False)
     axes = [normalize_axis(a, x.rank) for a in axes]
-    # clamp to the dimension where it is known, so the IR holds readable numbers
+    # clamp to the dimension where it is known, so the IR holds readable numbers; numpy's clamping is then
+    # ONNX's, but for an end before the first element of a backward step: -n - 1 there (-n would stop at index 0)
     bound = [x.shape[a] if x.shape[a] is not None else 2 ** 62 for a in axes]
     starts = [max(-n, min(n, s)) for s, n in zip(starts, bound)]
-    ends = [max(-n, min(n, e)) for e, n in zip(ends, bound)]
+    ends = [max(-n - (st < 0), min(n, e)) for e, n, st in zip(ends, bound, steps)]
     if all(x.shape[a] is not None and s in (0, -x.shape[a]) and e == x.shape[a] and st == 1
            for a, s, e, st in zip(axes, starts, ends, steps)):
         return [x]
@@ -587,10 +589,8 @@ def _topk(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     if node.opset < 10:
         k = int(node.attr("k"))
     else:
-        given = required(xs, 1, "K")
-        if not given.is_const:
-            raise ImportProblem("TopK with a K computed at run time (GEIR's ge.topk takes a k known at import)")
-        ks = int_list(given, "K")
+        # a K fed at run time is refused as every size the model computes then (ge.topk's k is known at import)
+        ks = int_list(required(xs, 1, "K"), "K")
         if len(ks) != 1:
             raise ImportProblem(f"TopK's K holds one value (the count to keep), not {len(ks)}")
         (k,) = ks

@@ -506,6 +506,19 @@ def _topk(b: GraphBuilder, node: Any, a: dict) -> tuple:
                                          "sorted": bool(a.get("sorted", True))}, hint=node.name).results)
 
 
+@converts("aten.sort", "aten.argsort")
+def _sort(b: GraphBuilder, node: Any, a: dict) -> Any:
+    """A sort along `dim` is ge.topk of every element (k = the dimension, sorted; equals keep their index order,
+    so stable or not the result is a stable sort's): an MoE layer's tokens ordered by expert."""
+    x = tensor(b, _input(a), "the input")
+    axis = _axis(b, a.get("dim", -1), x.type.rank)
+    if x.type.shape[axis] is None:
+        raise b.error("sorting along a run-time dimension is not supported (ge.topk takes a k known at export)")
+    values, indices = b.emit("ge.topk", [x], {"k": x.type.shape[axis], "axis": axis,
+                                              "largest": bool(a.get("descending", False))}, hint=node.name).results
+    return indices if str(node.target.overloadpacket) == "aten.argsort" else (values, indices)
+
+
 @converts("aten.repeat_interleave")
 def _repeat_interleave(b: GraphBuilder, node: Any, a: dict) -> Value:
     """Each element repeated `repeats` times along `dim` (a count known at export): a unit axis after `dim`,
@@ -585,6 +598,8 @@ def _conv2d(b: GraphBuilder, node: Any, a: dict) -> Value:
     w = operand(b, tensor(b, a["weight"], "the weight"), dtype)
     if a.get("transposed", False):
         raise b.error("a transposed convolution (conv_transpose) is not supported: GEIR has ge.conv2d only")
+    if str(node.target.overloadpacket) == "aten.convolution" and x.type.rank == 3 and w.type.rank == 3:
+        return _conv1d(b, node, a)  # what torch's decompositions leave of conv1d
     unbatched = str(node.target.overloadpacket) == "aten.conv2d" and x.type.rank == 3
     if unbatched:  # conv2d takes [C, H, W] as a batch of one
         x = reshape_to(b, x, (1,) + x.type.shape, hint=f"{node.name}_batch")
@@ -815,13 +830,27 @@ def _slice_op(b: GraphBuilder, node: Any, a: dict) -> Value:
         start = a["start"] % x.type.shape[axis] if a["start"] < 0 else a["start"]
         return _slice(b, x, axis, start, start + a["length"])
     start = 0 if a.get("start") is None else a["start"]
-    end = x.type.shape[axis] if a.get("end") is None else a["end"]
     step = a.get("step", 1)
     if step != 1:  # GPT-J's interleaved rotary: x[..., ::2]
+        end = (1 << 62) if a.get("end") is None else a["end"]  # ge.slice clamps to the dimension, as torch does
         if x.type.shape[axis] is None and (start < 0 or end < 0):
             raise b.error("slicing from the end of a run-time dimension is not supported")
         return b.value("ge.slice", [x], {"axes": [axis], "starts": [start], "ends": [max(end, start)], "steps": [step]})
+    end = x.type.shape[axis] if a.get("end") is None else a["end"]
     return _slice(b, x, axis, start, end)
+
+
+@converts("aten.flip")
+def _flip(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """The elements in reverse order along `dims`: one ge.slice stepping backwards (-1) from each axis's last
+    element past its first (end -dim - 1; -(2^62) on a run-time axis, before the first element of any size)."""
+    x = tensor(b, _input(a), "the input")
+    axes = sorted({_axis(b, d, x.type.rank) for d in a["dims"]})
+    if not axes:
+        return x
+    ends = [-(1 << 62) if x.type.shape[d] is None else -x.type.shape[d] - 1 for d in axes]
+    return b.value("ge.slice", [x], {"axes": axes, "starts": [-1] * len(axes), "ends": ends,
+                                     "steps": [-1] * len(axes)}, hint=node.name)
 
 
 @converts("aten.select")

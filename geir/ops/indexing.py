@@ -338,11 +338,13 @@ class TopK(Operation):
 
     def compute(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         axis = normalize_axis(self.axis, x.ndim)
-        # a stable sort of the negated values puts the largest first and, among equals, the lower index first
-        keys = -x if self.largest else x
-        if x.dtype.kind == "b":
-            keys = ~x if self.largest else x
-        order = np.argsort(keys, axis=axis, kind="stable")
+        if self.largest:
+            # descending without negating (no overflow at an integer's minimum, NaN above every number as in
+            # torch): a stable ascending sort of the reversed axis, read backwards, keeps equals in index order
+            n = x.shape[axis]
+            order = (n - 1) - np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+        else:  # ascending, NaN last, equals in index order
+            order = np.argsort(x, axis=axis, kind="stable")
         index = np.take(order, np.arange(self.k), axis=axis)
         if not self.sorted:  # any order is allowed: the index order, as torch's CPU kernel leaves it
             index = np.sort(index, axis=axis)

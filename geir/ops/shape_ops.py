@@ -124,7 +124,8 @@ class Split(Operation):
 @op("ge.slice")
 class Slice(Operation):
     """`x[starts:ends:steps]` on the given axes (negative indices count from the end, clamped as in numpy; steps
-    positive, 1 when absent: GPT-J's `x[..., ::2]`, ONNX Slice's steps)."""
+    nonzero, 1 when absent: GPT-J's `x[..., ::2]`, ONNX Slice's steps, a negative step reading backwards as
+    torch.flip)."""
 
     OPERAND_NAMES = ("x",)
     TRAITS = (DataMovement,)
@@ -139,9 +140,8 @@ class Slice(Operation):
         if self.steps is not None:
             if len(self.steps) != len(self.axes):
                 return f"slice steps must have one entry per axis, got {len(self.steps)} for {len(self.axes)} axes"
-            bad = next((st for st in self.steps if st < 1), None)
-            if bad is not None:
-                return f"slice steps must be positive, got {bad}"
+            if 0 in self.steps:
+                return f"slice steps must be nonzero, got {list(self.steps)}"
         return None
 
     def _steps(self) -> list[int]:

@@ -138,8 +138,9 @@ def _partial_sizes_step(v: Value, done: dict[int, list[Size] | None]) -> list[Si
         inner = done[id(producer.operands[0])]
         if inner is None:
             return unknown
+        steps = producer.attr("steps")
         (s, e) = producer.attr("starts")[0], producer.attr("ends")[0]
-        return inner[slice(s, e)]
+        return inner[slice(s, e, steps[0] if steps else 1)]
     if producer.name == "ge.gather":
         inner = done[id(producer.operands[0])]
         at = literal_array(producer.operands[1])
