@@ -17,7 +17,6 @@ import numpy as np
 from geir.ir import Operation
 from geir.opdef import lookup
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
-from geir.ops.linalg import bnsd
 from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, PipeInterval, buffers_of
 from geir.target_npu.target import Target
 from geir.traits import DataMovement, NoKernel
@@ -302,23 +301,14 @@ def issue(cores: Cores, waits: PipeWaits | None, pipe: str, on: np.ndarray, cost
 
 
 def flops_of(op: Operation) -> float:
-    """Floating-point operations an op performs: 2 per multiply-add on the cube, one per element of an
-    arithmetic op, none for ops that only move data."""
-    out = op.results[0].type if op.results else None
-    if op.name in ("ge.matmul", "ge.fused_matmul"):
-        a = op.operands[0].type
-        k = a.shape[-2] if op.attr("transpose_a") else a.shape[-1]
-        return 2.0 * (out.num_elements or 0) * k
-    if op.name == "ge.flash_attention":
-        q, kv = op.operands[0].type, op.operands[1].type
-        b, n, sq, d = bnsd(q, op.attr("layout"))
-        skv = bnsd(kv, op.attr("layout"))[2]
-        pairs = sq * skv if not op.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
-        return 4.0 * b * n * pairs * d
+    """Floating-point operations an op performs: its own count where it has one (`flops()`: a cube op's
+    multiply-adds), none for ops that only move data, else one per result element."""
+    if callable(getattr(op, "flops", None)):
+        return float(op.flops())
     if op.has_trait(DataMovement) or op.has_trait(NoKernel):
         return 0.0  # moves bytes, computes nothing
+    out = op.results[0].type if op.results else None
     return float(out.num_elements or 0) if out is not None else 0.0
-
 
 
 def allocate(target: Target, budget: Budget, what: str) -> None:
