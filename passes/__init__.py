@@ -35,6 +35,7 @@ def get_all_passes() -> dict[str, type[Pass]]:
     """Every registered pass by name, GE's own loaded first."""
     return dict(PASSES.load())
 
+
 __all__ = [
     "PASSES", "Pass", "PassContext", "PassManager", "PipelineError", "complete_pipeline", "get_all_passes",
     "load_all", "parse_pipeline", "pipeline_text", "register_pass",

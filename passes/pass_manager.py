@@ -20,6 +20,7 @@ from geir.registry import Registry
 from geir.target_npu.target import DEFAULT_TARGET
 from geir.verifier import verify_module
 
+
 def _load_passes() -> None:
     from geir.passes import load_all
 
