@@ -12,8 +12,6 @@ from geir.printer import print_graph, print_module
 from geir.types import DType, TensorType
 from geir.verifier import verify_module
 
-import geir.ops  # noqa: E402,F401  (registers the ge dialect)
-
 __all__ = [
     "DType", "Diagnostic", "DiagnosticError", "Graph", "Location", "Module", "Operation", "TensorType",
     "Value", "parse", "parse_file", "print_graph", "print_module", "verify_module",

@@ -18,13 +18,21 @@ from typing import Any, Callable, TypeVar
 
 from geir.attributes import DenseAttr, DenseResourceAttr
 from geir.ir import Operation
+from geir.registry import Registry
 from geir.traits import Trait
 from geir.types import DType
 
 REQUIRED = object()
 
-# The registry of op kinds by name ("ge.add" -> class). Filled by importing geir.ops.
-OPS: dict[str, type[Operation]] = {}
+
+def _load_dialects() -> None:
+    from geir.ops import load_all
+
+    load_all()
+
+
+# The registry of op kinds by name ("ge.add" -> class): the ge and rt dialects are registered on the first read.
+OPS: Registry[type[Operation]] = Registry("op kinds", _load_dialects)
 
 # Attributes that passes may put on any op (they are not errors where an op does not declare them).
 PASS_ATTRIBUTES = {"engine", "mem_offset", "tiling", "workspace"}
@@ -168,15 +176,11 @@ def _operand_accessor(i: int, spec: str) -> property:
 
 def lookup(name: str) -> type[Operation] | None:
     """The class registered for an op name, or None."""
-    if not OPS:
-        import geir.ops  # noqa: F401  (registers the ge dialect)
     return OPS.get(name)
 
 
 def ops_with_trait(trait: type[Trait]) -> tuple[str, ...]:
-    """The names of the registered op kinds that have `trait`, sorted."""
-    if not OPS:
-        import geir.ops  # noqa: F401  (registers the ge dialect)
+    """The names of the registered op kinds that have `trait`, sorted (asked now: an op registered later counts)."""
     return tuple(sorted(name for name, cls in OPS.items() if cls.has_trait(trait)))
 
 

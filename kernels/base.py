@@ -9,15 +9,15 @@ relative to other tasks: the Runtime orders launches.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import attrs
 import numpy as np
 
 from geir.ir import Operation
-from geir.opdef import lookup
+from geir.opdef import lookup, ops_with_trait
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, TilingError, Untiled
-from geir.ops.linalg import bnsd
+from geir.registry import Registry
 from geir.target_npu.sim import PIPE_INDEX, PIPES, Cores, GlobalMemory, PipeInterval, buffers_of
 from geir.target_npu.target import Target
 from geir.traits import DataMovement, NoKernel
@@ -174,34 +174,43 @@ class Kernel:
         raise NotImplementedError
 
 
-class KernelRegistry(dict):
+class KernelRegistry(Registry[Kernel]):
     """Op name -> its AI Core kernel: the ops a kernel lists by name, and, looked up when asked (not frozen when
     the kernels are imported), every op with the trait a kernel takes (`Kernel.TRAIT`: a new RowWise op finds the
-    row kernel)."""
+    row kernel). The built-in kernels are registered on the first lookup (`geir.kernels.load_all`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, load: Callable[[], None]) -> None:
+        super().__init__("kernels", load)
         self.by_trait: list[tuple[type, Kernel]] = []
 
     def _by_trait(self, name: str) -> Kernel | None:
         cls = lookup(name) if self.by_trait else None
         return next((k for trait, k in self.by_trait if cls is not None and cls.has_trait(trait)), None)
 
-    def get(self, name: str, default: Any = None) -> Any:
-        found = super().get(name)
-        return found if found is not None else (self._by_trait(name) or default)
-
     def __getitem__(self, name: str) -> Kernel:
-        found = self.get(name)
+        self.load()
+        found = self._entries.get(name) or self._by_trait(name)
         if found is None:
             raise KeyError(name)
         return found
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.get(name) is not None
+    def __iter__(self) -> Iterator[str]:
+        """The ops with a kernel: those listed by name and those with a kernel's trait now."""
+        self.load()
+        served = {name for trait, _ in self.by_trait for name in ops_with_trait(trait)}
+        return iter(sorted(set(self._entries) | served))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
-KERNELS: KernelRegistry = KernelRegistry()
+def _load_kernels() -> None:
+    from geir.kernels import load_all
+
+    load_all()
+
+
+KERNELS: KernelRegistry = KernelRegistry(_load_kernels)
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:
@@ -302,23 +311,14 @@ def issue(cores: Cores, waits: PipeWaits | None, pipe: str, on: np.ndarray, cost
 
 
 def flops_of(op: Operation) -> float:
-    """Floating-point operations an op performs: 2 per multiply-add on the cube, one per element of an
-    arithmetic op, none for ops that only move data."""
-    out = op.results[0].type if op.results else None
-    if op.name in ("ge.matmul", "ge.fused_matmul"):
-        a = op.operands[0].type
-        k = a.shape[-2] if op.attr("transpose_a") else a.shape[-1]
-        return 2.0 * (out.num_elements or 0) * k
-    if op.name == "ge.flash_attention":
-        q, kv = op.operands[0].type, op.operands[1].type
-        b, n, sq, d = bnsd(q, op.attr("layout"))
-        skv = bnsd(kv, op.attr("layout"))[2]
-        pairs = sq * skv if not op.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
-        return 4.0 * b * n * pairs * d
+    """Floating-point operations an op performs: its own count where it has one (`flops()`: a cube op's
+    multiply-adds), none for ops that only move data, else one per result element."""
+    if callable(getattr(op, "flops", None)):
+        return float(op.flops())
     if op.has_trait(DataMovement) or op.has_trait(NoKernel):
         return 0.0  # moves bytes, computes nothing
+    out = op.results[0].type if op.results else None
     return float(out.num_elements or 0) if out is not None else 0.0
-
 
 
 def allocate(target: Target, budget: Budget, what: str) -> None:

@@ -16,11 +16,19 @@ import attrs
 
 from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location
 from geir.ir import Module
+from geir.registry import Registry
 from geir.target_npu.target import DEFAULT_TARGET
 from geir.verifier import verify_module
 
-# Registered passes by name. Filled when geir.passes is imported.
-PASSES: dict[str, type["Pass"]] = {}
+
+def _load_passes() -> None:
+    from geir.passes import load_all
+
+    load_all()
+
+
+# Registered passes by name: GE's own passes are registered on the first read (get_all_passes).
+PASSES: Registry[type["Pass"]] = Registry("passes", _load_passes)
 
 
 @attrs.define

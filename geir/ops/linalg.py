@@ -41,6 +41,12 @@ class Matmul(Operation):
             b = np.swapaxes(b, -1, -2)
         return np.matmul(a, b)
 
+    def flops(self) -> float:
+        """2 per multiply-add on the cube: result elements times the contraction length."""
+        out, a = self.results[0].type, self.operands[0].type
+        k = a.shape[-2] if self.attr("transpose_a") else a.shape[-1]
+        return 2.0 * (out.num_elements or 0) * k
+
 
 def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[Dim, Dim, Dim, Dim]:
     """(B, N, S, D) of a rank-4 attention operand in `layout` ("BNSD" or "BSND", as flash_attention's attribute).
@@ -68,6 +74,14 @@ class FlashAttention(Operation):
     # score elements the reference holds at once: rows of q are taken in blocks so that memory stays
     # O(Sq + Skv) for long sequences instead of O(Sq * Skv)
     REFERENCE_SCORE_ELEMENTS = 1 << 24
+
+    def flops(self) -> float:
+        """The two matmuls' multiply-adds (q @ k^T and p @ v, 2 each) over the score pairs the mask keeps."""
+        q, kv = self.operands[0].type, self.operands[1].type
+        b, n, sq, d = bnsd(q, self.attr("layout"))
+        skv = bnsd(kv, self.attr("layout"))[2]
+        pairs = sq * skv if not self.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
+        return 4.0 * b * n * pairs * d
 
     def infer(self, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None = None) -> TensorType:
         dtype = same_dtype(self.name, q, k, v)
