@@ -21,6 +21,7 @@ from geir.runtime.interpreter import RuntimeFailure, Runtime, load_tilings
 from geir.session.pipeline import compile_module, run_passes
 from geir.passes import complete_pipeline, parse_pipeline
 from geir.target_npu import load_target
+from geir.tools.gedoctor import main as gedoctor_main
 from geir.tools.gerun import main as gerun_main
 from geir.verifier import verify_module
 
@@ -103,6 +104,9 @@ def test_gerun_refuses_another_target_as_a_located_usage_error_naming_both(tmp_p
     assert line[int(m.group(1)) - 1:].startswith("target = ")  # the caret is at the attribute
     assert f"'{ONCHIP_910B}'" in m.group(2) and "'ascend910b'" in m.group(2)
     assert "Traceback" not in err
+    # gedoctor, which runs the program too, refuses it alike
+    assert gedoctor_main([str(path)]) == 2
+    assert capsys.readouterr().err.startswith(m.group(0))
     # the same chip, its what-if spec written another way: it runs
     assert gerun_main([str(path), "--timing-only", "--target", "ascend910b[ separate_cube_vector = 0 ]"]) == 0
 
