@@ -590,7 +590,10 @@ def _topk(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
         given = required(xs, 1, "K")
         if not given.is_const:
             raise ImportProblem("TopK with a K computed at run time (GEIR's ge.topk takes a k known at import)")
-        (k,) = int_list(given, "K")
+        ks = int_list(given, "K")
+        if len(ks) != 1:
+            raise ImportProblem(f"TopK's K holds one value (the count to keep), not {len(ks)}")
+        (k,) = ks
     attrs = {"k": k, "axis": normalize_axis(node.attr("axis", -1), x.rank),
              "largest": bool(node.attr("largest", 1)), "sorted": bool(node.attr("sorted", 1))}
     return b.emit("ge.topk", [x], attrs, results=2)

@@ -703,3 +703,13 @@ def test_a_failing_reference_evaluation_is_a_diagnostic(tmp_path, capsys):
     inits = [numpy_helper.from_array(np.ones((2, 3), np.float32), "m")]
     err = geimport_error(model(nodes, [vi("x", [1])], [vi("y", [1])], inits, opset=17), tmp_path, capsys)
     assert "(Det): evaluating it at import time failed" in err and "Traceback" not in err
+
+
+def test_topk_with_more_than_one_k_is_a_stated_problem_not_an_internal_error():
+    # found by the fuzz campaign: a K initializer of two values once failed to unpack inside the converter
+    k = numpy_helper.from_array(np.array([2, 3], dtype=np.int64), "k")
+    m = model([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="pick")], [vi("x", [4, 8])],
+              [vi("v", [4, 2])], [k])
+    with pytest.raises(OnnxImportError) as info:
+        import_onnx(m)
+    assert "internal error" not in str(info.value) and "TopK's K holds one value" in str(info.value)
