@@ -156,6 +156,8 @@ class Graph:
     loc: Location = UNKNOWN
     # "ge.graph", or "rt.program" for a lowered task-stream program
     kind: str = attrs.field(default="ge.graph", kw_only=True)
+    # where each graph attribute was written, for diagnostics that point at it (None for built graphs)
+    attr_locs: dict[str, Location] | None = attrs.field(default=None, kw_only=True)
     _inserts: dict[int, list[Operation]] = attrs.field(factory=dict, alias="_inserts", repr=False)
     _dirty: bool = attrs.field(default=False, alias="_dirty", repr=False)
 
@@ -170,6 +172,12 @@ class Graph:
         self._ops = ops
         self._inserts.clear()
         self._dirty = False
+
+    def attr_loc(self, key: str) -> Location:
+        """Where a graph attribute was written, else the graph's own location."""
+        if self.attr_locs and key in self.attr_locs:
+            return self.attr_locs[key]
+        return self.loc
 
     def append(self, op: Operation) -> None:
         self.ops.append(op)

@@ -89,8 +89,8 @@ class _Builder(lark.Transformer):
             v = Value(t, str(tok)[1:], None, len(values), self.loc(tok))
             self.scope[v.name] = v
             values.append(v)
-        attributes = attr_dict[0] if attr_dict is not None else {}
-        g = Graph(name, values, sig, [], attributes, self.loc(sym), kind=str(kind))
+        attributes, attr_locs = attr_dict if attr_dict is not None else ({}, None)
+        g = Graph(name, values, sig, [], attributes, self.loc(sym), kind=str(kind), attr_locs=attr_locs)
         self.graphs[name] = g
         self.current = g
         return g

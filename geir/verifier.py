@@ -46,6 +46,10 @@ def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = Fals
 
     for a in graph.args:
         _check_size(a.type, a.loc, report)
+    target = graph.attributes.get("target")
+    if graph.kind == "rt.program" and target is not None and not (isinstance(target, str) and target.strip()):
+        report(f"rt.program @{graph.name}: 'target' names the chip it was lowered for, a string such as "
+               f"\"ascend910b\" or \"ascend910b[separate_cube_vector=0]\", not {target!r}", graph.attr_loc("target"))
     ops = graph.ops
     end = graph.terminator_name
     if not ops or ops[-1].name != end:

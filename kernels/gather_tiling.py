@@ -13,15 +13,14 @@ import attrs
 
 from geir.kernels.tiling import (
     Budget,
-    KernelTiling,
     OpSignature,
+    RowBlockTiling,
     TilingError,
     Untiled,
     align,
     as_target,
     check_buffers,
     halve,
-    never_printed,
     product,
 )
 from geir.ops.numerics import normalize_axis
@@ -30,24 +29,11 @@ from geir.target_npu.target import Target
 GATHER = "Gather"
 
 
-@attrs.frozen
-class GatherTiling(KernelTiling):
+@attrs.frozen(kw_only=True)
+class GatherTiling(RowBlockTiling):
     """`rows` gathered rows (or pieces of `cols` elements of them) and their indices per vector unit."""
 
     TEMPLATES = (GATHER,)
-
-    template: str
-    rows: int
-    cols: int
-    buffers: int
-    cores: int
-    ub_bytes: int
-    work_units: int | None = never_printed(None)
-    rule: str = never_printed("")
-
-    @property
-    def blocks(self) -> dict[str, int]:
-        return {"rows": self.rows, "cols": self.cols}
 
 
 @attrs.frozen
@@ -126,7 +112,8 @@ def _tiling(rows: int, cols: int, buffers: int, g: GatherShape, sig: OpSignature
     pieces = -(-max(g.inner or 1, 1) // cols)
     work = None if g.rows is None else -(-g.rows // rows) * pieces
     cores = chip.vector_cores if work is None else max(min(work, chip.vector_cores), 1)
-    return GatherTiling(GATHER, rows, cols, buffers, cores, _ub(rows, cols, isz, xsz, buffers, block), work, rule)
+    return GatherTiling(template=GATHER, rows=rows, cols=cols, buffers=buffers, cores=cores,
+                        ub_bytes=_ub(rows, cols, isz, xsz, buffers, block), work_units=work, rule=rule)
 
 
 def gather_budget(tiling: GatherTiling, sig: OpSignature, chip: Target) -> Budget:

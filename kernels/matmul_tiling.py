@@ -55,7 +55,7 @@ BASIC, EPILOGUE, MIX_EPILOGUE = "MatmulBasicBlock", "MatmulEpilogue", "MatmulMix
 M_FIRST, N_FIRST = 0, 1
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class MatmulTiling(KernelTiling):
     """Ascend C's TCubeTiling for one matmul: core split, base block, L1 steps and depths, iteration order.
 
@@ -333,10 +333,12 @@ def _tiling(m: int, n: int, k: int, step: int, buffers: int, epilogue: bool, bia
     if order is None:
         order, why = (N_FIRST, why) if dynamic or K is None else l2_order(batch, M, N, K, m, n, split, a.dtype.itemsize,
                                                                           chip)
-    t = MatmulTiling(_template(epilogue, bias, chip), split.single_core_m, split.single_core_n,
-                     0 if K is None else K, m, n, k, 1, 1, step, step, step * buffers, step * buffers, order,
-                     buffers, cores, budget.ub, budget.l1, budget.l0a, budget.l0b, budget.l0c, work)
-    return attrs.evolve(t, rule=why)
+    return MatmulTiling(template=_template(epilogue, bias, chip), single_core_m=split.single_core_m,
+                        single_core_n=split.single_core_n, single_core_k=0 if K is None else K, base_m=m, base_n=n,
+                        base_k=k, step_m=1, step_n=1, step_ka=step, step_kb=step, depth_a1=step * buffers,
+                        depth_b1=step * buffers, iterate_order=order, buffers=buffers, cores=cores,
+                        ub_bytes=budget.ub, l1_bytes=budget.l1, l0a_bytes=budget.l0a, l0b_bytes=budget.l0b,
+                        l0c_bytes=budget.l0c, work_units=work, rule=why)
 
 
 def _block_and_head(m: int, n: int, K: int | None, dtype: DType, epilogue: bool, chip: Target) -> tuple[float, float]:

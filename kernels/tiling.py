@@ -123,12 +123,13 @@ def printed_if_set(default: Any) -> Any:
     return attrs.field(default=default, metadata={"print": "if_set"})
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class KernelTiling:
     """The fields every tiling has; subclasses add their blocks (declared in printed order).
 
     Subclasses declare their own fields in the order the attribute prints them; `rule` (the prose
     the tile pass shows with --explain) and other fields marked `never_printed` stay out of it.
+    Tilings are built with keyword fields only (`kw_only`): the printed order is no constructor's order.
     """
 
     TEMPLATES: ClassVar[tuple[str, ...]] = ()
@@ -182,6 +183,25 @@ class KernelTiling:
 
     def with_changes(self, **changes: Any) -> "KernelTiling":
         return attrs.evolve(self, **changes)
+
+
+@attrs.frozen(kw_only=True)
+class RowBlockTiling(KernelTiling):
+    """The fields of a vector kernel that tiles `rows` x `cols` blocks over the vector units (row-wise ops, scans,
+    gathers): subclasses add theirs after these, and print in that order."""
+
+    template: str
+    rows: int
+    cols: int
+    buffers: int
+    cores: int
+    ub_bytes: int
+    work_units: int | None = never_printed(None)
+    rule: str = never_printed("")
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        return {"rows": self.rows, "cols": self.cols}
 
 
 # --- shared arithmetic of the tiling rules ----------------------------------------------------------

@@ -20,6 +20,7 @@ from geir.kernels.tiling import (
     KernelTiling,
     Miss,
     OpSignature,
+    RowBlockTiling,
     TilingError,
     Untiled,
     align,
@@ -38,7 +39,7 @@ COPY_TEMPLATES = ("DataCopy", "TransData", "VectorTranspose")
 SMALLEST_CHUNK = 32  # elements: the least a shrunk flat tile keeps
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class VectorTiling(KernelTiling):
     """A flat tile of `elems` elements per vector unit (elementwise ops, fused chains and copies)."""
 
@@ -57,45 +58,20 @@ class VectorTiling(KernelTiling):
         return {"elems": self.elems}
 
 
-@attrs.frozen
-class RowTiling(KernelTiling):
+@attrs.frozen(kw_only=True)
+class RowTiling(RowBlockTiling):
     """`rows` whole rows of `cols` elements per vector unit, each row in `segments` pieces of `cols`."""
 
     TEMPLATES = (ROW,)
 
-    template: str
-    rows: int
-    cols: int
-    buffers: int
-    cores: int
-    ub_bytes: int
     segments: int
-    work_units: int | None = never_printed(None)
-    rule: str = never_printed("")
-
-    @property
-    def blocks(self) -> dict[str, int]:
-        return {"rows": self.rows, "cols": self.cols}
 
 
-@attrs.frozen
-class ScanTiling(KernelTiling):
+@attrs.frozen(kw_only=True)
+class ScanTiling(RowBlockTiling):
     """A running sum's tile: `rows` steps along the scanned axis of `cols` independent sums per vector unit."""
 
     TEMPLATES = (SCAN,)
-
-    template: str
-    rows: int
-    cols: int
-    buffers: int
-    cores: int
-    ub_bytes: int
-    work_units: int | None = never_printed(None)
-    rule: str = never_printed("")
-
-    @property
-    def blocks(self) -> dict[str, int]:
-        return {"rows": self.rows, "cols": self.cols}
 
 
 def reduced_axes(name: str, attributes: dict[str, Any], rank: int) -> tuple[int, ...]:
@@ -182,7 +158,8 @@ def _fewer(units: int, vcores: int, chip: Target) -> str:
 def _flat(template: str, elems: int, buffers: int, s: _Streams, chip: Target, rule: str) -> VectorTiling:
     work = None if s.total is None else -(-s.total // elems)
     cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
-    return VectorTiling(template, elems, buffers, cores, s.fixed + elems * s.per_elem, work, rule)
+    return VectorTiling(template=template, elems=elems, buffers=buffers, cores=cores,
+                        ub_bytes=s.fixed + elems * s.per_elem, work_units=work, rule=rule)
 
 
 def choose_row_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> RowTiling:
@@ -226,8 +203,9 @@ def _rows(tile_rows: int, cols: int, segments: int, rows: int | None, buffers: i
     block = chip.data["memory"]["ub_block_bytes"]
     work = None if rows is None else -(-rows // tile_rows) * segments
     cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
-    return RowTiling(ROW, tile_rows, cols, buffers, cores, s.fixed + tile_rows * _row_bytes(cols, s, block), segments,
-                     work, rule)
+    return RowTiling(template=ROW, rows=tile_rows, cols=cols, buffers=buffers, cores=cores,
+                     ub_bytes=s.fixed + tile_rows * _row_bytes(cols, s, block), segments=segments, work_units=work,
+                     rule=rule)
 
 
 def _check_types(sig: OpSignature) -> None:
@@ -360,8 +338,8 @@ def _scan(rows: int, cols: int, buffers: int, sig: OpSignature, chip: Target, ru
     _, sums = scan_extent(sig)
     work = -(-sums // cols) if sums else 0
     block = chip.data["memory"]["ub_block_bytes"]
-    return ScanTiling(SCAN, rows, cols, buffers, max(min(work, chip.vector_cores), 1),
-                      _scan_bytes(rows, cols, sig, buffers, block), work, rule)
+    return ScanTiling(template=SCAN, rows=rows, cols=cols, buffers=buffers, cores=max(min(work, chip.vector_cores), 1),
+                      ub_bytes=_scan_bytes(rows, cols, sig, buffers, block), work_units=work, rule=rule)
 
 
 def scan_budget(tiling: ScanTiling, sig: OpSignature, chip: Target) -> Budget:

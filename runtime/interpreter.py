@@ -11,6 +11,7 @@ launches. Every task and (when asked) every pipe interval is recorded.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Mapping
 
 import attrs
@@ -28,7 +29,8 @@ from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
 from geir.runtime.device import DeviceFault, DeviceMemory, memory_layout
 from geir.runtime.launch_memo import LaunchMemo
 from geir.target_npu.sim import PIPES, CapacityError, Cores, GlobalMemory
-from geir.target_npu.target import Target
+from geir.target_npu.overrides import OverrideError
+from geir.target_npu.target import Target, TargetError, load_target
 from geir.types import TensorType
 
 
@@ -379,19 +381,81 @@ class Runtime:
 
 def target_mismatch(program: Graph, target: Target) -> Diagnostic | None:
     """An error if the program was lowered for another chip than `target`: its tilings, workspaces and the
-    schedules they name hold there only (a program that records no target is taken as lowered for any)."""
+    schedules they name hold there only. A program that records no target (written before programs named theirs)
+    is taken as lowered for `target` (`no_target_note` says so)."""
     compiled = program.attributes.get("target")
-    if not isinstance(compiled, str) or compiled == target.name:
+    if not isinstance(compiled, str) or _same_chip(compiled, target):
         return None
     return Diagnostic("error", f"rt.program @{program.name} was lowered for target '{compiled}', not '{target.name}': "
-                               f"its tilings and memory plan hold on '{compiled}' only; run it with --target {compiled} "
-                               f"or compile the ge.graph for '{target.name}'", program.loc)
+                               f"its tilings and memory plan hold on '{compiled}' only; run it with --target '{compiled}' "
+                               f"or compile the ge.graph for '{target.name}'", program.attr_loc("target"))
+
+
+def no_target_note(program: Graph, target: Target) -> Diagnostic | None:
+    """A note when the program records no target: which chip it is taken as lowered for (the run's), else None."""
+    if "target" in program.attributes:
+        return None
+    return Diagnostic("note", f"rt.program @{program.name} records no target (lowered before programs named theirs): "
+                              f"taken as lowered for '{target.name}', the target it runs on", program.loc)
+
+
+def _same_chip(compiled: str, target: Target) -> bool:
+    """Whether the target a program records is `target`: the same canonical name (a what-if spec written another
+    way loads under its canonical one), or a chip with the same numbers (an override equal to the base's value)."""
+    if compiled == target.name:
+        return True
+    try:
+        chip = load_target(compiled)
+    except (TargetError, OverrideError):
+        return False  # a chip this machine does not know: not the one asked for
+    return chip.name == target.name or _numbers(chip) == _numbers(target)
+
+
+def _numbers(chip: Target) -> dict[str, Any]:
+    return {table: values for table, values in chip.data.items() if table != "name"}
+
+
+@attrs.frozen(eq=False)
+class LoadedTilings:
+    """A program's launches decoded for one target: each launch's typed tiling and the problems found.
+
+    Kept per program (`load_tilings`) with the launches and tiling attributes it was decoded from, so every
+    run of the program, and gerun's check before them, reuses one decoding; a program whose launches or
+    tiling attributes were replaced since is decoded again."""
+
+    target: Target
+    launches: tuple[tuple[Operation, Any], ...]
+    tilings: dict[int, KernelTiling | None]
+    problems: list[Diagnostic]
+
+    def holds_for(self, program: Graph, target: Target) -> bool:
+        """Whether this decoding is still the program's on `target` (same launches, same tiling attributes)."""
+        if target is not self.target and target != self.target:
+            return False
+        launches = [op for op in program.ops if op.name == "rt.launch"]
+        return len(launches) == len(self.launches) and all(
+            op is was and op.attributes.get("tiling") is attr for op, (was, attr) in zip(launches, self.launches))
+
+
+# by program: its decoded launches (weak: a program no longer used takes its decoding with it)
+_LOADED: "weakref.WeakKeyDictionary[Graph, LoadedTilings]" = weakref.WeakKeyDictionary()
 
 
 def load_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling | None], list[Diagnostic]]:
-    """Each launch's typed tiling (by id of the launch), decoded by its kernel from the `tiling` attribute,
-    and an error at every launch whose kernel is unknown, refuses its operands on `target` (a dtype the
-    cube has no mode for) or whose tiling attribute is malformed."""
+    """Each launch's typed tiling (by id of the launch), decoded by its kernel from the `tiling` attribute once
+    per program load (later calls for the same program and target reuse it), and an error at every launch whose
+    kernel is unknown, refuses its operands on `target` (a dtype the cube has no mode for), whose tiling
+    attribute is malformed or names a schedule `target` cannot run."""
+    loaded = _LOADED.get(program)
+    if loaded is None or not loaded.holds_for(program, target):
+        tilings, problems = _decode_tilings(program, target)
+        launches = tuple((op, op.attributes.get("tiling")) for op in program.ops if op.name == "rt.launch")
+        loaded = _LOADED[program] = LoadedTilings(target, launches, tilings, problems)
+    return loaded.tilings, list(loaded.problems)
+
+
+def _decode_tilings(program: Graph, target: Target) -> tuple[dict[int, KernelTiling | None], list[Diagnostic]]:
+    """`load_tilings` without the reuse: every launch decoded now."""
     tilings: dict[int, KernelTiling | None] = {}
     mismatch = target_mismatch(program, target)
     problems: list[Diagnostic] = [mismatch] if mismatch is not None else []

@@ -197,3 +197,32 @@ def test_the_tile_pass_asks_the_kernel_and_says_why_an_op_stays_untiled():
     big = OpSignature("ge.flash_attention", (t(1, 1, 64, 65536),) * 3, (t(1, 1, 64, 65536),))
     over = KERNELS["ge.flash_attention"].choose(big, load_target("ascend910b"))
     assert isinstance(over, Miss) and over.overflow and "which holds" in over.reason
+
+
+def _tiling_classes() -> list[type[KernelTiling]]:
+    """Every kernel's tiling class (one per kernel family registered)."""
+    return sorted({k.TILING for k in KERNELS.values() if k.TILING is not None}, key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", _tiling_classes(), ids=lambda c: c.__name__)
+def test_tilings_are_built_with_keyword_fields_only(cls):
+    # the printed field order is not a constructor's order: a positional call is refused, whatever the class
+    fields = [f for f in attrs.fields(cls) if f.default is attrs.NOTHING]
+    assert fields and all(f.kw_only for f in attrs.fields(cls))
+    with pytest.raises(TypeError):
+        cls(*range(len(fields)))
+
+
+def test_the_fields_row_gather_and_scan_tilings_share_are_declared_once():
+    from geir.kernels.gather_tiling import GatherTiling
+    from geir.kernels.tiling import RowBlockTiling
+    from geir.kernels.vector_tiling import RowTiling, ScanTiling
+
+    shared = ("template", "rows", "cols", "buffers", "cores", "ub_bytes", "work_units", "rule")
+    assert tuple(f.name for f in attrs.fields(RowBlockTiling)) == shared
+    for cls in (RowTiling, ScanTiling, GatherTiling):
+        assert issubclass(cls, RowBlockTiling) and "rows" not in cls.__dict__.get("__annotations__", {})
+    # the printed order stays the attribute's: the shared blocks first, then a row tiling's segments
+    row = RowTiling(segments=2, ub_bytes=4096, cores=3, buffers=2, cols=64, rows=8, template="VectorRow")
+    assert list(row.to_attr()) == ["template", "rows", "cols", "buffers", "cores", "ub_bytes", "segments"]
+    assert RowTiling.from_attr(row.to_attr()) == row

@@ -109,7 +109,7 @@ def test_bad_input_is_its_diagnostic_in_every_tool(tmp_path, capsys, monkeypatch
     assert err.startswith(f"{f}:{first}:3: error: {message}\n{BAD_INPUT[case].split(chr(10))[first - 1]}\n  ^\n")
 
 
-ZERO_BLOCK = """rt.program @main(%x: tensor<4xf32>) -> tensor<4xf32> attributes {memory = {inputs = 512, constants = 0, arena = 512}, streams = 1} {
+ZERO_BLOCK = """rt.program @main(%x: tensor<4xf32>) -> tensor<4xf32> attributes {memory = {inputs = 512, constants = 0, arena = 512}, streams = 1, target = "ascend910b"} {
   %x.dev = rt.h2d %x {offset = 0, stream = 0} : tensor<4xf32>
   %y = rt.launch %x.dev {kernel = "ge.relu", offsets = [512], stream = 0, tiling = {template = "VectorElementwise", elems = 0, buffers = 2, cores = 1, ub_bytes = 512}} : tensor<4xf32>
   %0 = rt.d2h %y {stream = 0} : tensor<4xf32>

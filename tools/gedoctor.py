@@ -101,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
     if lowered and (args.passes is not None or args.no_fuse):
         raise ToolError(f"@{graph.name} in {args.input} is an rt.program (already lowered): --passes and --no-fuse "
                         f"apply to a ge.graph", EXIT_USAGE)
+    if lowered:
+        from geir.runtime.interpreter import target_mismatch
+        from geir.target_npu.target import load_target
+
+        mismatch = target_mismatch(graph, load_target(args.target))
+        if mismatch is not None:
+            printer(mismatch)
+            return EXIT_USAGE  # as gerun: the program is fine, the command asked for another chip
     from geir.runtime.device import host_memory_problem
 
     too_big = host_memory_problem(graph)

@@ -558,13 +558,17 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     session = None
     if is_program:
-        from geir.runtime.interpreter import load_tilings, target_mismatch
+        from geir.runtime.interpreter import load_tilings, no_target_note, target_mismatch
 
         program = graph
         mismatch = target_mismatch(program, load_target(args.target))
         if mismatch is not None:
             printer(mismatch)
             return EXIT_USAGE  # the program is fine; the command asked for another chip
+        assumed = no_target_note(program, load_target(args.target))
+        if assumed is not None:
+            printer(assumed)
+        # decoded once for this program: the runs below reuse these tilings
         problems = load_tilings(program, load_target(args.target))[1]
         for d in problems:
             printer(d)
