@@ -110,13 +110,12 @@ def pipe_track(core: int, pipe: int) -> Track:
     return Track(CORE_PID0 + core, pipe, f"core {core}", PIPES[pipe])
 
 
-def ge_spans(spans: Iterable[tuple], start_us: float | None = None) -> Trace:
-    """GE's host spans, (name, start_us, end_us[, args]) as the passes time them, from `start_us` (default: as
-    measured), on GE's track."""
+def ge_spans(spans: Iterable[Span], start_us: float | None = None) -> Trace:
+    """GE's host spans as the passes timed them (geir.session's), moved to begin at `start_us` (default: as
+    measured)."""
     spans = list(spans)
-    first = min((s[1] for s in spans), default=0.0)
-    shift = 0.0 if start_us is None else start_us - first
-    return Trace([Span(GE, s[0], s[1] + shift, s[2] + shift, "ge", dict(s[3]) if len(s) > 3 else {}) for s in spans])
+    first = min((s.start_us for s in spans), default=0.0)
+    return Trace([s.shifted(0.0 if start_us is None else start_us - first) for s in spans])
 
 
 def run_trace(result: RunResult) -> Trace:
@@ -143,7 +142,7 @@ def run_trace(result: RunResult) -> Trace:
     return trace
 
 
-def runs_trace(results: list[RunResult], ge_groups: list[list[tuple]] = ()) -> Trace:
+def runs_trace(results: list[RunResult], ge_groups: list[list[Span]] = ()) -> Trace:
     """Several runs on one clock, in the order they happened: GE's spans of group 0 (the compile), then for
     each run r GE's spans of group r + 1 (its re-plan, if it needed one) and the run. With several runs every
     span of run r says `run: r`."""
@@ -151,7 +150,7 @@ def runs_trace(results: list[RunResult], ge_groups: list[list[tuple]] = ()) -> T
     groups = list(ge_groups)
     several = len(results) > 1
 
-    def add_ge(spans: list[tuple], run: int | None) -> None:
+    def add_ge(spans: list[Span], run: int | None) -> None:
         if spans:
             trace.extend(ge_spans(spans, trace.end_us), args={"run": run} if run is not None else None)
 

@@ -544,7 +544,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     programs = []
     host_ge_us: list[float] = []  # GE's host work each run waited for: the compile (run 0), a re-plan
     # GE's spans by the step they belong to: [0] the compile, [r + 1] what run r's re-plan did
-    span_groups: list[list[tuple]] = [list(session.spans) if session is not None else []]
+    span_groups: list[list] = [list(session.spans) if session is not None else []]
     from geir.runtime.launch_memo import LaunchMemo
 
     memo = LaunchMemo()  # timing only: every run replays what an earlier one timed
