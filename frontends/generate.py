@@ -4,12 +4,14 @@
 cache made on the device) and a decode step (one token, the cache passed in). Each step writes its
 keys and values into the cache at its positions (`index_copy`, GEIR's `ge.index_put`) and attends
 over the whole cache, the slots past the tokens masked, as a static cache does. The cache stays on
-the device between steps (resident inputs, results kept there); when a step needs more slots than
+the device between steps: each step keeps it there (DeviceTensors, never host arrays) and the next
+takes it as resident inputs, so it never crosses the host link; when a step needs more slots than
 the cache has, the Runtime grows it into a larger region (a device copy, on the timeline). Every new
 cache length is a shape signature: the plan cache re-plans for it, so `buckets` (GE's gears: a list
 of lengths, or "pow2") round the cache up and trade padding for plan-cache hits. One timeline: GE's
 host work (each re-plan prepared for the next step while the device runs the current one, as
-the seed describes) and the device's runs; every step is a `Step` record.
+the seed describes) and the device's runs; every step is a `Step` record, and `Generation.timeline`
+the typed timeline (geir.runtime.trace) its Chrome trace renders from.
 """
 
 from __future__ import annotations
@@ -25,12 +27,18 @@ from geir.builder import Builder
 from geir.frontends.torch_builder import to_numpy
 from geir.frontends.torch_import import import_program
 from geir.ir import Module
+from geir.runtime.device import DeviceTensor
+from geir.runtime.interpreter import RuntimeListener
 from geir.runtime.profile import time_split
+from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE, Session, run_program
 from geir.target_npu.target import DEFAULT_TARGET
-from geir.types import DType, TensorType
+from geir.types import TensorType
 
 PHASES = ("prefill", "decode", "grow")
+# the tracks of a generation's timeline: GE's host work, the device's steps (and its memory counters)
+GE_HOST = Track(0, 0, "host: GE", "GE")
+DEVICE_STEPS = Track(1, 0, "device", "steps")
 
 
 @attrs.frozen
@@ -159,26 +167,29 @@ class Generation:
                 "peak_arena_bytes": max((s.arena_bytes for s in self.steps), default=0),
                 "peak_arena_lower_bound": max((s.arena_lower_bound for s in self.steps), default=0)}
 
-    def trace(self) -> dict[str, Any]:
-        """A Chrome trace (chrome://tracing, Perfetto) of the run: GE's host work and the device's steps on one
-        axis, and counters of the arena (with its live-bytes bound) and the KV cache per step."""
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "host: GE"}},
-            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "device"}}]
+    def timeline(self) -> Trace:
+        """The run's one timeline (geir.runtime.trace): GE's host work and the device's steps on one axis, and
+        counters of the arena (with its live-bytes bound) and the KV cache per step."""
+        trace = Trace()
         for s in self.steps:
             label = f"{s.phase} {s.index} (cache {s.cache_length})"
             if s.host_ge_us:
-                events.append({"ph": "X", "name": f"GE: plan {label}", "pid": 0, "tid": 0, "ts": s.ge_start_us,
-                               "dur": s.host_ge_us, "args": {"signature": [list(x) for x in s.signature]}})
+                trace.spans.append(Span(GE_HOST, f"GE: plan {label}", s.ge_start_us, s.ge_start_us + s.host_ge_us,
+                                        "ge", {"signature": [list(x) for x in s.signature]}))
             if s.grow_us:
-                events.append({"ph": "X", "name": f"grow cache to {s.cache_length}", "pid": 1, "tid": 0,
-                               "ts": s.start_us, "dur": s.grow_us})
-            events.append({"ph": "X", "name": label, "pid": 1, "tid": 0, "ts": s.start_us + s.grow_us,
-                           "dur": s.device_us, "args": {"plan_cache": s.plan_cache, "tokens": list(s.tokens)}})
-            events.append({"ph": "C", "name": "device memory (bytes)", "pid": 1, "ts": s.start_us,
-                           "args": {"arena": s.arena_bytes, "arena_lower_bound": s.arena_lower_bound,
-                                    "kv_cache": s.kv_bytes}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+                trace.spans.append(Span(DEVICE_STEPS, f"grow cache to {s.cache_length}", s.start_us,
+                                        s.start_us + s.grow_us, "grow"))
+            begin = s.start_us + s.grow_us
+            trace.spans.append(Span(DEVICE_STEPS, label, begin, begin + s.device_us, "step",
+                                    {"plan_cache": s.plan_cache, "tokens": list(s.tokens)}))
+            trace.counters.append(Counter(DEVICE_STEPS, "device memory (bytes)", s.start_us,
+                                          {"arena": s.arena_bytes, "arena_lower_bound": s.arena_lower_bound,
+                                           "kv_cache": s.kv_bytes}))
+        return trace
+
+    def trace(self) -> dict[str, Any]:
+        """A Chrome trace (chrome://tracing, Perfetto) of the run's timeline."""
+        return chrome_trace(self.timeline(), display_unit="ms")
 
     def render(self) -> str:
         """The steps as a table, then the summary."""
@@ -314,9 +325,10 @@ def _grow_graph(types: list[TensorType], new_length: int) -> Module:
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
              attention_mask: torch.Tensor | None = None, buckets: Sequence[int] | str | None = None,
              dtype: torch.dtype | None = None, target: str = DEFAULT_TARGET,
-             pipeline: str = DEFAULT_PIPELINE) -> Generation:
+             pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = ()) -> Generation:
     """Greedy generation of `max_new_tokens` by a Hugging Face causal LM (GPT-2, LLaMA-family) on the simulated
-    NPU: a prefill, then one decode step per token, the KV cache resident on the device."""
+    NPU: a prefill, then one decode step per token, the KV cache resident on the device (`listeners`: told of
+    every task of every step's run, the cache's growth included)."""
     if dtype is not None:  # a copy in that dtype: the caller's model stays as it is
         import copy
 
@@ -339,7 +351,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     decode_ep = _export(_StepModule(model, False), decode_args,
                         (None, {1: l_dim}, None, None, tuple({2: l_dim} for _ in example[1:])))
     decode = import_program(decode_ep, source="<decode>")
-    return _Loop(prefill, decode, target, pipeline).run(input_ids, mask, max_new_tokens, buckets)
+    return _Loop(prefill, decode, target, pipeline, listeners).run(input_ids, mask, max_new_tokens, buckets)
 
 
 def _slot_mask(mask: torch.Tensor, slots: int) -> torch.Tensor:
@@ -357,9 +369,11 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 class _Loop:
     """The generation loop: GE's sessions for both step programs, the cache on the device, the one timeline."""
 
-    def __init__(self, prefill: Any, decode: Any, target: str, pipeline: str):
+    def __init__(self, prefill: Any, decode: Any, target: str, pipeline: str,
+                 listeners: Sequence[RuntimeListener] = ()):
         self.target = target
         self.pipeline = pipeline
+        self.listeners = listeners
         self.sessions = {}
         for phase, imported in (("prefill", prefill), ("decode", decode)):
             m = imported.module
@@ -376,7 +390,7 @@ class _Loop:
         batch, prompt = input_ids.shape
         tokens = input_ids.clone()
         steps: list[Step] = []
-        cache: list[np.ndarray] = []
+        cache: list[DeviceTensor] = []  # kept on the device from step to step: never a host array
         for index in range(new_tokens):
             phase = "prefill" if index == 0 else "decode"
             length = prompt + index  # tokens in the cache after this step
@@ -401,13 +415,13 @@ class _Loop:
                 self.uncompiled.discard(phase)
                 ge_us += session.compile_us
             kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
-            result = run_program(program, feed, weights, target=self.target,
-                                 resident=names[4:] if phase == "decode" else (), keep=kv_results)
+            result = run_program(program, feed, weights, target=self.target, keep=kv_results,
+                                 listeners=self.listeners)
             split = time_split(result)
             device_us = split["simulated_time_us"]
             self.last[phase] = (program, result)
             logits = np.asarray(result.outputs[0], dtype=np.float64)
-            cache = [np.asarray(c) for c in result.outputs[1:]]
+            cache = list(result.outputs[1:])
             chosen = torch.from_numpy(logits.argmax(-1)).to(tokens.dtype)
             tokens = torch.cat([tokens, chosen[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
@@ -425,7 +439,7 @@ class _Loop:
                               ge_start, ge_end, grow_us, device_us, split["kernel_time_us"],
                               split["transfer_time_us"], begin, end, int(memory.get("arena", 0)),
                               int(program.attributes.get("arena_lower_bound", memory.get("arena", 0))),
-                              int(sum(c.nbytes for c in cache)), sum(t.kind != "kernel" for t in result.tasks),
+                              sum(c.nbytes for c in cache), sum(t.kind != "kernel" for t in result.tasks),
                               tuple(int(t) for t in chosen)))
         from geir.session.doctor import kernel_findings, kernel_views
 
@@ -433,7 +447,7 @@ class _Loop:
                     for phase, (program, result) in self.last.items()}
         return Generation(tokens, steps, len(self.sessions), findings)
 
-    def _grow(self, cache: list[np.ndarray], slots: int) -> tuple[list[np.ndarray], float, float]:
+    def _grow(self, cache: list[DeviceTensor], slots: int) -> tuple[list[DeviceTensor], float, float]:
         """The cache moved into a region of `slots` on the device: the moved cache, the move's device time, and
         GE's host time compiling the move (once per pair of lengths)."""
         from geir.session import compile_module
@@ -441,12 +455,13 @@ class _Loop:
         key = (cache[0].shape, slots)
         ge_us = 0.0
         if key not in self.grows:
-            types = [TensorType(tuple(c.shape), DType.from_numpy(c.dtype)) for c in cache]
+            types = [c.type for c in cache]
             start = time.perf_counter()
             self.grows[key] = compile_module(_grow_graph(types, slots), self.pipeline, self.target)[0].graphs[0]
             ge_us = (time.perf_counter() - start) * 1e6
         program = self.grows[key]
         names = [a.name for a in program.args]
-        result = run_program(program, dict(zip(names, cache)), target=self.target, resident=names,
-                             keep=range(len(cache)))
-        return [np.asarray(c) for c in result.outputs], time_split(result)["simulated_time_us"], ge_us
+        # the cache, DeviceTensors, is resident: the move is a device copy, nothing crosses the host link
+        result = run_program(program, dict(zip(names, cache)), target=self.target, keep=range(len(cache)),
+                             listeners=self.listeners)
+        return list(result.outputs), time_split(result)["simulated_time_us"], ge_us

@@ -46,6 +46,40 @@ class DeviceMemory:
         return self.view(offset, t).copy()
 
 
+class DeviceTensor:
+    """A tensor that stays in device memory between runs (a KV cache): a result a run kept there, passed to a
+    later run as a resident input. The host never holds its values; `read` is an explicit look at them."""
+
+    def __init__(self, t: TensorType, storage: np.ndarray):
+        # a view of the device bytes of the run that wrote it (no copy): they outlive that run through it
+        self.type = t
+        self._storage = storage
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape (a plan-cache signature reads it, as it reads a host array's)."""
+        return tuple(self.type.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds on the device."""
+        return self.type.nbytes
+
+    def place(self, memory: DeviceMemory, offset: int) -> None:
+        """Bind its bytes at `offset` of a later run's device memory (where that program's plan put the input).
+
+        The simulator gives each run a memory of its own, so binding moves the bytes inside the simulated
+        device; nothing crosses the host link and nothing is on the timeline."""
+        memory.write(offset, self.type, self._storage)
+
+    def read(self) -> np.ndarray:
+        """A host copy of its values (a look from outside the model: no run does this)."""
+        return np.array(self._storage, copy=True)
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor({self.type})"
+
+
 def stand_in(t: TensorType) -> np.ndarray:
     """An array with a tensor type's shape and dtype and no memory (zero strides): an input a timing-only run
     takes only the shape of."""

@@ -26,7 +26,7 @@ from geir.ops.rt import ENGINES
 from geir.reference import run_op
 from geir.runtime.aicpu import NoAicpu, aicpu_cost, has_semantics
 from geir.kernels.tiling import KernelTiling, OpSignature, TilingAttrError
-from geir.runtime.device import DeviceFault, DeviceMemory, memory_layout
+from geir.runtime.device import DeviceFault, DeviceMemory, DeviceTensor, memory_layout
 from geir.runtime.launch_memo import LaunchMemo
 from geir.target_npu.sim import PIPES, CapacityError, Cores, GlobalMemory
 from geir.target_npu.overrides import OverrideError
@@ -55,6 +55,8 @@ class Task:
     outputs: tuple[TensorType, ...] = ()
     # a kernel's engine: "aicore" or "aicpu" (copies run on the copy engine and keep the default)
     engine: str = "aicore"
+    # a copy's bytes over the host link (0 for a kernel)
+    nbytes: int = 0
 
 
 @attrs.define
@@ -74,13 +76,40 @@ class RunResult:
     replayed: int = 0
 
 
+class RuntimeListener:
+    """Told of what the Runtime does, as it does it (as MLIR's RewriterBase::Listener, and GEIR's
+    PatternListener for patterns): subclass it and override the hooks wanted; each does nothing here.
+
+    Hooks run in program order, each once per task as the Runtime ran it (a fault's recovery included),
+    with the task's modelled times: a progress line, a recorder of the run's timeline, a counter of bytes.
+    """
+
+    def run_started(self, program: Graph) -> None:
+        """The Runtime starts on `program` (its constants loaded, nothing submitted yet)."""
+
+    def copied(self, task: Task) -> None:
+        """A host-device copy ran on the copy engine (`task.kind` "h2d" or "d2h", `task.nbytes` its bytes)."""
+
+    def launched(self, task: Task, stats: KernelStats) -> None:
+        """A kernel ran (on the AI cores or the AI CPU): its task on the timeline and its statistics."""
+
+    def resident_from_host(self, name: str, nbytes: int) -> None:
+        """A resident input came as a host array, not a DeviceTensor: the model takes its bytes as on the
+        device already, but the simulator put them there from the host, off the timeline."""
+
+    def run_finished(self, result: RunResult) -> None:
+        """The run is over: everything it did."""
+
+
 class Runtime:
     """Runs rt.programs on one simulated chip."""
 
     def __init__(self, target: Target, record_pipes: bool = False, faults: Iterable[tuple[str, int]] = (),
                  count_waits: bool = False, timing_only: bool = False,
-                 memo: bool | LaunchMemo = True):
+                 memo: bool | LaunchMemo = True, listeners: Iterable[RuntimeListener] = ()):
         self.target = target
+        # told of every task as it runs (geir.runtime.interpreter.RuntimeListener)
+        self.listeners = list(listeners)
         # timing only: every task is timed as in a full run, but no value is computed or copied, so inputs
         # and weights may be absent and the run has no outputs (the simulated figures are the full run's)
         self.timing_only = timing_only
@@ -109,11 +138,11 @@ class Runtime:
         Time 0 is when the Runtime starts submitting: its host thread submits the tasks in program
         order, `launch_latency_us` each, and no task starts on the device before it was submitted.
         Inputs named in `resident` are already on the device (a cache kept there between calls):
-        they are neither submitted nor copied again. Results whose positions are in `keep` stay on
-        the device for a later call (a KV cache): no copy out; their values are the simulator's
-        record of the device memory, handed back to be passed as `resident` inputs.
+        they are neither submitted nor copied again; an input given as a DeviceTensor is resident.
+        Results whose positions are in `keep` stay on the device for a later call (a KV cache): no
+        copy out; they come back as DeviceTensors, to be passed to a later run as resident inputs.
         """
-        resident = set(resident)
+        resident = set(resident) | {n for n, v in inputs.items() if isinstance(v, DeviceTensor)}
         kept = {id(v) for i, v in enumerate(program.terminator.operands) if i in set(keep)}
         hits = self.memo.hits if self.memo is not None else 0
         if program.kind != "rt.program":
@@ -147,13 +176,20 @@ class Runtime:
             cost = self._transfer_us(op.result.type.nbytes, op, what, transfers, faults)
             copy_free = streams[op.stream] = start + cost
             transfers += 1
-            tasks.append(Task(kind, what, op.stream, start, copy_free, submitted))
+            tasks.append(Task(kind, what, op.stream, start, copy_free, submitted, nbytes=op.result.type.nbytes))
+            for listener in self.listeners:
+                listener.copied(tasks[-1])
 
         tilings = self._tilings(program)
         for arg in program.args if not self.timing_only else ():
             if arg.name not in inputs:
                 raise RuntimeFailure(f"no input given for argument '%{arg.name}'")
             host[id(arg)] = _checked_input(arg, inputs[arg.name])
+            if arg.name in resident and not isinstance(host[id(arg)], DeviceTensor):
+                for listener in self.listeners:
+                    listener.resident_from_host(arg.name, arg.type.nbytes)
+        for listener in self.listeners:
+            listener.run_started(program)
 
         try:
             for op in program.ops:
@@ -165,18 +201,24 @@ class Runtime:
                     load_us += self._copy_us(op.result.type.nbytes)  # once, when the program loads
                 elif name == "rt.h2d":
                     t = op.result.type
-                    if not self.timing_only:
-                        device.write(op.offset, t, host[id(op.operands[0])])
+                    value = host.get(id(op.operands[0]))
+                    if isinstance(value, DeviceTensor):
+                        value.place(device, op.offset)  # on the device already: no host bytes
+                    elif not self.timing_only:
+                        device.write(op.offset, t, value)
                     where[id(op.result)] = op.offset
                     if op.operands[0].name in resident:
                         continue  # on the device since an earlier call: its bytes (and L2 state) stay
                     gm.forget(_gm_name(op.offset))
                     copy_task("h2d", f"copy %{op.operands[0].name} in", op)
                 elif name == "rt.d2h":
+                    if id(op.result) in kept:  # stays on the device for the next call: a handle, no host copy
+                        if not self.timing_only:  # the device bytes themselves, as they are when the run ends
+                            host[id(op.result)] = DeviceTensor(op.result.type,
+                                                               device.view(where[id(op.operands[0])], op.result.type))
+                        continue
                     if not self.timing_only:
                         host[id(op.result)] = device.read(where[id(op.operands[0])], op.result.type)
-                    if id(op.result) in kept:
-                        continue  # stays on the device for the next call
                     copy_task("d2h", "copy out", op)
                 elif name == "rt.record":
                     events[op.event] = streams.get(op.stream, 0.0)
@@ -193,6 +235,8 @@ class Runtime:
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
                                       stats.end / self.cycles_per_us, submitted, op.results[0].name or "",
                                       tuple(v.type for v in op.operands), tuple(r.type for r in op.results), AICPU))
+                    for listener in self.listeners:
+                        listener.launched(tasks[-1], stats)
                 elif name == "rt.launch":
                     submitted += self.submit_us
                     streams[op.stream] = max(streams.get(op.stream, 0.0), submitted)
@@ -202,6 +246,8 @@ class Runtime:
                     tasks.append(Task("kernel", stats.name, op.stream, stats.start / self.cycles_per_us,
                                       stats.end / self.cycles_per_us, submitted, op.results[0].name or "",
                                       tuple(v.type for v in op.operands), tuple(r.type for r in op.results)))
+                    for listener in self.listeners:
+                        listener.launched(tasks[-1], stats)
                 elif name == "rt.return":
                     # timing only: no values, no outputs
                     outputs = [] if self.timing_only else [host[id(v)] for v in op.operands]
@@ -218,7 +264,10 @@ class Runtime:
             raise RuntimeFailure(f"cannot inject {kind}@{n}: the program has only {count} "
                                  f"{'transfers' if kind == 'dma' else 'kernel launches'}")
         replayed = self.memo.hits - hits if self.memo is not None else 0
-        return RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us, faults, replayed)
+        result = RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us, faults, replayed)
+        for listener in self.listeners:
+            listener.run_finished(result)
+        return result
 
     def _copy_us(self, nbytes: int) -> float:
         return self.copy_latency_us + nbytes / self.link_bytes_per_us
@@ -548,9 +597,13 @@ def _gm_name(offset: int) -> str:
     return f"@{offset}"
 
 
-def _checked_input(arg: Value, array: Any) -> np.ndarray:
-    a = np.asarray(array)
+def _checked_input(arg: Value, array: Any) -> np.ndarray | DeviceTensor:
     t: TensorType = arg.type
+    if isinstance(array, DeviceTensor):  # kept on the device by an earlier run: its type must be the argument's
+        if array.type != t:
+            raise RuntimeFailure(f"input '%{arg.name}' is a {array.type} on the device, but the program takes {t}")
+        return array
+    a = np.asarray(array)
     if a.shape != t.shape:
         raise RuntimeFailure(f"input '%{arg.name}' has shape {list(a.shape)}, but the program takes {t}")
     return a.astype(t.dtype.np, copy=False)

@@ -1,4 +1,4 @@
-"""Profile figures of a run, named as msprof names them, and the Chrome trace of its tasks and pipes.
+"""Profile figures of a run, named as msprof names them (its trace and picture: geir.runtime.trace).
 
 Where the time went, on one modelled timeline (time 0: the request; GE's host work first, then the
 Runtime submits the program's tasks and the device runs them):
@@ -24,7 +24,6 @@ ratios, overlap_ratio and memory_bound are over the AI Core kernels; its time co
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from geir.kernels.base import KernelStats
@@ -221,70 +220,3 @@ def _format_faults(faults: list[dict[str, Any]]) -> list[str]:
         cost = f", +{f['cost_us']:.2f} us" if isinstance(f.get("cost_us"), (int, float)) else ""
         lines.append(f"  {f.get('kind')}@{f.get('task')} on {f.get('op')} ({f.get('loc')}): {f.get('recovery')}{cost}")
     return lines + [""]
-
-
-def chrome_trace(result: RunResult, ge_events: list[tuple[str, float, float]] | None = None) -> str:
-    """Chrome trace-event JSON of one run on its one modelled timeline (microseconds).
-
-    - process "host": track "GE" (GE's host work before the run, from 0) and track "Runtime" (the
-      submission of each task, one after another);
-    - process "device": one track per Runtime stream (stream 0: the copies), each task on its stream;
-    - one process per core, one track per pipe;
-    - process "AI CPU" (when the run has AI CPU tasks): its one track holds each task GE placed on the
-      AI CPU engine, when it ran there (the task is on its stream's track as well, as every task is).
-    GE's spans come first; the Runtime starts submitting when GE is done, and every device event sits
-    on that axis after it. Events are in time order on every track.
-    """
-    events: list[dict[str, Any]] = []
-    us = 1e6 / result.target.clock_hz
-    named: set[int] = set()
-
-    def meta(pid: int, tid: int, name: str, process: str) -> None:
-        if pid not in named:
-            named.add(pid)
-            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": process}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
-
-    meta(HOST_PID, GE_TID, "GE", "host")
-    meta(HOST_PID, RUNTIME_TID, "Runtime", "host")
-    spans: list[dict[str, Any]] = []
-    first = min((start for _, start, _ in ge_events or []), default=0.0)
-    offset = max((end for _, _, end in ge_events or []), default=0.0) - first
-    for name, start, end in ge_events or []:
-        spans.append({"ph": "X", "name": name, "pid": HOST_PID, "tid": GE_TID, "ts": start - first,
-                      "dur": max(end - start, 0.0)})
-    submit_us = result.target.data.get("host", {}).get("launch_latency_us", 0.0)
-    for stream in sorted({t.stream for t in result.tasks}):
-        meta(DEVICE_PID, stream, f"stream {stream}" + (" (copies)" if stream == 0 else ""), "device")
-    for t in result.tasks:
-        spans.append({"ph": "X", "name": f"submit {t.name}", "cat": "submit", "pid": HOST_PID, "tid": RUNTIME_TID,
-                      "ts": offset + t.submitted_us - submit_us, "dur": submit_us, "args": {"stream": t.stream}})
-        spans.append({"ph": "X", "name": t.name, "cat": t.kind, "pid": DEVICE_PID, "tid": t.stream,
-                      "ts": offset + t.start_us, "dur": max(t.end_us - t.start_us, 0.0),
-                      "args": {"stream": t.stream, "submitted_us": offset + t.submitted_us}})
-        if t.engine == "aicpu":
-            if AICPU_PID not in named:
-                meta(AICPU_PID, AICPU_TID, "AI CPU", "AI CPU")
-            spans.append({"ph": "X", "name": t.name, "cat": "aicpu", "pid": AICPU_PID, "tid": AICPU_TID,
-                          "ts": offset + t.start_us, "dur": max(t.end_us - t.start_us, 0.0),
-                          "args": {"stream": t.stream, "node": t.label}})
-    pipes = list(PIPE_INDEX)
-    seen: set[tuple[int, int]] = set()
-    for iv in result.cores.intervals:
-        for core, start, end in zip(iv.cores.tolist(), iv.start.tolist(), iv.end.tolist()):
-            pid, tid = CORE_PID0 + core, iv.pipe
-            if (pid, tid) not in seen:
-                seen.add((pid, tid))
-                meta(pid, tid, pipes[iv.pipe], f"core {core}")
-            spans.append({"ph": "X", "name": iv.name, "pid": pid, "tid": tid, "ts": offset + start * us,
-                          "dur": (end - start) * us})
-    spans.sort(key=lambda e: (e["pid"], e["tid"], e["ts"]))
-    return json.dumps({"traceEvents": events + spans, "displayTimeUnit": "ns"})
-
-
-# the trace's processes and tracks
-HOST_PID, GE_TID, RUNTIME_TID = 0, 0, 1
-DEVICE_PID = 1
-CORE_PID0 = 2
-# the AI CPU engine's process: far above any core's (CORE_PID0 + core)
-AICPU_PID, AICPU_TID = 100_000, 0

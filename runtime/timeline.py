@@ -1,6 +1,7 @@
 """The timeline picture of a run: GE's passes, the Runtime's tasks and every core's pipes, as a PNG.
 
-`timeline_data` collects the rows (a pure function of the runs; no matplotlib needed) and
+`timeline_data` collects the rows from the runs' one typed timeline (geir.runtime.trace, which the
+Chrome trace renders too; no matplotlib needed) and
 `render_png` draws them with matplotlib's Agg backend, imported only there, so GEIR works
 without the `plot` extra. The picture has three panels, one clock each, top to bottom:
 - GE: the compile and each re-plan with their passes, in host wall-clock milliseconds (the idle
@@ -13,14 +14,16 @@ without the `plot` extra. The picture has three panels, one clock each, top to b
 
 from __future__ import annotations
 
+import bisect
 import io
 from typing import Sequence
 
 import attrs
 import numpy as np
 
-from geir.runtime.interpreter import RunResult
+from geir.runtime.trace import CORE_PID0, DEVICE_PID, Span, Trace
 from geir.target_npu.sim import PIPES
+from geir.target_npu.target import Target
 
 # One colour per pipe, the same in every panel and picture (the legend lists them in pipeline order).
 PIPE_COLOURS = {
@@ -79,42 +82,46 @@ class Timeline:
         return self.runs[-1][1] if self.runs else 0.0
 
 
-def timeline_data(results: Sequence[RunResult], ge_spans: Sequence[tuple] = (),
-                  source: str = "") -> Timeline:
-    """The rows of the picture for these runs (one after another, as gerun's trace has them) and GE's spans.
-
-    `ge_spans` are (name, start_us, end_us, ...) in host wall-clock time since GE started.
-    """
-    if not results:
+def timeline_data(trace: Trace, target: Target, source: str = "") -> Timeline:
+    """The rows of the picture, from the runs' one timeline (geir.runtime.trace): GE's spans on the host
+    clock, the device's tasks and every core's pipes on the simulated clock, the runs one after another (the
+    GE time between them, when the device had nothing to do, taken out)."""
+    run_spans = sorted(trace.of_kind("run"), key=lambda s: s.start_us)
+    if not run_spans:
         raise ValueError("a timeline needs at least one run")
-    target = results[0].target
-    us_per_cycle = 1e6 / target.clock_hz
-    rows, cuts = _ge_rows(ge_spans)
+    starts, shifts, runs = [], [], []
+    for r in run_spans:  # each run starts on the device clock where the one before it ended
+        offset = runs[-1][1] if runs else 0.0
+        starts.append(r.start_us)
+        shifts.append(r.start_us - offset)
+        runs.append((offset, offset + r.end_us - r.start_us))
+
+    def device_clock(span: Span) -> tuple[float, float]:
+        shift = shifts[max(bisect.bisect_right(starts, span.start_us) - 1, 0)]
+        return span.start_us - shift, span.end_us - shift
+
+    rows, cuts = _ge_rows([(s.name, s.start_us, s.end_us) for s in trace.of_kind("ge")])
     tasks_by_stream: dict[int, list[tuple[float, float, str, str]]] = {}
     kernels: list[tuple[str, float, float]] = []
-    runs: list[tuple[float, float]] = []
-    pipes: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # pipe -> (cores, start, end) parts
-    offset = 0.0
-    for result in results:
-        for t in result.tasks:
-            tasks_by_stream.setdefault(t.stream, []).append((offset + t.start_us, offset + t.end_us, t.name, t.kind))
-            if t.kind == "kernel":
-                kernels.append((t.name, offset + t.start_us, offset + t.end_us))
-        for iv in result.cores.intervals:
-            cores = np.asarray(iv.cores).ravel()
-            start = np.broadcast_to(np.asarray(iv.start, dtype=float), cores.shape) * us_per_cycle + offset
-            end = np.broadcast_to(np.asarray(iv.end, dtype=float), cores.shape) * us_per_cycle + offset
-            pipes.setdefault(iv.pipe, []).append((cores, start, end))
-        end_of_run = offset + max((t.end_us for t in result.tasks), default=0.0)
-        runs.append((offset, end_of_run))
-        offset = end_of_run
+    pipes: dict[int, list[tuple[int, float, float]]] = {}  # pipe -> (core, start, end)
+    for span in trace.spans:
+        if span.track.pid == DEVICE_PID:
+            start, end = device_clock(span)
+            tasks_by_stream.setdefault(span.track.tid, []).append((start, end, span.name, span.kind))
+            if span.kind == "kernel":
+                kernels.append((span.name, start, end))
+        elif span.kind == "pipe":
+            start, end = device_clock(span)
+            pipes.setdefault(span.track.tid, []).append((span.track.pid - CORE_PID0, start, end))
     for stream in sorted(tasks_by_stream):
         spans = sorted(tasks_by_stream[stream])
         rows.append(Row("Runtime", f"stream {stream}", "simulated", np.array([s[0] for s in spans]),
                         np.array([s[1] for s in spans]), tuple(s[2] for s in spans), tuple(s[3] for s in spans)))
     by_core: list[Row] = []
     for pipe, parts in pipes.items():
-        cores, start, end = (np.concatenate([part[i] for part in parts]) for i in range(3))
+        cores = np.array([p[0] for p in parts], dtype=int)
+        start = np.array([p[1] for p in parts], dtype=float)
+        end = np.array([p[2] for p in parts], dtype=float)
         work = end > start
         cores, start, end = cores[work], start[work], end[work]
         order = np.lexsort((start, cores))

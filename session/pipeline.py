@@ -14,8 +14,9 @@ import numpy as np
 from geir.diagnostics import DiagnosticEngine, DiagnosticError
 from geir.ir import Graph, Module
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
-from geir.runtime.interpreter import RunResult, Runtime
+from geir.runtime.interpreter import RunResult, Runtime, RuntimeListener
 from geir.runtime.launch_memo import LaunchMemo
+from geir.runtime.trace import GE, Span
 from geir.target_npu.target import DEFAULT_TARGET, load_target
 
 DEFAULT_PIPELINE = "conv2d-im2col,canonicalize,fuse,layout,tile,plan,lower"
@@ -33,7 +34,7 @@ def lowering_pipeline(pipeline: str) -> list:
 def run_passes(module: Module, passes: list, target: str, emit=None, spans: list | None = None,
                t0: float | None = None, verify_each: bool = True, explain: bool = False,
                tiling_memo: dict | None = None, records: list | None = None) -> Module:
-    """Run passes in place; each pass's (name, start_us, end_us) since `t0` goes to `spans`, and the typed
+    """Run passes in place; each pass's span (GE's track, microseconds since `t0`) goes to `spans`, and the typed
     outcomes the passes report (tiling decisions, fusion outcomes, fusions undone) to `records`.
 
     Errors (and with `explain`, remarks) go to `emit`; errors raise DiagnosticError.
@@ -50,7 +51,7 @@ def run_passes(module: Module, passes: list, target: str, emit=None, spans: list
     marks: list[float] = []
     record = spans.append if spans is not None else (lambda span: None)
     pm = PassManager(passes, verify_each=verify_each, before=lambda p, m: marks.append(now()),
-                     after=lambda p, m: record((p.NAME, marks[-1], now())))
+                     after=lambda p, m: record(Span(GE, p.NAME, marks[-1], now(), "ge")))
     ctx = PassContext(target=target, diagnostics=DiagnosticEngine(handle), explain=explain, tiling_memo=tiling_memo,
                       records=records if records is not None else [])
     if not pm.run(module, ctx):
@@ -59,19 +60,22 @@ def run_passes(module: Module, passes: list, target: str, emit=None, spans: list
 
 
 def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
-                   emit=None, verify_each: bool = True) -> tuple[Module, list[tuple[str, float, float]]]:
-    """Run GE's pipeline (ending in lower) in place; returns the module and (pass, start_us, end_us) per pass.
+                   emit=None, verify_each: bool = True) -> tuple[Module, list[Span]]:
+    """Run GE's pipeline (ending in lower) in place; returns the module and each pass's span on GE's track.
 
     `verify_each=False` is the serving path: the IR is not re-verified between passes (the input was
     verified when it was read, and the passes are tested to keep it valid)."""
-    spans: list[tuple[str, float, float]] = []
+    spans: list[Span] = []
     return run_passes(module, lowering_pipeline(pipeline), target, emit, spans, verify_each=verify_each), spans
 
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
                 target: str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
-                resident: Iterable[str] = (), memo: LaunchMemo | None = None, keep: Iterable[int] = ()) -> RunResult:
+                resident: Iterable[str] = (), memo: LaunchMemo | None = None, keep: Iterable[int] = (),
+                listeners: Iterable[RuntimeListener] = ()) -> RunResult:
     """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device; `keep`:
-    results that stay there; `memo`: timing only, the launches earlier runs timed)."""
+    results that stay there, as DeviceTensors; `memo`: timing only, the launches earlier runs timed;
+    `listeners`: told of every task as it runs)."""
     return Runtime(load_target(target), record_pipes=record_pipes, timing_only=timing_only,
-                   memo=True if memo is None else memo).run(program, inputs, resources, resident, keep)
+                   memo=True if memo is None else memo, listeners=listeners).run(program, inputs, resources,
+                                                                                 resident, keep)

@@ -13,7 +13,6 @@ the bottleneck and little can hide (the seed's claim needs device work to hide b
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Mapping
 
@@ -27,6 +26,7 @@ from geir.runtime.device import stand_in
 from geir.runtime.interpreter import RunResult
 from geir.runtime.launch_memo import LaunchMemo
 from geir.runtime.profile import time_split
+from geir.runtime.trace import Span, Trace, Track, chrome_trace_json
 from geir.session.pipeline import DEFAULT_PIPELINE, compile_module, run_program
 from geir.session.plan_cache import bind_shapes
 from geir.target_npu.target import DEFAULT_TARGET
@@ -149,6 +149,11 @@ class Schedule:
         return Schedule(compile_spans, run_spans, run_spans[0][1] + first_kernel_us, end, hidden)
 
 
+# the schedule's tracks, on one modelled clock
+COMPILE_TRACK = Track(0, 0, "modelled timeline", "GE (host)")
+RUN_TRACK = Track(0, 1, "modelled timeline", "Runtime and device")
+
+
 @attrs.frozen
 class PipelinedRun:
     """The outputs of a partitioned run, each part's measured compile and simulated run, and both schedules.
@@ -208,21 +213,20 @@ class PipelinedRun:
             return f"the device's work hid most of GE's: {hidden}; {waiting} of {s['parts'] - 1} parts waited for GE ({why})"
         return f"GE is the bottleneck: {why} ({waiting} of {s['parts'] - 1} parts wait for GE); {hidden}"
 
-    def trace(self, overlap: bool = True) -> str:
-        """Chrome trace of the schedule on its one timeline: GE's compile of each part beside each part's run."""
+    def timeline(self, overlap: bool = True) -> Trace:
+        """The schedule as the one typed timeline (geir.runtime.trace): GE's compile of each part beside each
+        part's run."""
         sched = self.schedule(overlap)
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "modelled timeline"}},
-            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "GE (host)"}},
-            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "Runtime and device"}},
-        ]
-        for tid, spans in ((0, sched.compile_spans), (1, sched.run_spans)):
-            for n, (name, start, end) in enumerate(spans):
-                args = {"kernel_time_us": time_split(self.results[n])["kernel_time_us"],
-                        "kernels": len(self.results[n].kernels)} if tid == 1 else {}
-                events.append({"ph": "X", "name": name, "pid": 0, "tid": tid, "ts": start, "dur": end - start,
-                               "args": args})
-        return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+        trace = Trace([Span(COMPILE_TRACK, name, start, end, "ge") for name, start, end in sched.compile_spans])
+        for n, (name, start, end) in enumerate(sched.run_spans):
+            trace.spans.append(Span(RUN_TRACK, name, start, end, "run",
+                                    {"kernel_time_us": time_split(self.results[n])["kernel_time_us"],
+                                     "kernels": len(self.results[n].kernels)}))
+        return trace
+
+    def trace(self, overlap: bool = True) -> str:
+        """Chrome trace of the schedule's timeline."""
+        return chrome_trace_json(self.timeline(overlap), display_unit="ms")
 
 
 def run_pipelined(module: Module, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,

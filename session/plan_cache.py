@@ -16,6 +16,7 @@ from geir.ops.core import Const
 from geir.passes.const_fold import fold_sizes
 from geir.passes.fusion_guards import FusionGuards, Unfusion
 from geir.passes.tile import TilingDecision
+from geir.runtime.trace import GE, Span
 from geir.session.pipeline import DEFAULT_PIPELINE, lowering_pipeline, run_passes
 from geir.target_npu.target import DEFAULT_TARGET
 from geir.types import TensorType
@@ -118,7 +119,7 @@ class Session:
         self.target = target
         self.emit = emit
         self.explain = explain
-        self.spans: list[tuple] = []
+        self.spans: list[Span] = []  # GE's host work, typed spans on GE's track (geir.runtime.trace)
         self.t0 = time.perf_counter()
         self.tiling_memo: dict = {}
         self._records: list = []  # the typed outcomes the passes of the step running now report
@@ -142,7 +143,7 @@ class Session:
         start = (time.perf_counter() - self.t0) * 1e6
         run_passes(module, passes, self.target, self.emit, self.spans, self.t0, verify_each, explain=self.explain,
                    tiling_memo=self.tiling_memo, records=self._records)
-        self.spans.append((label, start, (time.perf_counter() - self.t0) * 1e6))
+        self.spans.append(Span(GE, label, start, (time.perf_counter() - self.t0) * 1e6, "ge"))
         return module
 
     def signature(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
@@ -182,8 +183,7 @@ class Session:
         self.misses += 1
         self.cache[sig] = program
         self.replans.append(self._replan(sig, elapsed, program))
-        name, begin, end = self.spans[-1]
-        self.spans[-1] = (name, begin, end, self.replans[-1].as_dict())
+        self.spans[-1] = attrs.evolve(self.spans[-1], args=self.replans[-1].as_dict())  # what the re-plan changed
         return program
 
     def _replan(self, sig: tuple, elapsed: float, program: Graph) -> Replan:

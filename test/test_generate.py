@@ -170,3 +170,42 @@ def test_the_kv_heads_are_read_as_each_config_spells_them():
 
     with pytest.raises(ValueError, match="cannot tell how many key/value heads Bare has"):
         kv_heads_of(Bare())
+
+
+def test_the_kv_cache_stays_on_the_device_between_steps():
+    """No host round trip of the cache: each step's copies are its token, mask, slot and position in and its logits
+    out (bytes from the shapes), the cache is never copied nor handed to a run from the host."""
+    from geir.runtime.interpreter import RuntimeListener
+
+    class Copies(RuntimeListener):
+        def __init__(self):
+            self.runs: list[dict] = []
+
+        def run_started(self, program):
+            self.runs.append({"h2d": [], "d2h": [], "from_host": []})
+
+        def copied(self, task):
+            self.runs[-1][task.kind].append(task.nbytes)
+
+        def resident_from_host(self, name, nbytes):
+            self.runs[-1]["from_host"].append(nbytes)
+
+    batch, prompt, new, vocab = 1, 5, 10, 100
+    ids = torch.randint(1, 100, (batch, prompt), generator=torch.Generator().manual_seed(5))
+    copies = Copies()
+    model = _llama()
+    run = generate(model, ids, new, buckets=[8, 16], listeners=[copies])
+    assert torch.equal(run.tokens, _hf(model, ids, torch.ones_like(ids), new))
+    grows = sum(s.grow_us > 0 for s in run.steps)
+    assert grows == 1 and len(copies.runs) == new + grows
+    steps = [r for r in copies.runs if r["h2d"]]  # the cache's growth copies nothing over the link
+    assert len(steps) == new and all(r == {"h2d": [], "d2h": [], "from_host": []} for r in copies.runs
+                                     if not r["h2d"])
+    i64, f32 = 8, 4
+    for s, r in zip(run.steps, steps):
+        fed = s.query_tokens
+        # ids [B, fed], the mask over the cache's slots [B, slots], the slots written [fed], positions [B, fed]
+        assert sorted(r["h2d"]) == sorted([batch * fed * i64, batch * s.cache_length * i64, fed * i64,
+                                           batch * fed * i64])
+        assert r["d2h"] == [batch * vocab * f32]  # the last logits: the cache is never copied out
+        assert r["from_host"] == []  # nor handed back from the host as a resident input

@@ -19,7 +19,8 @@ import pytest
 from geir.parser import parse
 from geir.runtime.interpreter import Runtime
 from geir.runtime.op_summary import op_summary_rows
-from geir.runtime.profile import chrome_trace, profile
+from geir.runtime.profile import profile
+from geir.runtime.trace import chrome_trace_json, run_trace
 from geir.session import DEFAULT_PIPELINE, NO_FUSE_PIPELINE, compile_module
 from geir.target_npu import load_target
 
@@ -47,7 +48,8 @@ def _figures(result) -> str:
              for iv in result.cores.intervals]
     counters = (result.gm.gm_read_bytes, result.gm.gm_write_bytes, result.gm.hbm_read_bytes,
                 result.gm.hbm_write_bytes, result.gm.clock)
-    return json.dumps([profile(result), tasks, pipes, counters, op_summary_rows(result), chrome_trace(result)],
+    return json.dumps([profile(result), tasks, pipes, counters, op_summary_rows(result),
+                       chrome_trace_json(run_trace(result))],
                       sort_keys=True, default=str)
 
 

@@ -22,6 +22,7 @@ from geir.ir import Graph, Operation, Value
 from geir.runtime.interpreter import Runtime
 from geir.session import Session
 from geir.runtime.timeline import Row, Timeline, busy_fraction, detail_cores, timeline_data
+from geir.runtime.trace import runs_trace
 from geir.target_npu.sim import PIPES
 from geir.target_npu.target import load_target
 from geir.tools.geopt import main as geopt_main
@@ -320,7 +321,7 @@ def attention_run():
 
 def test_timeline_data_has_a_row_for_every_pipe_that_worked():
     program, result, spans = attention_run()
-    tl = timeline_data([result], spans, "attention")
+    tl = timeline_data(runs_trace([result], [spans]), result.target, "attention")
     (launch,) = [op for op in program.ops if op.name == "rt.launch"]
     cores = launch.attributes["tiling"]["cores"]
     (kernel,) = result.kernels
@@ -349,7 +350,7 @@ def test_timeline_data_has_a_row_for_every_pipe_that_worked():
 def test_timeline_data_puts_runs_one_after_another():
     _, first, _ = attention_run()
     _, second, _ = attention_run()
-    tl = timeline_data([first, second])
+    tl = timeline_data(runs_trace([first, second]), first.target)
     assert len(tl.runs) == 2 and tl.runs[1][0] == pytest.approx(tl.runs[0][1])
     assert len(tl.kernels) == 2 and tl.kernels[1][1] >= tl.runs[1][0]
     assert tl.track("GE") == []

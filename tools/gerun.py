@@ -15,9 +15,10 @@ written leaves every existing one as it was; every path is checked writable befo
 - `--output`: `result0`, `result1`, ... (one run) or `run0.result0`, ... (several runs); bf16 as float32.
 - `--profile-json`: one run: exactly the spec's profile keys. Several runs: the last run's profile
   at top level (the spec's keys) plus `runs`, the list of every run's profile in order.
-- `--trace`: Chrome trace-event JSON: host GE (the passes, wall-clock) and Runtime (the tasks,
-  simulated) tracks, one track per core and pipe; several runs follow one another on the time axis.
-- `--timeline`: the same as a PNG picture (geir.runtime.timeline), all runs one after another.
+- `--trace`: Chrome trace-event JSON: host GE (the passes, wall-clock), Runtime (the submissions) and runs
+  tracks, one track per device stream, one per core and pipe; several runs follow one another on the time
+  axis. It renders the run's one typed timeline (geir.runtime.trace).
+- `--timeline`: the same timeline as a PNG picture (geir.runtime.timeline), all runs one after another.
 - `--op-summary`: msprof's op_summary CSV (geir.runtime.op_summary), one row per kernel task; several
   runs: one table, every run's kernels one after another on one device timeline.
 
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from geir.kernels.base import KernelStats
 from geir.passes import PipelineError
+from geir.runtime.interpreter import RuntimeListener, Task
 from geir.target_npu.target import load_target
 from geir.tools.common import (
     seed,
@@ -304,8 +307,9 @@ def npz_inputs(graph: Graph, path: str) -> dict[str, np.ndarray]:
 
 # --- running ---------------------------------------------------------------------------------------------
 
-class _Progress:
-    """A carriage-return progress line on stderr, only when stderr is a terminal."""
+class _Progress(RuntimeListener):
+    """A carriage-return progress line on stderr, only when stderr is a terminal: a Runtime listener, a step
+    per kernel launch."""
 
     def __init__(self, total: int, label: str):
         self.total = total
@@ -322,6 +326,10 @@ class _Progress:
                              f"{name[:30]:<30}")
             sys.stderr.flush()
 
+    def launched(self, task: Task, stats: KernelStats) -> None:
+        """A kernel ran: one step of the line."""
+        self.step(task.name)
+
     def close(self) -> None:
         if self.on:
             self.clear_line()
@@ -333,30 +341,16 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _make_runtime(target: str, record: bool, faults: list[tuple[str, int]], progress: _Progress,
-                  timing_only: bool = False, memo=True):
-    from geir.runtime.interpreter import Runtime
-
-    class _Runtime(Runtime):
-        """The Runtime with a progress line."""
-
-        def _launch(self, op, *rest, **kw):
-            stats = super()._launch(op, *rest, **kw)
-            progress.step(op.kernel)
-            return stats
-
-    return _Runtime(load_target(target), record_pipes=record, faults=faults, timing_only=timing_only, memo=memo)
-
-
 def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray], args: argparse.Namespace,
              faults: list[tuple[str, int]], label: str, memo=True):
     """One run of the program; ToolError with a one-line message when the Runtime fails (`memo`: timing
     only, the launches earlier runs of this invocation timed)."""
-    from geir.runtime.interpreter import RuntimeFailure
+    from geir.runtime.interpreter import Runtime, RuntimeFailure
 
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
     progress = _Progress(launches, label)
-    runtime = _make_runtime(args.target, bool(args.trace or args.timeline), faults, progress, args.timing_only, memo)
+    runtime = Runtime(load_target(args.target), record_pipes=bool(args.trace or args.timeline), faults=faults,
+                      timing_only=args.timing_only, memo=memo, listeners=[progress])
     try:
         return runtime.run(program, inputs, weights, resident_args(program, args.resident))
     except RuntimeFailure as e:
@@ -421,57 +415,6 @@ def summary_line(name: str, a: np.ndarray, t: TensorType) -> str:
     if a.size:
         return f"{name}: {t}  sum {a.astype(np.int64).sum()}, min {a.min()}, max {a.max()}"
     return f"{name}: {t}  (empty)"
-
-
-def trace_json(results: list, span_groups: list[list[tuple]]) -> str:
-    """One Chrome trace: the compile, then per run GE's re-plan (if it needed one) and the run.
-
-    Steps follow one another on one modelled axis in the order they happened: GE's spans (their
-    measured host time), then the run they served (the Runtime's submissions on the host, each task
-    on its stream's track, the cores' pipes). A re-plan span's args say what it changed.
-    """
-    from geir.runtime.profile import chrome_trace
-
-    events: list[dict[str, Any]] = []
-    meta: list[dict[str, Any]] = []
-    named: set[tuple] = set()
-    offset = 0.0
-
-    def add_spans(spans: list[tuple], run: int | None) -> float:
-        """GE spans shifted to start at `offset`; returns their length."""
-        if not spans:
-            return 0.0
-        first = min(s[1] for s in spans)
-        for span in spans:
-            name, start, end = span[:3]
-            e = {"ph": "X", "name": name, "pid": 0, "tid": 0, "ts": offset + start - first, "dur": max(end - start, 0.0)}
-            args = dict(span[3]) if len(span) > 3 else {}
-            if run is not None:
-                args["run"] = run
-            if args:
-                e["args"] = args
-            events.append(e)
-        return max(s[2] for s in spans) - first
-
-    offset += add_spans(span_groups[0], None)
-    for r, result in enumerate(results):
-        if r + 1 < len(span_groups):
-            offset += add_spans(span_groups[r + 1], r)
-        trace = json.loads(chrome_trace(result))
-        for e in trace["traceEvents"]:
-            if e.get("ph") == "M":
-                key = (e["name"], e["pid"], e.get("tid"))
-                if key not in named:  # a later run may use streams or cores the first did not
-                    named.add(key)
-                    meta.append(e)
-                continue
-            e["ts"] = e["ts"] + offset
-            if len(results) > 1:
-                e.setdefault("args", {})["run"] = r
-            events.append(e)
-        offset += max((t.end_us for t in result.tasks), default=0.0)
-    events.sort(key=lambda e: (e["pid"], e["tid"], e["ts"]))  # time order on every track
-    return json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ns"})
 
 
 # --- the tool --------------------------------------------------------------------------------------------
@@ -605,7 +548,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     programs = []
     host_ge_us: list[float] = []  # GE's host work each run waited for: the compile (run 0), a re-plan
     # GE's spans by the step they belong to: [0] the compile, [r + 1] what run r's re-plan did
-    span_groups: list[list[tuple]] = [list(session.spans) if session is not None else []]
+    span_groups: list[list] = [list(session.spans) if session is not None else []]
     from geir.runtime.launch_memo import LaunchMemo
 
     memo = LaunchMemo()  # timing only: every run replays what an earlier one timed
@@ -672,15 +615,19 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         if several:
             doc["runs"] = profiles
         files.append((args.profile_json, json.dumps(_json_safe(doc), allow_nan=False)))
+    # the one timeline: the compile, then per run GE's re-plan (if it needed one) and the run, one after another
+    if args.trace or args.timeline:
+        from geir.runtime.trace import chrome_trace_json, runs_trace
+
+        trace = runs_trace(results, span_groups)
     if args.trace:
-        files.append((args.trace, trace_json(results, span_groups)))
+        files.append((args.trace, chrome_trace_json(trace)))
     if args.op_summary:
         files.append((args.op_summary, _op_summary_csv(results)))
     if args.timeline:
         from geir.runtime.timeline import render_png, timeline_data
 
-        ge_spans = [span for group in span_groups for span in group]
-        files.append((args.timeline, render_png(timeline_data(results, ge_spans, f"{name} @{graph.name}"))))
+        files.append((args.timeline, render_png(timeline_data(trace, results[0].target, f"{name} @{graph.name}"))))
     write_all_atomically(files)  # all or nothing: no file is replaced unless every one can be
     return EXIT_OK
 
