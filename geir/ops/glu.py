@@ -10,7 +10,7 @@ from geir.builder import create_op
 from geir.ir import Operation
 from geir.opdef import Attr, ShapeError, op
 from geir.ops.numerics import broadcast_dims, require_float, work
-from geir.traits import Fused
+from geir.traits import Elementwise, Fused, InPlaceCapable
 from geir.types import TensorType
 
 # activation name -> the op (and attributes) whose semantics it is
@@ -23,7 +23,8 @@ class Glu(Operation):
     """act(gate) * up elementwise (numpy broadcasting), the activation's f32 result multiplied before one rounding."""
 
     OPERAND_NAMES = ("gate", "up")
-    TRAITS = (Fused,)
+    # elementwise (element i of the product from element i of each operand), but fused: no chain nests it
+    TRAITS = (Elementwise, InPlaceCapable, Fused)
     activation = Attr(str, default="silu", choices=tuple(GATE_ACTIVATIONS))
 
     def infer(self, gate: TensorType, up: TensorType) -> TensorType:
