@@ -1,7 +1,8 @@
 """A real decoder layer's rotary embedding and gated MLP fuse (issue 28 item 1): tiny random-init Hugging Face
 LLaMA (rotate_half, SwiGLU), GPT-NeoX with rotary_pct = 0.25 (a partial rotation) and GPT-J (interleaved pairs,
-rotary_dim of the head dim), imported through geir.frontends.torch from `input_ids` with a padded
-`attention_mask`, then compiled and run on the simulated NPU.
+rotary_dim of the head dim), imported through geir.frontends.torch (LLaMA also through torch's ONNX exporter,
+which writes SiLU as x * sigmoid(x)) from `input_ids` with a padded `attention_mask`, then compiled and run on
+the simulated NPU.
 
 Oracles: the config says how many rotations (q and k of every layer) and gated MLPs there are, so how many
 fused ops must appear and which ops must be gone; the numbers are the same model run by torch in float64 (the
@@ -10,6 +11,9 @@ reference) and in the model's dtype (the eager baseline), judged by geir.accurac
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import warnings
 from collections import Counter
 
@@ -67,18 +71,35 @@ def _feed() -> tuple[torch.Tensor, torch.Tensor]:
 
 # what each family's config says its layers rotate: (mode, rotary_dim of the head dim 16), and its MLP's gate
 EXPECTED = {"llama": ("half", 16, "silu"), "neox": ("half", 4, None), "gptj": ("interleave", 8, None)}
-CASES = [("llama", "f32"), ("llama", "f16"), ("neox", "f32"), ("gptj", "f32")]
+CASES = [("llama", "f32", "torch"), ("llama", "f16", "torch"), ("llama", "f32", "onnx"), ("neox", "f32", "torch"),
+         ("gptj", "f32", "torch")]
 
 
-@pytest.mark.parametrize("kind, dtype", CASES, ids=[f"{k}-{d}" for k, d in CASES])
-def test_rotary_and_gated_mlp_fuse_and_match_torch(kind, dtype):
+def _import(model: torch.nn.Module, args: tuple, path: str, tmp_path) -> tuple[Module, dict]:
+    if path == "torch":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = from_module(model, args)
+        return module, module.resources
+    pytest.importorskip("onnxscript")
+    from geir.frontends.onnx import import_onnx
+
+    out = tmp_path / "model.onnx"
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, dynamo=True).save(str(out))
+    return import_onnx(str(out))
+
+
+@pytest.mark.parametrize("kind, dtype, path", CASES, ids=[f"{k}-{d}-{p}" for k, d, p in CASES])
+def test_rotary_and_gated_mlp_fuse_and_match_torch(kind, dtype, path, tmp_path):
     model = _Hidden(_model(kind).to(TORCH_DTYPES[dtype]))
     args = _feed()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module = from_module(model, args)
+    module, weights = _import(model, args, path, tmp_path)
     before = Counter(op.name for op in module.graph().ops)
-    session = Session(Module([module.graph()], module.file, module.resources))
+    session = Session(Module([module.graph()], module.file, weights))
     after = Counter(op.name for op in session.generic.ops)
     mode, rotary_dim, gate = EXPECTED[kind]
 
@@ -89,13 +110,14 @@ def test_rotary_and_gated_mlp_fuse_and_match_torch(kind, dtype):
     assert all(op.mode == mode and op.rotary_dim == rotary_dim for op in rotations)
     assert after["ge.concat"] == 0 and after["ge.slice"] < before["ge.slice"], (before, after)
     if gate is not None:  # the gated MLP: act(gate) * up is one op per layer, no activation left alone
-        assert before[f"ge.{gate}"] == LAYERS and after[f"ge.{gate}"] == 0
+        written = "ge.sigmoid" if path == "onnx" else f"ge.{gate}"  # ONNX's SiLU is x * sigmoid(x)
+        assert before[written] == LAYERS and after[written] == 0
         glus = [op for op in session.generic.ops if op.name == "ge.glu"]
         assert len(glus) == LAYERS and all(op.activation == gate for op in glus)
 
     feed = {a.name: to_numpy(x) for a, x in zip(session.generic.args, args)}
     program = session.program({k: v.shape for k, v in feed.items()})
-    actual = np.asarray(run_program(program, feed, module.resources).outputs[0], dtype=np.float64)
+    actual = np.asarray(run_program(program, feed, weights).outputs[0], dtype=np.float64)
     with torch.no_grad():
         eager = model(*args).float().numpy()
         reference = _Hidden(_model(kind).double())(*args).numpy()
