@@ -24,10 +24,12 @@ FUSED_KINDS: dict[str, str] = {
     "ge.flash_attention": "flash_attention",
     "ge.fused_matmul": "matmul_epilogue",
     "ge.fused_elementwise": "elementwise",
+    "ge.rotary_embedding": "rotary_embedding",
+    "ge.glu": "glu",
 }
 # Rules of `fuse` that rewrite an op into one of the same kind (attention_native gives an imported
 # ge.flash_attention its native operands): they make no kind of their own, so they have no colour.
-REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention"}
+REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention", "partial_rotary": "ge.rotary_embedding"}
 # Fill colour of the ops each rule made (ColorBrewer's Set3 pastels: black text stays readable on them).
 RULE_COLOURS: dict[str, str] = {
     "flash_attention": "#fdb462",
@@ -37,6 +39,8 @@ RULE_COLOURS: dict[str, str] = {
     "gelu": "#fccde5",
     "matmul_epilogue": "#bebada",
     "elementwise": "#ffffb3",
+    "rotary_embedding": "#8dd3c7",
+    "glu": "#bc80bd",
 }
 ARG_COLOUR, RESULT_COLOUR = "#e0ecf4", "#fee0d2"
 MAX_ATTR_CHARS = 48  # an attribute longer than this is cut, so a tiling dictionary does not make a node wide

@@ -20,7 +20,9 @@ from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInpu
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
+from geir.passes.fusion.glu import FuseGlu
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
+from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
 from geir.passes.fusion.softmax import DecomposedSoftmax
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Pattern, PatternListener, apply_patterns_greedily
@@ -29,7 +31,7 @@ from geir.target_npu.target import DEFAULT_TARGET
 # Every fusion rule by name (the names `rules=` and `disable=` take).
 FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
-        DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu,
+        DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
     )
 }

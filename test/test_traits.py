@@ -35,10 +35,10 @@ ELEMENTWISE = {f"ge.{n}" for n in (
     "exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "cast", "isinf", "isnan", "sin", "cos",
 )}
 EXPECTED = {
-    traits.Elementwise: ELEMENTWISE | {"ge.fused_elementwise"},
+    traits.Elementwise: ELEMENTWISE | {"ge.fused_elementwise", "ge.glu"},
     # a float test's i1 result is never the size of its float operand
-    traits.InPlaceCapable: ELEMENTWISE - {"ge.isinf", "ge.isnan"} | {"ge.fused_elementwise"},
-    traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention"},
+    traits.InPlaceCapable: ELEMENTWISE - {"ge.isinf", "ge.isnan"} | {"ge.fused_elementwise", "ge.glu"},
+    traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention", "ge.glu", "ge.rotary_embedding"},
     traits.CubeOp: {"ge.matmul", "ge.fused_matmul", "ge.flash_attention"},
     traits.RowWise: {"ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm"},
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
@@ -131,6 +131,7 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.cumsum": (1, {"axis": 1}),
     "ge.topk": (1, {"k": 4}),  # every element, sorted: the shape kept, the values moved across the row
     "ge.conv2d": (2, {"pads": [1, 1, 2, 2]}),  # a 4x4 kernel over a 4x4 image, padded to keep its shape
+    "ge.rotary_embedding": (3, {"rotary_dim": 4}),  # each element with its rotation partner
 }
 
 

@@ -1,0 +1,236 @@
+"""The rotary position embedding kernel (`ge.rotary_embedding`), as ops-transformer's RotaryPositionEmbedding
+runs it: whole rows of the head dim in UB, `rows` a tile per vector unit.
+
+    per tile   MTE2 the x rows (and the cos/sin rows they use, unless the tables are small enough to stay
+               resident in UB, loaded once per unit), VECTOR the rotation, MTE3 the rows; 2 UB slots overlap.
+    VECTOR     over the rotated part, the obvious Ascend C sequence: Mul(x, cos); the rotated copy (half:
+               Muls(-1) of x2 and a copy of x1, one pass over the part; interleave: a Gather of the pair
+               partners and a Muls(-1) of the odd lanes, two); Mul(rotated, sin); Add. The passed-through
+               part is one copy. 16-bit floats are cast to f32 on the way in and back on the way out.
+
+The numbers are the op's own `compute` on each wave's rows, rounded once to the result dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels.base import Kernel, LaunchContext, issue, register_kernel
+from geir.kernels.data_movement import UbSlots, VectorLanes, check_fault, flat_pieces, gm_read, gm_tensor, gm_write, \
+    result_dtype, share_pieces
+from geir.kernels.tiling import (
+    F32_BYTES,
+    Budget,
+    KernelTiling,
+    Miss,
+    OpSignature,
+    TilingError,
+    Untiled,
+    align,
+    as_target,
+    check_buffers,
+    choice,
+    cut_leading,
+    halve,
+    never_printed,
+    product,
+    units_worth_starting,
+)
+from geir.ops.numerics import round_to
+from geir.target_npu.target import Target
+from geir.types import DType
+
+TEMPLATE = "RotaryEmbedding"
+# VECTOR instructions per element of the rotated part (see the module docstring), by mode
+ROTATE_PASSES = {"half": 4, "interleave": 5}
+PASS_THROUGH_PASSES = 1
+CAST_PASSES = 2  # 16-bit floats: one cast in, one out
+
+
+@attrs.frozen
+class RotaryTiling(KernelTiling):
+    """`rows` whole rows of the head dim a tile per vector unit."""
+
+    TEMPLATES = (TEMPLATE,)
+
+    template: str
+    rows: int
+    buffers: int
+    cores: int
+    ub_bytes: int
+    work_units: int | None = never_printed(None)
+    rule: str = never_printed("")
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        return {"rows": self.rows}
+
+
+@attrs.frozen
+class _Layout:
+    """One op's UB use: resident table bytes, bytes per row of a tile, the rows, and which tables stream."""
+
+    fixed: int
+    per_row: int
+    rows: int | None
+    streamed_tables: tuple[bool, bool]
+
+
+def _is_half(dtype: DType) -> bool:
+    return dtype in (DType.f16, DType.bf16)
+
+
+def _layout(sig: OpSignature, chip: Target, buffers: int) -> _Layout:
+    """What a row tile keeps in UB: x and result rows and streamed cos/sin rows double-buffered, two f32 working
+    rows of the rotated part (the rotated copy and the sum), an f32 copy of the row where 16-bit floats are
+    computed; cos/sin tables smaller than x that fit an eighth of UB stay resident."""
+    if any(t is None for t in sig.operands + sig.results):
+        raise Untiled("its types are unknown")
+    x, cos, sin = sig.operands
+    out = sig.results[0]
+    d = x.shape[-1] if x.rank else None
+    if d is None:
+        raise Untiled("the head dim is dynamic, and a row must fit in UB")
+    r = sig.attr("rotary_dim", d)
+    block, ub = chip.data["memory"]["ub_block_bytes"], chip.buffer_bytes("ub")
+    x_size = product(x.shape)
+    resident = [x_size is not None and product(t.shape) is not None and product(t.shape) < x_size
+                and t.nbytes * 8 <= ub for t in (cos, sin)]
+    fixed = sum(align(t.nbytes, block) for t, res in zip((cos, sin), resident) if res)
+    streamed = (x.dtype.itemsize + out.dtype.itemsize) * d + sum(
+        t.dtype.itemsize * r for t, res in zip((cos, sin), resident) if not res)
+    working = F32_BYTES * (2 * r + (d if _is_half(x.dtype) else 0))
+    return _Layout(fixed, align(streamed * buffers + working, block), product(x.shape[:-1]),
+                   (not resident[0], not resident[1]))
+
+
+def _tiling(rows: int, buffers: int, lay: _Layout, chip: Target, rule: str) -> RotaryTiling:
+    work = None if lay.rows is None else -(-lay.rows // rows)
+    cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
+    return RotaryTiling(TEMPLATE, rows, buffers, cores, lay.fixed + rows * lay.per_row, work, rule)
+
+
+def _moved_bytes(sig: OpSignature) -> int | None:
+    sizes = [t.nbytes for t in list(sig.operands) + list(sig.results)]
+    return None if any(n is None for n in sizes) else sum(sizes)
+
+
+def choose_rotary_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> RotaryTiling:
+    """As many whole rows a tile as UB holds and the vector units worth starting can share."""
+    check_buffers(buffers)
+    chip = as_target(chip)
+    lay = _layout(sig, chip, buffers)
+    ub = chip.buffer_bytes("ub")
+    fit = (ub - lay.fixed) // lay.per_row
+    if fit < 1:
+        raise TilingError(f"no rotary_embedding tiling fits {chip.name}: one row needs {lay.fixed + lay.per_row} "
+                          f"bytes of UB, which holds {ub}")
+    units = units_worth_starting(chip, _moved_bytes(sig), chip.vector_cores)
+    rows = fit if lay.rows is None else max(1, min(fit, -(-lay.rows // units)))
+    tiling = _tiling(rows, buffers, lay, chip, "")
+    work = tiling.work_units
+    rule = (f"{rows} rows of {sig.operands[0].shape[-1]} a tile, {lay.per_row} UB bytes a row with {buffers} "
+            f"buffers; {'an unknown number of' if work is None else work} work units over {tiling.cores} cores")
+    return attrs.evolve(tiling, rule=rule)
+
+
+@register_kernel
+class RotaryEmbeddingKernel(Kernel):
+    """`ge.rotary_embedding` over whole rows of the head dim."""
+
+    OPS = ("ge.rotary_embedding",)
+    TILING = RotaryTiling
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> RotaryTiling | Miss:
+        return choice(lambda: choose_rotary_tiling(sig, target, buffers))
+
+    def budget(self, tiling: RotaryTiling, sig: OpSignature, target: Target) -> Budget:
+        lay = _layout(sig, target, tiling.buffers)
+        return Budget(lay.fixed + tiling.rows * lay.per_row, 0, 0, 0, 0)
+
+    def shrink(self, tiling: RotaryTiling) -> tuple[RotaryTiling, str] | None:
+        """Half the rows a tile: each row is rotated alone, bit-identical."""
+        return halve(tiling, "rows", 1)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[RotaryTiling]:
+        """Row tiles cutting the rows into a power of two of pieces or into pieces for every vector unit
+        (once, twice, four times over); largest first."""
+        try:
+            lay = _layout(sig, target, buffers)
+        except Untiled:
+            return []
+        fit = (target.buffer_bytes("ub") - lay.fixed) // lay.per_row
+        if fit < 1 or lay.rows is None:
+            return []
+        pieces = {1 << i for i in range(max(lay.rows, 1).bit_length())} | {target.vector_cores * m for m in (1, 2, 4)}
+        counts = {max(1, min(fit, -(-lay.rows // p))) for p in pieces}
+        return [_tiling(n, buffers, lay, target, f"candidate {n} rows a tile") for n in sorted(counts, reverse=True)]
+
+    def check_instance(self, sig: OpSignature, tiling: KernelTiling) -> OpSignature:
+        """Fewer leading rows: each row is rotated alone (a table varying along the cut axis is cut alike)."""
+        x = sig.operands[0]
+        return cut_leading(sig, x.rank) if x is not None and x.rank >= 2 else sig
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: RotaryTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        check_fault(ctx)
+        x, cos, sin = inputs
+        sig = OpSignature.of_arrays(op, inputs)
+        lay = _layout(sig, ctx.target, tiling.buffers)
+        self.allocate(tiling, sig, ctx.target, f"{tiling.buffers} x {tiling.rows} rows and their f32 working rows")
+        out_dt = result_dtype(op, 0, x.dtype)
+        d, r = x.shape[-1], op.rotary_dim
+        R = math.prod(x.shape[:-1])
+        out = np.empty((R, d), dtype=out_dt)
+        if R == 0 or d == 0:
+            return [out.reshape(x.shape)]
+        rows = tiling.rows
+        gm, cores = ctx.gm, ctx.cores
+        lanes = VectorLanes(ctx)
+        x_gm = gm_tensor(gm, ctx.operand_names[0], x.shape, x.dtype.itemsize)
+        tables = [gm_tensor(gm, n, t.shape, t.dtype.itemsize) for n, t in zip(ctx.operand_names[1:], (cos, sin))]
+        out_gm = gm_tensor(gm, ctx.result_names[0], x.shape, out.dtype.itemsize)
+        nt = -(-R // rows)
+        if ctx.compute:  # the tables laid out as x's rows (a broadcast table gathered as the rows read it)
+            x2 = np.ascontiguousarray(x).reshape(R, d)
+            rotated = x.shape[:-1] + (r,)
+            c2, s2 = (np.broadcast_to(t, rotated).reshape(R, r) for t in (cos, sin))
+        ready = self._load_resident(ctx, lanes, [t for t, s in zip(tables, lay.streamed_tables) if not s], nt)
+        slots = UbSlots(cores, tiling.buffers, ctx.waits)
+        half = x.dtype.name in ("float16", "bfloat16") or np.dtype(out_dt).name in ("float16", "bfloat16")
+        for wave, on in lanes.waves(nt):
+            lo, hi = wave * rows, np.minimum(wave * rows + rows, R)
+            if ctx.compute:
+                a0, a1 = int(lo[0]), int(hi[-1])
+                out[a0:a1] = round_to(op.compute(x2[a0:a1], c2[a0:a1], s2[a0:a1]), out_dt)
+            count = hi - lo
+            load = gm_read(gm, x_gm, flat_pieces(x_gm, lo * d, hi * d))
+            for g, streamed in zip(tables, lay.streamed_tables):
+                if streamed:
+                    load = load + gm_read(gm, g, share_pieces(g, wave, nt, count * r))
+            vec = lanes.vector(count * r * F32_BYTES, ROTATE_PASSES[op.mode] + (CAST_PASSES if half else 0))
+            if r < d:
+                vec = vec + lanes.vector(count * (d - r) * F32_BYTES, PASS_THROUGH_PASSES)
+            store = gm_write(gm, out_gm, flat_pieces(out_gm, lo * d, hi * d))
+            used = lanes.used(on)
+            slots.step(used, lanes.per_lane(on, load), lanes.per_lane(on, vec), lanes.per_lane(on, store),
+                       after=[ready[used]], names=("load rows", "rotary_embedding", "store rows"))
+        return [out.reshape(x.shape)]
+
+    @staticmethod
+    def _load_resident(ctx: LaunchContext, lanes: VectorLanes, tensors: list, units: int) -> np.ndarray:
+        """Every vector unit that will run a tile loads the resident tables once; the lanes' ready events."""
+        cores = ctx.cores
+        ready = np.zeros(cores.count)
+        movers = min(units, lanes.slots)
+        on = np.arange(movers)
+        used = lanes.used(on)
+        for t in tensors:
+            pieces = flat_pieces(t, np.zeros(movers, np.int64), np.full(movers, t.size))
+            cost = lanes.per_lane(on, gm_read(ctx.gm, t, pieces, key=np.zeros(movers)))
+            ready[used] = issue(cores, ctx.waits, "MTE2", used, cost, [ready[used]], name=f"load resident {t.name}")
+        return ready

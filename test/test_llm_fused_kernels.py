@@ -1,0 +1,187 @@
+"""The rotary embedding and GLU kernels (issue 28 item 1) against formulas written here: RoPE as a rotation of
+complex numbers by the position's angle (half mode pairs feature i with i + r/2, interleaved mode 2i with 2i+1),
+SwiGLU/GeGLU from the activations' definitions, all in float64; bit-exact against the op's own semantics; and
+their tilings and costs (UB budgets that fit, shrinking, the bytes a launch moves)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from geir.diagnostics import DiagnosticEngine
+from geir.kernels import KERNELS, LaunchContext
+from geir.kernels.tiling import OpSignature
+from geir.parser import parse
+from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
+from geir.reference import run_op
+from geir.target_npu import load_target
+from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory
+
+TOL = {"f32": 2e-6, "f16": 2e-3}
+NP = {"f32": np.float32, "f16": np.float16}
+
+
+def _op(text: str):
+    """The first op of a one-op graph, tiled for ascend910b (as geopt --passes=tile leaves it)."""
+    module = parse(text)
+    diags: list = []
+    ctx = PassContext(target="ascend910b", diagnostics=DiagnosticEngine(diags.append))
+    assert PassManager(complete_pipeline(parse_pipeline("tile"))).run(module, ctx), diags
+    return module.graphs[0].ops[0]
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _launch(op, inputs):
+    t = load_target("ascend910b")
+    ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), [v.name for v in op.operands],
+                        [r.name for r in op.results])
+    kernel = KERNELS[op.name]
+    return kernel.run(op, inputs, kernel.tiling_for(op, inputs, t), ctx)[0], ctx
+
+
+def _tables(seq: int, r: int, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """HF's cos/sin tables for positions 0..seq-1 (base 10000): each frequency twice, side by side (half) or
+    in adjacent pairs (interleave); and the angles, [seq, r/2]."""
+    inv_freq = 1.0 / 10000 ** (np.arange(0, r, 2) / r)
+    theta = np.arange(seq)[:, None] * inv_freq[None, :]
+    wide = np.concatenate([theta, theta], -1) if mode == "half" else np.repeat(theta, 2, axis=-1)
+    return np.cos(wide), np.sin(wide), theta
+
+
+def _rope_formula(x: np.ndarray, theta: np.ndarray, r: int, mode: str) -> np.ndarray:
+    """x's first r features turned by exp(i theta) as complex pairs, the rest unchanged (float64)."""
+    x = x.astype(np.float64)
+    h = r // 2
+    re, im = (x[..., :h], x[..., h:r]) if mode == "half" else (x[..., 0:r:2], x[..., 1:r:2])
+    z = (re + 1j * im) * np.exp(1j * theta)
+    y = x.copy()
+    if mode == "half":
+        y[..., :h], y[..., h:r] = z.real, z.imag
+    else:
+        y[..., 0:r:2], y[..., 1:r:2] = z.real, z.imag
+    return y
+
+
+ROPE_CASES = [  # (x shape [B, N, S, D], rotary_dim, mode, tables per head: cos/sin as big as x, not resident)
+    ((2, 4, 37, 64), 64, "half", False),
+    ((1, 3, 50, 64), 16, "half", False),       # GPT-NeoX's rotary_pct = 0.25
+    ((2, 2, 33, 32), 32, "interleave", False),
+    ((1, 2, 20, 80), 32, "interleave", True),  # GPT-J's partial rotary_dim, tables streamed
+    ((3, 2, 300, 128), 128, "half", True),     # several waves of row tiles
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("shape, r, mode, per_head", ROPE_CASES)
+def test_rotary_kernel_turns_each_pair_by_its_angle(shape, r, mode, per_head, dtype):
+    b, n, s, d = shape
+    cos, sin, theta = _tables(s, r, mode)
+    tshape = (b, n, s, r) if per_head else (1, 1, s, r)
+    cos, sin = (np.broadcast_to(t, tshape).astype(NP[dtype]) for t in (cos, sin))
+    x = np.random.default_rng(0).standard_normal(shape).astype(NP[dtype])
+    ty = lambda shp: f"tensor<{'x'.join(map(str, shp))}x{dtype}>"  # noqa: E731
+    op = _op(f"ge.graph @main(%x: {ty(shape)}, %cos: {ty(tshape)}, %sin: {ty(tshape)}) -> {ty(shape)} {{\n"
+             f"  %y = ge.rotary_embedding %x, %cos, %sin {{mode = \"{mode}\", rotary_dim = {r}}}\n  ge.return %y\n}}")
+    out, ctx = _launch(op, [x, cos, sin])
+    want = _rope_formula(x, theta, r, mode)  # the formula from the angles, not from the rounded tables
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+    np.testing.assert_array_equal(out[..., r:], x[..., r:])  # the passed-through features are copied untouched
+    ref = run_op(op, [x, cos, sin])[0]
+    assert _bits_equal(out, ref), "the kernel computes the op's semantics"
+    assert ctx.gm.gm_write_bytes == x.nbytes  # every row written once
+    assert ctx.gm.gm_read_bytes >= x.nbytes + (cos.nbytes + sin.nbytes if per_head else 0)
+
+
+def test_rotary_vector_time_follows_the_rotated_share_of_the_row():
+    """A quarter of the head dim rotated costs the vector unit less than the whole row, more than a copy (the same
+    row tiles for both, so only the instructions per element differ)."""
+    def vector_cycles(r: int, tiling: dict) -> float:
+        shape, tshape = (1, 8, 256, 128), (1, 1, 256, r)
+        op = _op(f"ge.graph @main(%x: tensor<1x8x256x128xf16>, %c: tensor<1x1x256x{r}xf16>, "
+                 f"%s: tensor<1x1x256x{r}xf16>) -> tensor<1x8x256x128xf16> {{\n"
+                 f"  %y = ge.rotary_embedding %x, %c, %s {{rotary_dim = {r}}}\n  ge.return %y\n}}")
+        op.attributes["tiling"] = tiling
+        rng = np.random.default_rng(1)
+        _, ctx = _launch(op, [rng.standard_normal(shape).astype(np.float16),
+                              *(rng.standard_normal(tshape).astype(np.float16) for _ in range(2))])
+        return float(ctx.cores.busy[PIPE_INDEX["VECTOR"]].sum())
+
+    tiling = {"template": "RotaryEmbedding", "rows": 32, "buffers": 2, "cores": 32, "ub_bytes": 0}
+    full, quarter = vector_cycles(128, tiling), vector_cycles(32, tiling)
+    # per element of the row: rotated 4 + 2 casts, passed through 1 (module docstring of geir.kernels.rotary)
+    assert quarter / full == pytest.approx((32 * 6 + 96 * 1) / (128 * 6), rel=0.05)
+
+
+def test_rotary_tiling_fits_ub_and_shrinks_to_one_row():
+    op = _op("ge.graph @main(%x: tensor<4x32x4096x128xf16>, %c: tensor<1x1x4096x128xf16>, "
+             "%s: tensor<1x1x4096x128xf16>) -> tensor<4x32x4096x128xf16> {\n"
+             "  %y = ge.rotary_embedding %x, %c, %s {rotary_dim = 128}\n  ge.return %y\n}")
+    kernel, target = KERNELS[op.name], load_target("ascend910b")
+    sig = OpSignature.of(op)
+    tiling = kernel.decode(op.attributes["tiling"])
+    budget = kernel.budget(tiling, sig, target)
+    assert budget.overflow(target) is None and budget.ub == tiling.ub_bytes
+    # one row: x, result and both (streamed: 1 MiB tables do not stay resident) table rows in f16, twice, and the
+    # f32 working rows (rotated copy, sum, the row's f32 copy)
+    per_row = (2 * 128 + 2 * 128 + 2 * 2 * 128) * 2 + 4 * (2 * 128 + 128)
+    assert budget.ub == tiling.rows * per_row
+    rows = []
+    while (smaller := kernel.shrink(tiling)) is not None:
+        tiling = smaller[0]
+        rows.append(tiling.rows)
+    assert rows[-2:] == [1, 1] and tiling.buffers == 1  # halved to one row, then single-buffered
+    for cand in kernel.candidates(sig, target):
+        assert kernel.budget(cand, sig, target).overflow(target) is None
+
+
+def _silu(g: np.ndarray) -> np.ndarray:
+    return g / (1.0 + np.exp(-g))
+
+
+def _gelu(g: np.ndarray) -> np.ndarray:
+    return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0)))
+
+
+def _gelu_tanh(g: np.ndarray) -> np.ndarray:
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
+GATES = {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("activation", list(GATES))
+@pytest.mark.parametrize("shape", [(2, 16, 128), (3, 77, 1000)])
+def test_glu_kernel_is_the_activated_gate_times_up(shape, activation, dtype):
+    rng = np.random.default_rng(2)
+    gate, up = (rng.standard_normal(shape).astype(NP[dtype]) * 3 for _ in range(2))
+    t = f"tensor<{'x'.join(map(str, shape))}x{dtype}>"
+    op = _op(f"ge.graph @main(%g: {t}, %u: {t}) -> {t} {{\n"
+             f"  %y = ge.glu %g, %u {{activation = \"{activation}\"}}\n  ge.return %y\n}}")
+    out, ctx = _launch(op, [gate, up])
+    want = GATES[activation](gate.astype(np.float64)) * up.astype(np.float64)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+    ref = run_op(op, [gate, up])[0]
+    assert _bits_equal(out, ref), "the kernel computes the op's semantics"
+    assert ctx.gm.gm_read_bytes == gate.nbytes + up.nbytes and ctx.gm.gm_write_bytes == out.nbytes
+
+
+def test_glu_tiling_budgets_what_it_streams():
+    op = _op("ge.graph @main(%g: tensor<4096x11008xf16>, %u: tensor<4096x11008xf16>) -> tensor<4096x11008xf16> {\n"
+             "  %y = ge.glu %g, %u\n  ge.return %y\n}")
+    kernel, target = KERNELS[op.name], load_target("ascend910b")
+    sig = OpSignature.of(op)
+    tiling = kernel.decode(op.attributes["tiling"])
+    budget = kernel.budget(tiling, sig, target)
+    # gate, up and the product in f16, double-buffered, and two f32 working copies
+    assert budget.ub == tiling.elems * ((2 + 2 + 2) * 2 + 4 * 2) and budget.overflow(target) is None
+    assert tiling.elems * ((2 + 2 + 2) * 2 + 4 * 2) * 2 > target.buffer_bytes("ub")  # as many as fit
+    for cand in kernel.candidates(sig, target):
+        assert kernel.budget(cand, sig, target).overflow(target) is None
