@@ -62,7 +62,8 @@ def _per_elem(sig: OpSignature, buffers: int) -> int:
 def _tiling(elems: int, buffers: int, per_elem: int, total: int | None, chip: Target, rule: str) -> VectorTiling:
     work = None if total is None else -(-total // elems)
     cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
-    return VectorTiling(ELEMENTWISE, elems, buffers, cores, elems * per_elem, work, rule)
+    return VectorTiling(template=ELEMENTWISE, elems=elems, buffers=buffers, cores=cores, ub_bytes=elems * per_elem,
+                        work_units=work, rule=rule)
 
 
 def choose_glu_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> VectorTiling:

@@ -51,7 +51,7 @@ PASS_THROUGH_PASSES = 1
 CAST_PASSES = 2  # 16-bit floats: one cast in, one out
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class RotaryTiling(KernelTiling):
     """`rows` whole rows of the head dim a tile per vector unit."""
 
@@ -111,7 +111,8 @@ def _layout(sig: OpSignature, chip: Target, buffers: int) -> _Layout:
 def _tiling(rows: int, buffers: int, lay: _Layout, chip: Target, rule: str) -> RotaryTiling:
     work = None if lay.rows is None else -(-lay.rows // rows)
     cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
-    return RotaryTiling(TEMPLATE, rows, buffers, cores, lay.fixed + rows * lay.per_row, work, rule)
+    return RotaryTiling(template=TEMPLATE, rows=rows, buffers=buffers, cores=cores,
+                        ub_bytes=lay.fixed + rows * lay.per_row, work_units=work, rule=rule)
 
 
 def _moved_bytes(sig: OpSignature) -> int | None:

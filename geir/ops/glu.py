@@ -25,6 +25,7 @@ class Glu(Operation):
     OPERAND_NAMES = ("gate", "up")
     # elementwise (element i of the product from element i of each operand), but fused: no chain nests it
     TRAITS = (Elementwise, InPlaceCapable, Fused)
+    VECTOR_PASSES = None  # the activation's passes and the multiply, counted by its own kernel (kernels/glu.py)
     activation = Attr(str, default="silu", choices=tuple(GATE_ACTIVATIONS))
 
     def infer(self, gate: TensorType, up: TensorType) -> TensorType:
