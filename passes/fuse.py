@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Module
+from geir.passes.fusion.add_norm import FuseAddNorm
 from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
@@ -31,6 +32,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
+        FuseAddNorm,
     )
 }
 
