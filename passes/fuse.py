@@ -17,10 +17,12 @@ import numpy as np
 
 from geir.ir import Module
 from geir.passes.fusion.add_norm import FuseAddNorm
+from geir.passes.fusion.attention_layout import FoldAttentionTransposes, SinkHeadTranspose
 from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
+from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.softmax import DecomposedSoftmax
 from geir.passes.pass_manager import Pass, PassContext, register_pass
@@ -32,7 +34,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
-        FuseAddNorm,
+        FuseAddNorm, MergeSiblingMatmuls, FoldAttentionTransposes, SinkHeadTranspose,
     )
 }
 
@@ -40,7 +42,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
 def _instantiate(rule: type[Pattern], target: str, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:
     # rules whose decision depends on the chip (a kernel's shape guards) take the target, and the module's
     # weights (a mask may be a dense_resource constant)
-    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs) else rule()
+    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs, MergeSiblingMatmuls) else rule()
 
 
 def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:
