@@ -115,6 +115,8 @@ class FoldAttentionTransposes(Pattern):
     def match(self, fa: Operation) -> Match | Miss | None:
         if fa.layout != "BNSD":
             return None
+        if not any(_head_transpose(v) is not None for v in fa.operands[:3]):
+            return None  # no head transpose to fold: not a candidate
         found = []
         for what, v in zip("qkv", fa.operands[:3]):
             t = _head_transpose(v)
