@@ -18,10 +18,11 @@ def named(op: Operation) -> str:
     return f"{op.name} %{value}" if value else op.name
 
 
-class FuseAddNorm(Pattern):
-    """norm(a + b) -> ge.add_{rms,layer}_norm(a, b) with the sum as its first result, the norm as its second."""
+class _FuseAddNorm(Pattern):
+    """norm(a + b) -> ge.add_<norm>(a, b) with the sum as its first result, the norm as its second."""
 
-    NAME, ROOT, BENEFIT, EXPLAIN = "add_norm", ("ge.rms_norm", "ge.layer_norm"), 30, True
+    EXPLAIN = True
+    BENEFIT = 30  # below the norm rules (34, 35), which make the norms it reads
 
     def match(self, norm: Operation) -> Match | Miss | None:
         add = defining(norm.operands[0], "ge.add")
@@ -46,7 +47,19 @@ class FuseAddNorm(Pattern):
         # constants may be written after the add: a copy of each goes where the fused op does
         params = [p if p.owner is None else rw.create("ge.const", [], dict(p.owner.attributes), [p.type], before=add,
                                                       loc=p.owner.loc).result for p in m.params]
-        fused = rw.create(_FUSED[norm.name], [*add.operands, *params], attributes,
+        fused = rw.create(_FUSED[self.ROOT], [*add.operands, *params], attributes,
                           [add.result.type, norm.result.type], before=add, loc=norm.loc)
         rw.replace(norm, [fused.results[1]])
         rw.replace(add, [fused.results[0]])
+
+
+class FuseAddRmsNorm(_FuseAddNorm):
+    """rms_norm(a + b) -> ge.add_rms_norm(a, b)."""
+
+    NAME, ROOT = "add_rms_norm", "ge.rms_norm"
+
+
+class FuseAddLayerNorm(_FuseAddNorm):
+    """layer_norm(a + b) -> ge.add_layer_norm(a, b)."""
+
+    NAME, ROOT = "add_layer_norm", "ge.layer_norm"
