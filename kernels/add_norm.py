@@ -8,7 +8,7 @@ chosen by the row rule of kernels/vector_tiling.py with every operand and both r
     MTE3 the rows of the sum and of the normalised value.
 
 A segmented row takes two passes: the statistics pass loads each segment of x1 and x2, adds them, stores the sum
-segment and accumulates the statistics (the op's STAT_PASSES); the apply pass reads each sum segment back from GM
+segment and accumulates the statistics (the op's ROW_STAT_PASSES); the apply pass reads each sum segment back from GM
 and stores the normalised segment. The numbers are the op's own `compute` (geir/ops/fused.py), whole rows at a time.
 """
 
@@ -144,13 +144,13 @@ class AddNormKernel(Kernel):
                 continue
             for s in range(segments):  # statistics: add, store the sum, accumulate
                 c0, c1 = s * seg, min((s + 1) * seg, C)
-                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.STAT_PASSES + casts))
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.ROW_STAT_PASSES + casts))
                 slots.step(used, moved(on, streamed, r0, r1, c0, c1, wave * segments + s), vec,
                            moved(on, [sum_gm], r0, r1, c0, c1, wave * segments + s, write=True), after=[ready0[used]],
                            names=("load segments", f"{name} add and statistics", "store sum segment"))
             for s in range(segments):  # apply: the sum read back, normalised, stored
                 c0, c1 = s * seg, min((s + 1) * seg, C)
-                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.ROW_PASSES - cls.STAT_PASSES + casts))
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.ROW_PASSES - cls.ROW_STAT_PASSES + casts))
                 slots.step(used, moved(on, [sum_gm], r0, r1, c0, c1, wave * segments + s), vec,
                            moved(on, [norm_gm], r0, r1, c0, c1, wave * segments + s, write=True),
                            names=("load sum segment", f"{name} apply", "store segment"))

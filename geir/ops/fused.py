@@ -144,9 +144,9 @@ class _AddNorm(Operation):
     NORM: str = ""
     # Vector instructions per element of a row tile (the row kernels' counting): the add, then the norm's own
     # (rms_norm: square, sum, scale, mul gamma; layer_norm: sum, sub, square, sum, scale, mul gamma, add beta),
-    # of which the statistics pass of a segmented row does STAT_PASSES (the add included).
+    # of which the statistics pass of a segmented row does ROW_STAT_PASSES (the add included).
     ROW_PASSES: int = 0
-    STAT_PASSES: int = 0
+    ROW_STAT_PASSES: int = 0
 
     def norm_op(self) -> Operation:
         """A detached norm op with this op's attributes, whose semantics the result follows."""
@@ -173,7 +173,7 @@ class AddRmsNorm(_AddNorm):
 
     OPERAND_NAMES = ("x1", "x2", "gamma")
     NORM = "ge.rms_norm"
-    ROW_PASSES, STAT_PASSES = 5, 3
+    ROW_PASSES, ROW_STAT_PASSES = 5, 3
     epsilon = Attr(float, default=1e-6)
 
 
@@ -183,6 +183,6 @@ class AddLayerNorm(_AddNorm):
 
     OPERAND_NAMES = ("x1", "x2", "gamma", "beta")
     NORM = "ge.layer_norm"
-    ROW_PASSES, STAT_PASSES = 8, 5
+    ROW_PASSES, ROW_STAT_PASSES = 8, 5
     axis = Attr(int, default=-1)
     epsilon = Attr(float, default=1e-5)
