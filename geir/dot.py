@@ -23,13 +23,19 @@ FUSED_KINDS: dict[str, str] = {
     "ge.gelu": "gelu",
     "ge.flash_attention": "flash_attention",
     "ge.fused_matmul": "matmul_epilogue",
+    "ge.add_rms_norm": "add_rms_norm",
+    "ge.add_layer_norm": "add_layer_norm",
     "ge.fused_elementwise": "elementwise",
     "ge.rotary_embedding": "rotary_embedding",
     "ge.glu": "glu",
 }
 # Rules of `fuse` that rewrite an op into one of the same kind (attention_native gives an imported
 # ge.flash_attention its native operands): they make no kind of their own, so they have no colour.
-REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention", "partial_rotary": "ge.rotary_embedding"}
+# (attention_layout gives it the BSND layout; qkv_merge joins sibling matmuls, plain or with their epilogues, into
+# one; partial_rotary makes a rotary embedding of only the first rotary_dim features)
+REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention", "attention_layout": "ge.flash_attention",
+                                  "qkv_merge": "ge.fused_matmul",
+                                  "partial_rotary": "ge.rotary_embedding"}
 # Fill colour of the ops each rule made (ColorBrewer's Set3 pastels: black text stays readable on them).
 RULE_COLOURS: dict[str, str] = {
     "flash_attention": "#fdb462",
@@ -38,9 +44,11 @@ RULE_COLOURS: dict[str, str] = {
     "rms_norm": "#ccebc5",
     "gelu": "#fccde5",
     "matmul_epilogue": "#bebada",
+    "add_rms_norm": "#8dd3c7",
+    "add_layer_norm": "#bc80bd",
     "elementwise": "#ffffb3",
-    "rotary_embedding": "#8dd3c7",
-    "glu": "#bc80bd",
+    "rotary_embedding": "#fb8072",
+    "glu": "#ffed6f",
 }
 ARG_COLOUR, RESULT_COLOUR = "#e0ecf4", "#fee0d2"
 MAX_ATTR_CHARS = 48  # an attribute longer than this is cut, so a tiling dictionary does not make a node wide

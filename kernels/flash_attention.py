@@ -103,9 +103,8 @@ class FlashAttentionKernel(Kernel):
         mask = inputs[3] if len(inputs) > 3 else None
         bsnd = op.layout == "BSND"
         if bsnd:
+            # the mask is [B, N, Sq, Skv] in both layouts (the op's semantics): only q, k and v swap
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
-            if mask is not None and mask.ndim == 4:
-                mask = np.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[2]))
         out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx)
         return [np.swapaxes(out, 1, 2) if bsnd else out]
 

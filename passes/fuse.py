@@ -16,11 +16,14 @@ import attrs
 import numpy as np
 
 from geir.ir import Module
+from geir.passes.fusion.add_norm import FuseAddLayerNorm, FuseAddRmsNorm
+from geir.passes.fusion.attention_layout import FoldAttentionTransposes, SinkHeadTranspose
 from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
 from geir.passes.fusion.glu import FuseGlu
+from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
 from geir.passes.fusion.softmax import DecomposedSoftmax
@@ -33,14 +36,20 @@ FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
+        FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes,
     )
 }
+
+
+# Rewrites that come with a rule and have no name of their own: what they do only serves that rule (the head
+# transposes sink towards attention so that attention_layout can fold them).
+COMPANIONS: dict[str, tuple[type[Pattern], ...]] = {"attention_layout": (SinkHeadTranspose,)}
 
 
 def _instantiate(rule: type[Pattern], target: str, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:
     # rules whose decision depends on the chip (a kernel's shape guards) take the target, and the module's
     # weights (a mask may be a dense_resource constant)
-    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs) else rule()
+    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs, MergeSiblingMatmuls) else rule()
 
 
 def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:
@@ -60,7 +69,9 @@ class Fuse(Pass):
 
     def selected(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None) -> list[Pattern]:
         names = self.rules or list(FUSION_RULES)
-        return [_instantiate(FUSION_RULES[n], target, resources) for n in names if n not in self.disable]
+        chosen = [n for n in names if n not in self.disable]
+        rules = [FUSION_RULES[n] for n in chosen] + [c for n in chosen for c in COMPANIONS.get(n, ())]
+        return [_instantiate(rule, target, resources) for rule in rules]
 
     def run(self, module: Module, ctx: PassContext) -> None:
         patterns = sorted(self.selected(ctx.target, module.resources), key=lambda p: -p.BENEFIT)

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from geir.accuracy import compare  # noqa: E402
 from geir.frontends.torch import compile as geir_compile  # noqa: E402
+from geir.ops.linalg import bnsd  # noqa: E402
 from geir.types import DType, TensorType  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ = 2, 64, 4, 16
@@ -65,12 +66,14 @@ def test_hf_attention_fuses_natively_and_matches_torch(kind, attention):
     kv_heads = model.model.config.num_key_value_heads if kind == "llama" else HEADS
     for op in attention_ops:
         # the kernel reads the grouped K/V itself: no repeated copies are built for it
-        assert op.operands[1].type.shape[1] == kv_heads and op.operands[2].type.shape[1] == kv_heads
+        # (heads are axis 1 of BNSD, axis 2 of BSND: the layout attention_layout folds the head transposes into)
+        assert bnsd(op.operands[1].type, op.layout)[1] == kv_heads and bnsd(op.operands[2].type, op.layout)[1] == kv_heads
         if kind == "llama":  # HF's causal mask is the kernel's causal flag, not a tensor it reads
             assert op.attr("causal") and len(op.operands) == 3
     assert not [op for op in compiled.graph.ops if op.name == "ge.softmax"], "a softmax was left unfused"
     if kind == "t5" or attention == "eager":
-        norms = [op for op in compiled.graph.ops if op.name == "ge.rms_norm"]
+        # each norm after a residual add takes the add in (add_rms_norm); the first reads the embeddings alone
+        norms = [op for op in compiled.graph.ops if op.name in ("ge.rms_norm", "ge.add_rms_norm")]
         assert len(norms) == 2 * LAYERS + 1
 
     actual = compiled(x).detach().numpy()

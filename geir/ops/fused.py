@@ -14,7 +14,7 @@ from geir.builder import create_op
 from geir.ir import Operation
 from geir.opdef import OPS, Attr, ShapeError, lookup, op, ops_with_trait
 from geir.ops.linalg import Matmul
-from geir.ops.numerics import broadcast_dims, work
+from geir.ops.numerics import broadcast_dims, round_to, work
 from geir.traits import Elementwise, Fused, InPlaceCapable
 from geir.types import DType, TensorType
 
@@ -133,3 +133,57 @@ class FusedMatmul(Matmul):
             return y
         name, attrs = ("ge.gelu", {"approximate": "tanh"}) if act == "gelu_tanh" else (f"ge.{act}", {})
         return _step_op({"op": name, "attrs": attrs}).compute(y)
+
+
+class _AddNorm(Operation):
+    """A residual add and the norm of its sum, both results kept: `(sum, norm(sum))` (ops-transformer's AddRmsNorm /
+    AddLayerNorm). The sum is rounded to its dtype before it is normalised, as the unfused add's result is; the
+    norm is the norm op's own semantics."""
+
+    TRAITS = (Fused,)
+    NUM_RESULTS = 2
+    NORM: str = ""
+    # Vector instructions per element of a row tile (the row kernels' counting): the add, then the norm's own
+    # (rms_norm: square, sum, scale, mul gamma; layer_norm: sum, sub, square, sum, scale, mul gamma, add beta),
+    # of which the statistics pass of a segmented row does ROW_STAT_PASSES (the add included).
+    ROW_PASSES: int = 0
+    ROW_STAT_PASSES: int = 0
+
+    def norm_op(self) -> Operation:
+        """A detached norm op with this op's attributes, whose semantics the result follows."""
+        return create_op(self.NORM, [], [], {k: v for k, v in self.attributes.items() if k in ("axis", "epsilon")})
+
+    def infer(self, x1: TensorType, x2: TensorType, *params: TensorType) -> tuple[TensorType, TensorType]:
+        if x1.dtype != x2.dtype:
+            raise ShapeError(f"the residual {x2} and the input {x1} differ in dtype")
+        if x1.shape != x2.shape:
+            raise ShapeError(f"the residual {x2} is not shaped like the input {x1}")
+        y = self.norm_op().infer(x1, *params)
+        return TensorType(x1.shape, x1.dtype), y
+
+    def compute(self, x1: np.ndarray, x2: np.ndarray, *params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        total = _step_op({"op": "ge.add"}).compute(x1, x2)
+        if x1.dtype != np.float64:  # the unfused add rounds its result before the norm reads it
+            total = round_to(np.asarray(total), x1.dtype)
+        return total, self.norm_op().compute(total, *params)
+
+
+@op("ge.add_rms_norm")
+class AddRmsNorm(_AddNorm):
+    """`s = x1 + x2; (s, rms_norm(s, gamma))`."""
+
+    OPERAND_NAMES = ("x1", "x2", "gamma")
+    NORM = "ge.rms_norm"
+    ROW_PASSES, ROW_STAT_PASSES = 5, 3
+    epsilon = Attr(float, default=1e-6)
+
+
+@op("ge.add_layer_norm")
+class AddLayerNorm(_AddNorm):
+    """`s = x1 + x2; (s, layer_norm(s, gamma, beta))` over the axes from `axis` to the last."""
+
+    OPERAND_NAMES = ("x1", "x2", "gamma", "beta")
+    NORM = "ge.layer_norm"
+    ROW_PASSES, ROW_STAT_PASSES = 8, 5
+    axis = Attr(int, default=-1)
+    epsilon = Attr(float, default=1e-5)
