@@ -312,8 +312,9 @@ def test_a_small_vit_compiles_with_every_attention_fused_and_matches_torch(atten
     names = [op.name for op in compiled.graph.ops]
     assert names.count("ge.flash_attention") == config.num_hidden_layers, names
     assert "ge.conv2d" not in names and "ge.softmax" not in names
-    # the patch embedding's matmul took its bias as an epilogue: one fused matmul per projection, plus it
-    assert names.count("ge.fused_matmul") == 6 * config.num_hidden_layers + 2
+    # every projection took its bias as an epilogue and q, k, v merged into one (qkv_merge): per layer qkv, the
+    # output and the MLP's two; plus the patch embedding's and the pooler's
+    assert names.count("ge.fused_matmul") == 4 * config.num_hidden_layers + 2
     actual = [t.detach().numpy() for t in compiled(x)]
     with torch.no_grad():
         eager = [t.numpy() for t in model(x)]

@@ -26,10 +26,11 @@ from geir.types import DType, TensorType  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, BATCH, SEQ = 2, 64, 4, 2, 2, 16
 HEAD_DIM = HIDDEN // HEADS
+INTERMEDIATE = 128
 
 
 def _config() -> "transformers.LlamaConfig":
-    return transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+    return transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=100)
 
 
@@ -77,20 +78,25 @@ def test_the_import_holds_what_there_is_to_fuse(compiled):
     assert _count(imported, "ge.transpose") == 4 * LAYERS
 
 
-def test_q_k_v_are_one_matmul_per_layer(compiled):
+def test_q_k_v_are_one_matmul_per_layer_and_gate_up_another(compiled):
     _, _, _, _, session = compiled
     ops = session.generic.ops
     qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     splits = [op for op in ops if op.name == "ge.split"]
-    assert len(splits) == LAYERS
-    for split in splits:
+    qkv = [s for s in splits if len(s.results) == 3]
+    gate_up = [s for s in splits if len(s.results) == 2]
+    assert len(qkv) == len(gate_up) == LAYERS and len(splits) == 2 * LAYERS
+    for split in gate_up:  # LLaMA's gate and up projections, merged once glu took the activation and product
+        assert split.sizes == [INTERMEDIATE, INTERMEDIATE]
+        assert [u.name for r in split.results for u in r.users()] == ["ge.glu", "ge.glu"]
+    for split in qkv:
         mm = split.operands[0].owner
         assert mm.name == "ge.matmul" and mm.results[0].type.shape[-1] == qkv_width
         assert split.sizes == [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
         # the attention norm's output is read by this one matmul alone
         assert mm.operands[0].users() == [mm]
-    # every matmul is one of a layer's: the merged q/k/v, o, gate, up and down
-    assert sum(op.name in ("ge.matmul", "ge.fused_matmul") for op in ops) == 5 * LAYERS
+    # every matmul is one of a layer's: the merged q/k/v, o, the merged gate/up and down
+    assert sum(op.name in ("ge.matmul", "ge.fused_matmul") for op in ops) == 4 * LAYERS
 
 
 def test_attention_reads_bsnd_with_no_transposes_around_it(compiled):

@@ -7,8 +7,8 @@ not bursts, and the rows are D * itemsize bytes, whole 32-byte UB blocks for D >
 four copies go away.
 
 Two rules: `attention_layout` drops the transposes feeding q, k and v (and the one after the output); and a quiet
-enabling rewrite sinks a head transpose below the elementwise ops, slices and concats between it and attention
-(LLaMA's rotary embedding sits between the q/k transposes and attention) or the transpose that undoes it, so the
+enabling rewrite sinks a head transpose below the elementwise ops, slices, concats and rotary embeddings between it
+and attention (LLaMA's rotary embedding sits between the q/k transposes and attention) or the transpose that undoes it, so the
 transposes meet attention, or each other, and vanish. It sinks only where every path from the op leads there.
 """
 
@@ -22,7 +22,8 @@ from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 HEADS = [0, 2, 1, 3]  # [B, S, N, D] <-> [B, N, S, D]: its own inverse
 _ELEMENTWISE = chainable_ops() + ("ge.fused_elementwise",)
-_SINKABLE = _ELEMENTWISE + ("ge.slice", "ge.concat")
+# ge.rotary_embedding works along the last axis alone, which the head transpose keeps: it sinks as elementwise ops do
+_SINKABLE = _ELEMENTWISE + ("ge.slice", "ge.concat", "ge.rotary_embedding")
 _DEPTH = 16
 
 
