@@ -38,7 +38,8 @@ EXPECTED = {
     traits.Elementwise: ELEMENTWISE | {"ge.fused_elementwise", "ge.glu"},
     # a float test's i1 result is never the size of its float operand
     traits.InPlaceCapable: ELEMENTWISE - {"ge.isinf", "ge.isnan"} | {"ge.fused_elementwise", "ge.glu"},
-    traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention", "ge.glu", "ge.rotary_embedding"},
+    traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention", "ge.glu", "ge.rotary_embedding",
+                   "ge.add_rms_norm", "ge.add_layer_norm"},
     traits.CubeOp: {"ge.matmul", "ge.fused_matmul", "ge.flash_attention"},
     traits.RowWise: {"ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm"},
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
@@ -132,6 +133,8 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.topk": (1, {"k": 4}),  # every element, sorted: the shape kept, the values moved across the row
     "ge.conv2d": (2, {"pads": [1, 1, 2, 2]}),  # a 4x4 kernel over a 4x4 image, padded to keep its shape
     "ge.rotary_embedding": (3, {"rotary_dim": 4}),  # each element with its rotation partner
+    "ge.add_rms_norm": (3, {}),  # the sum's rows normalised (and the sum)
+    "ge.add_layer_norm": (4, {}),
 }
 
 
