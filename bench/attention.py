@@ -238,7 +238,7 @@ def kernel_figures(target: str, b: int, n: int, s: int, d: int, preload: int | N
     x = np.empty((b, n, s, d), dtype=np.float16)
     flash_attention_forward(x, x, x, None, False, 1 / math.sqrt(d), tiling, ctx)
     cycles = ctx.cores.finish
-    m, k_, n_ = chip.data["cube"]["f16"]
+    m, k_, n_ = chip.cube_fractal("f16")
     peak = 4.0 * b * n * s * s * d / (2.0 * m * k_ * n_ * chip.cube_cores * cycles)
     busy = {p: float(ctx.cores.busy[PIPE_INDEX[p]].sum()) / (cycles * chip.cube_cores) for p in PIPES}
     ws = workspace_bytes(tiling, OpSignature("ge.flash_attention", (t, t, t), (t,), {}))

@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=DEFAULT_TARGET)
     args = ap.parse_args(argv)
     chip = load_target(args.target)
-    print(f"target {chip.name}: {chip.cube_cores} cube cores; guard {chip.data.get('fusion', {})}")
+    g = chip.fusion
+    print(f"target {chip.name}: {chip.cube_cores} cube cores; guard: unfuse decode calls of Sq <= {g.decode_max_q} "
+          f"with Skv >= {g.decode_min_kv} whose work units fill at most {g.decode_max_busy:.0%} of the cube cores")
     print(f"{'B':>2} {'N':>3} {'Nkv':>3} {'Sq':>5} {'Skv':>6} {'units':>5} {'unfused us':>11} {'fused us':>9} "
           f"{'ratio':>6}  guard")
     agree = 0

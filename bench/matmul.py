@@ -45,7 +45,7 @@ def row(what: str, M: int, K: int, N: int, target) -> dict:
     us = stats.cycles / (target.clock_hz / 1e6)
     ratios = {p: b / stats.cores / stats.cycles for p, b in stats.busy.items() if b}
     bound = max(ratios, key=ratios.get)
-    hbm_bw = target.data["memory"]["hbm_tb_per_s"] * 1e12
+    hbm_bw = target.memory.hbm_bytes_per_s
     return {"shape": what, "mkn": f"{M} x {K} x {N}", "us": us,
             "cube": 2 * M * N * K / (us * 1e-6) / cube_peak_flops(target),
             "bound": f"{bound} {ratios[bound]:.0%}",

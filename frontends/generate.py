@@ -32,7 +32,7 @@ from geir.runtime.interpreter import RuntimeListener
 from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE, Session, run_program
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.types import TensorType
 
 PHASES = ("prefill", "decode", "grow")
@@ -324,7 +324,7 @@ def _grow_graph(types: list[TensorType], new_length: int) -> Module:
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
              attention_mask: torch.Tensor | None = None, buckets: Sequence[int] | str | None = None,
-             dtype: torch.dtype | None = None, target: str = DEFAULT_TARGET,
+             dtype: torch.dtype | None = None, target: Target | str = DEFAULT_TARGET,
              pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = ()) -> Generation:
     """Greedy generation of `max_new_tokens` by a Hugging Face causal LM (GPT-2, LLaMA-family) on the simulated
     NPU: a prefill, then one decode step per token, the KV cache resident on the device (`listeners`: told of
@@ -351,7 +351,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     decode_ep = _export(_StepModule(model, False), decode_args,
                         (None, {1: l_dim}, None, None, tuple({2: l_dim} for _ in example[1:])))
     decode = import_program(decode_ep, source="<decode>")
-    return _Loop(prefill, decode, target, pipeline, listeners).run(input_ids, mask, max_new_tokens, buckets)
+    return _Loop(prefill, decode, as_target(target), pipeline, listeners).run(input_ids, mask, max_new_tokens, buckets)
 
 
 def _slot_mask(mask: torch.Tensor, slots: int) -> torch.Tensor:
@@ -369,7 +369,7 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 class _Loop:
     """The generation loop: GE's sessions for both step programs, the cache on the device, the one timeline."""
 
-    def __init__(self, prefill: Any, decode: Any, target: str, pipeline: str,
+    def __init__(self, prefill: Any, decode: Any, target: Target, pipeline: str,
                  listeners: Sequence[RuntimeListener] = ()):
         self.target = target
         self.pipeline = pipeline

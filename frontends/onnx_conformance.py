@@ -32,7 +32,7 @@ from geir.frontends.onnx_node import RUN_TIME_VALUE
 from geir.ir import Module
 from geir.parser import parse
 from geir.printer import print_module
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.accuracy import TOLERANCES
 from geir.types import DType
 
@@ -140,8 +140,9 @@ def refusal(case: Any) -> OnnxImportError | None:
         return None
 
 
-def run_case(case: Any, target: str = DEFAULT_TARGET, bind: bool = True) -> CaseResult:
+def run_case(case: Any, target: Target | str = DEFAULT_TARGET, bind: bool = True) -> CaseResult:
     """Import, compile and run one case on the simulated chip; compare with ONNX's expected outputs."""
+    target = as_target(target)
     op = case_op(case)
     try:
         module, weights = import_case(case)
@@ -169,11 +170,10 @@ def _array(x: Any) -> np.ndarray:
     return numpy_helper.to_array(x) if isinstance(x, TensorProto) else np.asarray(x)
 
 
-def _run(module: Module, weights: dict[str, np.ndarray], values: list[np.ndarray], target: str) -> list[np.ndarray]:
+def _run(module: Module, weights: dict[str, np.ndarray], values: list[np.ndarray], target: Target) -> list[np.ndarray]:
     """What gerun does with a ge.graph: a Runtime session (default pipeline), one run."""
     from geir.runtime.interpreter import Runtime
     from geir.session import Session
-    from geir.target_npu.target import load_target
 
     session = Session(module, target=target)
     graph = session.generic
@@ -183,7 +183,7 @@ def _run(module: Module, weights: dict[str, np.ndarray], values: list[np.ndarray
             inputs[arg.name] = np.asarray(x).astype(arg.type.dtype.np)
     program = session.program({k: v.shape for k, v in inputs.items()})
     with redirect_stderr(io.StringIO()):
-        return list(Runtime(load_target(target)).run(program, inputs, weights).outputs)
+        return list(Runtime(target).run(program, inputs, weights).outputs)
 
 
 def compare(outputs: list[np.ndarray], expected: list[np.ndarray], rtol: float, atol: float) -> str | None:

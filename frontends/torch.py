@@ -38,7 +38,7 @@ from geir.ir import Graph, Module
 from geir.printer import print_module
 from geir.runtime.interpreter import RunResult
 from geir.session import DEFAULT_PIPELINE, Session, run_program
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 
 
 __all__ = ["CompiledModule", "GeirFallbackWarning", "Generation", "Step", "TorchImportError", "compile", "export",
@@ -71,7 +71,7 @@ def from_exported(program: torch.export.ExportedProgram) -> Module:
 
 
 def compile(module: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: Any = None,
-            pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET) -> CompiledModule:
+            pipeline: str = DEFAULT_PIPELINE, target: Target | str = DEFAULT_TARGET) -> CompiledModule:
     """A callable that runs the module on the simulated NPU: GE compiles it once, new shapes re-plan."""
     return CompiledModule(export(module, example_args, dynamic_shapes), pipeline, target)
 
@@ -84,9 +84,10 @@ class CompiledModule:
     signature); `last_result` the Runtime's RunResult of the latest call.
     """
 
-    def __init__(self, imported: ImportedProgram, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET):
+    def __init__(self, imported: ImportedProgram, pipeline: str = DEFAULT_PIPELINE,
+                 target: Target | str = DEFAULT_TARGET):
         self.module = imported.module
-        self.target = target
+        self.target = as_target(target)  # a name is loaded once, here
         self._imported = imported
         graph = self.module.graph()
         # the session's passes rewrite the graph in place; the imported one stays as torch spelled it

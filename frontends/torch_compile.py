@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # imported when a graph arrives (the entry point loads this module alone)
+    from geir.target_npu.target import Target
 
 __all__ = ["GeirFallbackWarning", "geir_backend", "register"]
 
@@ -38,7 +41,7 @@ def geir_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, opt
     pass pipeline); `mode` is accepted and ignored, as GEIR has one compile mode.
     """
     from geir.session import DEFAULT_PIPELINE
-    from geir.target_npu.target import DEFAULT_TARGET
+    from geir.target_npu.target import DEFAULT_TARGET, as_target
 
     options = dict(options or {})
     target = options.pop("target", DEFAULT_TARGET)
@@ -46,7 +49,7 @@ def geir_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, opt
     if options:
         # a misspelt option is the caller's mistake, not a graph to run eagerly
         raise ValueError(f"backend 'geir' takes the options 'target' and 'pipeline', not {', '.join(sorted(options))}")
-    return GeirGraph(gm, example_inputs, pipeline, target)
+    return GeirGraph(gm, example_inputs, pipeline, as_target(target))
 
 
 class GeirGraph:
@@ -56,7 +59,7 @@ class GeirGraph:
     call eagerly. Either way a `GeirFallbackWarning` says why.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pipeline: str, target: str):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pipeline: str, target: Target):
         self.gm = gm
         self.pipeline = pipeline
         self.target = target

@@ -79,7 +79,7 @@ def cv_budget(s1: int, s2: int, d: int, v_rows: int, dtype: DType, chip: Target,
     # AIV's rows and one landing buffer for each block's P V
     score = v_rows * s2 * (F32_BYTES + b + (1 if causal else 0) + mask_itemsize) * buffers
     out = half * d * 2 * F32_BYTES
-    vectors = ROW_VECTORS * half * chip.data["memory"]["ub_block_bytes"]
+    vectors = ROW_VECTORS * half * chip.memory.ub_block_bytes
     # L1: Q of the block, K chunks for mm1 and P and V chunks for mm2
     chunk = cube_chunk(s1, s2, d, b, buffers, chip)
     l1 = (s1 * d + buffers * chunk * d + buffers * (s1 * chunk + chunk * d)) * b

@@ -26,7 +26,6 @@ from geir.kernels.tiling import (
     TilingError,
     Untiled,
     align,
-    as_target,
     check_buffers,
     choice,
     fractal,
@@ -208,7 +207,7 @@ def flash_budget(s1: int, s2: int, d: int, dtype: DType, buffers: int, chip: Tar
     # fills that gap with the next Q @ K^T.
     out = rows * d * 2 * F32_BYTES
     # Row statistics: one f32 per row each, padded to a UB block as the vector unit addresses them.
-    vectors = FLASH_ROW_VECTORS * rows * chip.data["memory"]["ub_block_bytes"]
+    vectors = FLASH_ROW_VECTORS * rows * chip.memory.ub_block_bytes
     # Masks arrive as s1 x s2 tiles like K and V: a 1-byte causal tile, and the user's mask.
     masks = rows * s2 * ((1 if causal else 0) + mask_itemsize) * buffers
     # L1 holds the cube's operands: Q, K, V blocks and P on its way back in, each double-buffered.
@@ -247,7 +246,7 @@ def whole_row_options(skv: int, fm: int) -> list[tuple[int, int]]:
 
 
 def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorType, causal: bool, has_mask: bool,
-                        chip: Target | str, buffers: int = 2, *, layout: str = "BNSD",
+                        chip: Target, buffers: int = 2, *, layout: str = "BNSD",
                         mask_itemsize: int | None = None) -> FlashTiling:
     """Template and blocks for one flash_attention, as ops-transformer picks them, fitted to `chip`.
 
@@ -256,7 +255,6 @@ def choose_flash_tiling(q_type: TensorType, k_type: TensorType, v_type: TensorTy
     A dynamic head dim leaves the op untiled (raises Untiled): every budget scales with it.
     """
     check_buffers(buffers)
-    chip = as_target(chip)
     bsz, n, sq, d = bnsd(q_type, layout)
     skv = bnsd(k_type, layout)[2]
     dv = bnsd(v_type, layout)[3]

@@ -18,7 +18,6 @@ from geir.kernels.tiling import (
     TilingError,
     Untiled,
     align,
-    as_target,
     check_buffers,
     halve,
     product,
@@ -68,18 +67,17 @@ def _sizes(sig: OpSignature) -> tuple[int, int]:
     return sig.operands[0].dtype.itemsize, sig.operands[1].dtype.itemsize
 
 
-def choose_gather_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> GatherTiling:
+def choose_gather_tiling(sig: OpSignature, chip: Target, buffers: int = 2) -> GatherTiling:
     """Whole rows when one fits UB (else the largest piece of whole UB blocks that does), as many rows a tile
     as fit and the vector units can share."""
     check_buffers(buffers)
-    chip = as_target(chip)
     if any(t is None for t in sig.operands + sig.results):
         raise Untiled("its types are unknown")
     g = gather_shape(sig)
     if g.inner is None:
         raise Untiled("the gathered rows' length is dynamic")
     isz, xsz = _sizes(sig)
-    ub, block, vcores = chip.buffer_bytes("ub"), chip.data["memory"]["ub_block_bytes"], chip.vector_cores
+    ub, block, vcores = chip.buffer_bytes("ub"), chip.memory.ub_block_bytes, chip.vector_cores
     cols = max(g.inner, 1)
     if _ub(1, cols, isz, xsz, buffers, block) > ub:  # a row longer than UB holds: pieces of whole UB blocks
         per_block = max(block // isz, 1)
@@ -108,7 +106,7 @@ def choose_gather_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2)
 def _tiling(rows: int, cols: int, buffers: int, g: GatherShape, sig: OpSignature, chip: Target,
             rule: str) -> GatherTiling:
     isz, xsz = _sizes(sig)
-    block = chip.data["memory"]["ub_block_bytes"]
+    block = chip.memory.ub_block_bytes
     pieces = -(-max(g.inner or 1, 1) // cols)
     work = None if g.rows is None else -(-g.rows // rows) * pieces
     cores = chip.vector_cores if work is None else max(min(work, chip.vector_cores), 1)
@@ -120,7 +118,7 @@ def gather_budget(tiling: GatherTiling, sig: OpSignature, chip: Target) -> Budge
     """One vector unit's UB for a gather tile: its indices and `rows` row slots, per buffer."""
     isz, xsz = _sizes(sig)
     return Budget(_ub(tiling.rows, max(tiling.cols, 1), isz, xsz, tiling.buffers,
-                      chip.data["memory"]["ub_block_bytes"]), 0, 0, 0, 0)
+                      chip.memory.ub_block_bytes), 0, 0, 0, 0)
 
 
 def shrink_gather(tiling: GatherTiling) -> tuple[GatherTiling, str] | None:
@@ -139,7 +137,7 @@ def gather_candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[
     if g.rows is None:
         return []
     isz, xsz = _sizes(sig)
-    block, ub = chip.data["memory"]["ub_block_bytes"], chip.buffer_bytes("ub")
+    block, ub = chip.memory.ub_block_bytes, chip.buffer_bytes("ub")
     pieces = {1 << i for i in range(max(g.rows, 1).bit_length())} | {chip.vector_cores * m for m in (1, 2, 4)}
     counts = {max(1, -(-g.rows // p)) for p in pieces}
     fits = sorted((r for r in counts if _ub(r, chosen.cols, isz, xsz, buffers, block) <= ub), reverse=True)

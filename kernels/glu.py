@@ -27,7 +27,6 @@ from geir.kernels.tiling import (
     TilingError,
     Untiled,
     align,
-    as_target,
     check_buffers,
     choice,
     cut_leading,
@@ -66,12 +65,11 @@ def _tiling(elems: int, buffers: int, per_elem: int, total: int | None, chip: Ta
                         work_units=work, rule=rule)
 
 
-def choose_glu_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> VectorTiling:
+def choose_glu_tiling(sig: OpSignature, chip: Target, buffers: int = 2) -> VectorTiling:
     """A flat UB chunk in whole UB blocks, spread over the vector units worth starting."""
     check_buffers(buffers)
-    chip = as_target(chip)
     per_elem = _per_elem(sig, buffers)
-    ub, block = chip.buffer_bytes("ub"), chip.data["memory"]["ub_block_bytes"]
+    ub, block = chip.buffer_bytes("ub"), chip.memory.ub_block_bytes
     fit = (ub // per_elem) // block * block
     if fit < block:
         raise TilingError(f"no glu tiling fits {chip.name}: {block} elements need {block * per_elem} bytes of UB, "
@@ -108,7 +106,7 @@ class GluKernel(FlatTiledKernel):
         per_elem, total = _per_elem(sig, buffers), product(sig.results[0].shape)
         if total is None:
             return []
-        block = target.data["memory"]["ub_block_bytes"]
+        block = target.memory.ub_block_bytes
         fit = (target.buffer_bytes("ub") // per_elem) // block * block
         pieces = {1 << i for i in range(max(total // block, 1).bit_length())} | {target.vector_cores * m for m in (1, 2, 4)}
         sizes = {max(block, min(fit, align(-(-total // p), block))) for p in pieces} | {chosen.elems}

@@ -284,9 +284,9 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
     mix = tiling.template == MIX_EPILOGUE
     vector_act = activation != "none"
     act_passes = (elementwise_passes(_ACTIVATION_OPS[activation]) if vector_act else 0) + 1  # + the cast
-    fm, fk, fn = target.data["cube"][dname]
-    onchip = target.data["memory"].get("onchip_bytes_per_cycle", 256)
-    latency = target.data["memory"].get("dma_latency_cycles", 0)
+    fm, fk, fn = target.cube_fractal(dname)
+    onchip = target.memory.onchip_bytes_per_cycle
+    latency = target.memory.dma_latency_cycles
     sync = target.overhead("cross_core_sync_cycles") if mix else 0.0
     moves = _Moves(ctx, g, ag, bg, og, biasg, bias_shape)
     ws = _Workspace(ctx, og.name, len(g.order), g.m * g.n * 4) if mix else None

@@ -32,7 +32,6 @@ from geir.kernels.tiling import (
     TilingError,
     Untiled,
     align,
-    as_target,
     check_buffers,
     choice,
     fractal,
@@ -204,7 +203,7 @@ def l2_order(batch: int, M: int, N: int, K: int, base_m: int, base_n: int, split
     clock of target_npu/sim.py). M first is the mirror image. The order whose re-reads stay in the L2 wins (N first, as gemm_performance's loop, when
     both do); if neither does, the one that re-reads fewer bytes from HBM.
     """
-    l2 = chip.data["memory"]["l2_mib"] * 2**20
+    l2 = chip.memory.l2_bytes
     tm, tn = -(-M // base_m), -(-N // base_n)
     sm, sn = max(split.single_core_m // base_m, 1), max(split.single_core_n // base_n, 1)
     a_panel, b_panel = base_m * K * itemsize, K * base_n * itemsize
@@ -226,8 +225,7 @@ def _spread(pm: int, pn: int, fm: int, fk: int, fn: int, M: int, N: int, K: int,
     its cube cycles and its MTE2 cycles (its A and B panels at a core's HBM rate, the operands being cold, plus a
     DMA start per load), plus the head (`head` cycles a core) of the cores it starts. Smaller blocks spread C over
     more cores; each costs more loads, more bytes per FLOP and its head."""
-    mem = chip.data["memory"]
-    rate, latency = mem["gm_read_bytes_per_cycle_hbm"], mem.get("dma_latency_cycles", 0)
+    rate, latency = chip.memory.hbm_read_bytes_per_cycle, chip.memory.dma_latency_cycles
 
     def block(m: int, n: int) -> float:
         cube = -(-m // fm) * -(-n // fn) * -(-K // fk)
@@ -247,7 +245,7 @@ def _spread(pm: int, pn: int, fm: int, fk: int, fn: int, M: int, N: int, K: int,
     return best[1], best[2]
 
 
-def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffers: int = 2, *,
+def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target, buffers: int = 2, *,
                          transpose_a: bool = False, transpose_b: bool = False, epilogue: bool = False,
                          bias: bool = False) -> MatmulTiling:
     """TCubeTiling by gemm_performance's rules: the base block (128 x 256 x 64 for 16-bit types, fitted to
@@ -258,7 +256,6 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target | str, buffe
     MatmulMixEpilogue); `bias`: a bias row is staged in L1 and added as L0C drains.
     """
     check_buffers(buffers)
-    chip = as_target(chip)
     fm, fk, fn = fractal(chip, a.dtype)
     M, N, K = _dims(a, b, transpose_a, transpose_b)
     nb = a.dtype.itemsize
@@ -348,7 +345,7 @@ def _block_and_head(m: int, n: int, K: int | None, dtype: DType, epilogue: bool,
         return 0.0, 0.0
     fm, fk, fn = fractal(chip, dtype)
     cube = -(-m // fm) * -(-K // fk) * -(-n // fn)
-    load = (m + n) * K * dtype.itemsize / chip.data["memory"]["gm_read_bytes_per_cycle_l2"]
+    load = (m + n) * K * dtype.itemsize / chip.memory.l2_read_bytes_per_cycle
     started = 1 + (chip.vector_per_cube if _template(epilogue, False, chip)
                    == MIX_EPILOGUE else 0)
     return max(cube, load), chip.head_cycles(started)

@@ -31,7 +31,6 @@ from geir.kernels.tiling import (
     TilingError,
     Untiled,
     align,
-    as_target,
     check_buffers,
     choice,
     cut_leading,
@@ -96,7 +95,7 @@ def _layout(sig: OpSignature, chip: Target, buffers: int) -> _Layout:
     if d is None:
         raise Untiled("the head dim is dynamic, and a row must fit in UB")
     r = sig.attr("rotary_dim", d)
-    block, ub = chip.data["memory"]["ub_block_bytes"], chip.buffer_bytes("ub")
+    block, ub = chip.memory.ub_block_bytes, chip.buffer_bytes("ub")
     x_size = product(x.shape)
     resident = [x_size is not None and product(t.shape) is not None and product(t.shape) < x_size
                 and t.nbytes * 8 <= ub for t in (cos, sin)]
@@ -120,10 +119,9 @@ def _moved_bytes(sig: OpSignature) -> int | None:
     return None if any(n is None for n in sizes) else sum(sizes)
 
 
-def choose_rotary_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> RotaryTiling:
+def choose_rotary_tiling(sig: OpSignature, chip: Target, buffers: int = 2) -> RotaryTiling:
     """As many whole rows a tile as UB holds and the vector units worth starting can share."""
     check_buffers(buffers)
-    chip = as_target(chip)
     lay = _layout(sig, chip, buffers)
     ub = chip.buffer_bytes("ub")
     fit = (ub - lay.fixed) // lay.per_row

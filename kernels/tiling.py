@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar
 import attrs
 
 from geir.ir import Operation
-from geir.target_npu.target import Target, load_target
+from geir.target_npu.target import Target
 from geir.types import DType, TensorType
 
 F32_BYTES = 4
@@ -211,10 +211,6 @@ def align(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def as_target(chip: Target | str) -> Target:
-    return load_target(chip) if isinstance(chip, str) else chip
-
-
 def check_buffers(buffers: int) -> None:
     if buffers not in (1, 2):
         raise ValueError(f"buffers must be 1 (single) or 2 (double buffering), not {buffers}")
@@ -222,11 +218,10 @@ def check_buffers(buffers: int) -> None:
 
 def fractal(chip: Target, dtype: DType) -> tuple[int, int, int]:
     """The cube's m x k x n MACs per cycle for `dtype` (f32 has half the k: half the rate)."""
-    table = chip.data["cube"]
-    if dtype.value not in table:
+    mode = chip.cube_fractal(dtype.value)
+    if mode is None:
         raise Untiled(f"the cube of {chip.name} has no {dtype} mode")
-    m, k, n = table[dtype.value]
-    return m, k, n
+    return mode
 
 
 def units_worth_starting(chip: Target, nbytes: int | None, most: int) -> int:
@@ -237,8 +232,7 @@ def units_worth_starting(chip: Target, nbytes: int | None, most: int) -> int:
     head = chip.head_cycles(1)
     if not head or nbytes is None:
         return most
-    mem = chip.data["memory"]
-    per_unit, whole = mem["gm_read_bytes_per_cycle_hbm"], mem["hbm_tb_per_s"] * 1e12 / chip.clock_hz
+    per_unit, whole = chip.memory.hbm_read_bytes_per_cycle, chip.memory.hbm_bytes_per_s / chip.clock_hz
     return min(range(1, most + 1), key=lambda c: head * c + nbytes / min(per_unit * c, whole))
 
 
@@ -284,7 +278,7 @@ def halve(tiling: KernelTiling, key: str, least: int) -> tuple[KernelTiling, str
 def cube_refuses(types: tuple[TensorType | None, ...], chip: Target) -> str | None:
     """Why the cube cannot multiply operands of these types (a dtype it has no mode for), or None."""
     for t in types:
-        if t is not None and t.dtype.value not in chip.data["cube"]:
+        if t is not None and chip.cube_fractal(t.dtype.value) is None:
             return f"the cube of {chip.name} has no {t.dtype} mode"
     return None
 

@@ -24,7 +24,6 @@ from geir.kernels.tiling import (
     TilingError,
     Untiled,
     align,
-    as_target,
     check_buffers,
     halve,
     never_printed,
@@ -97,7 +96,7 @@ class _Streams:
 
 
 def _streams(sig: OpSignature, chip: Target, buffers: int, copy: bool) -> _Streams:
-    block, ub = chip.data["memory"]["ub_block_bytes"], chip.buffer_bytes("ub")
+    block, ub = chip.memory.ub_block_bytes, chip.buffer_bytes("ub")
     operands, results = list(sig.operands), list(sig.results)
     data = operands + results
     sizes = [product(t.shape) for t in data]
@@ -118,13 +117,12 @@ def _streams(sig: OpSignature, chip: Target, buffers: int, copy: bool) -> _Strea
     return _Streams(fixed, per_elem, total)
 
 
-def choose_elementwise_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2,
+def choose_elementwise_tiling(sig: OpSignature, chip: Target, buffers: int = 2,
                               template: str = ELEMENTWISE) -> VectorTiling:
     """A flat UB chunk in whole UB blocks, spread over the vector units (copies: `template` names the copy)."""
     check_buffers(buffers)
-    chip = as_target(chip)
     _check_types(sig)
-    ub, block, vcores = chip.buffer_bytes("ub"), chip.data["memory"]["ub_block_bytes"], chip.vector_cores
+    ub, block, vcores = chip.buffer_bytes("ub"), chip.memory.ub_block_bytes, chip.vector_cores
     s = _streams(sig, chip, buffers, template in COPY_TEMPLATES)
     # a flat chunk in whole UB blocks for every dtype (block elements is a multiple of 32 bytes at 1 byte and up)
     fit = ((ub - s.fixed) // s.per_elem) // block * block
@@ -162,12 +160,11 @@ def _flat(template: str, elems: int, buffers: int, s: _Streams, chip: Target, ru
                         ub_bytes=s.fixed + elems * s.per_elem, work_units=work, rule=rule)
 
 
-def choose_row_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> RowTiling:
+def choose_row_tiling(sig: OpSignature, chip: Target, buffers: int = 2) -> RowTiling:
     """Whole rows in UB (segmented when one row cannot fit), as many a tile as fit and the units can share."""
     check_buffers(buffers)
-    chip = as_target(chip)
     _check_types(sig)
-    ub, block, vcores = chip.buffer_bytes("ub"), chip.data["memory"]["ub_block_bytes"], chip.vector_cores
+    ub, block, vcores = chip.buffer_bytes("ub"), chip.memory.ub_block_bytes, chip.vector_cores
     s = _streams(sig, chip, buffers, False)
     rows, row = _row_extent(sig.name, sig.operands[0], sig.attributes)
     if row is None:
@@ -200,7 +197,7 @@ def _row_bytes(cols: int, s: _Streams, block: int) -> int:
 
 def _rows(tile_rows: int, cols: int, segments: int, rows: int | None, buffers: int, s: _Streams, chip: Target,
           rule: str) -> RowTiling:
-    block = chip.data["memory"]["ub_block_bytes"]
+    block = chip.memory.ub_block_bytes
     work = None if rows is None else -(-rows // tile_rows) * segments
     cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
     return RowTiling(template=ROW, rows=tile_rows, cols=cols, buffers=buffers, cores=cores,
@@ -213,13 +210,13 @@ def _check_types(sig: OpSignature) -> None:
         raise Untiled("its types are unknown")
 
 
-def choose_vector_tiling(name: str, operands: list[TensorType], results: list[TensorType], chip: Target | str,
+def choose_vector_tiling(name: str, operands: list[TensorType], results: list[TensorType], chip: Target,
                          buffers: int = 2, attributes: dict[str, Any] | None = None) -> VectorTiling | RowTiling:
     """The tiling the kernel implementing `name` chooses for these types (TilingError or Untiled when none)."""
     from geir.kernels.base import KERNELS  # the registry is filled once every kernel module is imported
 
     sig = OpSignature(name, tuple(operands), tuple(results), dict(attributes or {}))
-    tiling = KERNELS[name].choose(sig, as_target(chip), buffers)
+    tiling = KERNELS[name].choose(sig, chip, buffers)
     if isinstance(tiling, Miss):
         raise (TilingError if tiling.overflow else Untiled)(tiling.reason)
     return tiling
@@ -236,7 +233,7 @@ def elementwise_budget(tiling: VectorTiling, sig: OpSignature, chip: Target) -> 
 def row_budget(tiling: RowTiling, sig: OpSignature, chip: Target) -> Budget:
     """One vector unit's UB for a row tile: the resident parameters and `rows` rows of `cols` streamed elements."""
     s = _streams(sig, chip, tiling.buffers, False)
-    return Budget(s.fixed + tiling.rows * _row_bytes(tiling.cols, s, chip.data["memory"]["ub_block_bytes"]),
+    return Budget(s.fixed + tiling.rows * _row_bytes(tiling.cols, s, chip.memory.ub_block_bytes),
                   0, 0, 0, 0)
 
 
@@ -258,7 +255,7 @@ def elementwise_candidates(sig: OpSignature, chip: Target, buffers: int = 2,
         _check_types(sig)
     except Untiled:
         return []
-    block = chip.data["memory"]["ub_block_bytes"]
+    block = chip.memory.ub_block_bytes
     s = _streams(sig, chip, buffers, template in COPY_TEMPLATES)
     fit = ((chip.buffer_bytes("ub") - s.fixed) // s.per_elem) // block * block
     if fit < block or s.total is None:
@@ -280,7 +277,7 @@ def row_candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[Row
     rows, _ = _row_extent(sig.name, sig.operands[0], sig.attributes)
     if rows is None:
         return []
-    fit = (chip.buffer_bytes("ub") - s.fixed) // _row_bytes(chosen.cols, s, chip.data["memory"]["ub_block_bytes"])
+    fit = (chip.buffer_bytes("ub") - s.fixed) // _row_bytes(chosen.cols, s, chip.memory.ub_block_bytes)
     pieces = {1 << i for i in range(max(rows, 1).bit_length())} | {chip.vector_cores * m for m in (1, 2, 4)}
     counts = {max(1, min(fit, -(-rows // p))) for p in pieces}
     return [_rows(r, chosen.cols, chosen.segments, rows, buffers, s, chip, f"candidate {r} rows a tile")
@@ -306,16 +303,15 @@ def _scan_bytes(rows: int, cols: int, sig: OpSignature, buffers: int, block: int
     return streamed + working + align(cols * work, block)
 
 
-def choose_scan_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -> ScanTiling:
+def choose_scan_tiling(sig: OpSignature, chip: Target, buffers: int = 2) -> ScanTiling:
     """The independent sums split over the vector units (whole UB blocks of them a tile), as many steps of the
     scanned axis a tile as fit UB; each unit walks the whole axis, carrying its sums from tile to tile."""
     check_buffers(buffers)
-    chip = as_target(chip)
     _check_types(sig)
     steps, sums = scan_extent(sig)
     if sums is None:
         raise Untiled("the number of running sums is dynamic")
-    ub, block, vcores = chip.buffer_bytes("ub"), chip.data["memory"]["ub_block_bytes"], chip.vector_cores
+    ub, block, vcores = chip.buffer_bytes("ub"), chip.memory.ub_block_bytes, chip.vector_cores
     per_block = max(block // sig.operands[0].dtype.itemsize, 1)
     cols = align(max(-(-sums // vcores), 1), per_block)
     while cols > per_block and _scan_bytes(1, cols, sig, buffers, block) > ub:
@@ -337,7 +333,7 @@ def choose_scan_tiling(sig: OpSignature, chip: Target | str, buffers: int = 2) -
 def _scan(rows: int, cols: int, buffers: int, sig: OpSignature, chip: Target, rule: str) -> ScanTiling:
     _, sums = scan_extent(sig)
     work = -(-sums // cols) if sums else 0
-    block = chip.data["memory"]["ub_block_bytes"]
+    block = chip.memory.ub_block_bytes
     return ScanTiling(template=SCAN, rows=rows, cols=cols, buffers=buffers, cores=max(min(work, chip.vector_cores), 1),
                       ub_bytes=_scan_bytes(rows, cols, sig, buffers, block), work_units=work, rule=rule)
 
@@ -345,7 +341,7 @@ def _scan(rows: int, cols: int, buffers: int, sig: OpSignature, chip: Target, ru
 def scan_budget(tiling: ScanTiling, sig: OpSignature, chip: Target) -> Budget:
     """One vector unit's UB for a cumsum tile: the streamed tiles, the working tile and the carried sums."""
     return Budget(_scan_bytes(tiling.rows, max(tiling.cols, 1), sig, tiling.buffers,
-                              chip.data["memory"]["ub_block_bytes"]), 0, 0, 0, 0)
+                              chip.memory.ub_block_bytes), 0, 0, 0, 0)
 
 
 def shrink_scan(tiling: ScanTiling) -> tuple[ScanTiling, str] | None:

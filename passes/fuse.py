@@ -29,7 +29,7 @@ from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
 from geir.passes.fusion.softmax import DecomposedSoftmax
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Pattern, PatternListener, apply_patterns_greedily
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import Target
 
 # Every fusion rule by name (the names `rules=` and `disable=` take).
 FUSION_RULES: dict[str, type[Pattern]] = {
@@ -46,7 +46,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
 COMPANIONS: dict[str, tuple[type[Pattern], ...]] = {"attention_layout": (SinkHeadTranspose,)}
 
 
-def _instantiate(rule: type[Pattern], target: str, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:
+def _instantiate(rule: type[Pattern], target: Target, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:
     # rules whose decision depends on the chip (a kernel's shape guards) take the target, and the module's
     # weights (a mask may be a dense_resource constant)
     return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs, MergeSiblingMatmuls) else rule()
@@ -67,7 +67,7 @@ class Fuse(Pass):
     rules: list[str] = attrs.field(factory=list, validator=_known_rules)
     disable: list[str] = attrs.field(factory=list, validator=_known_rules)
 
-    def selected(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None) -> list[Pattern]:
+    def selected(self, target: Target, resources: Mapping[str, np.ndarray] | None = None) -> list[Pattern]:
         names = self.rules or list(FUSION_RULES)
         chosen = [n for n in names if n not in self.disable]
         rules = [FUSION_RULES[n] for n in chosen] + [c for n in chosen for c in COMPANIONS.get(n, ())]

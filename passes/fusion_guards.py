@@ -15,7 +15,6 @@ from geir.ir import Module
 from geir.passes.fusion.guards import FUSION_GUARDS
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Rewriter
-from geir.target_npu.target import load_target
 
 
 @attrs.frozen
@@ -37,7 +36,7 @@ class FusionGuards(Pass):
     REQUIRES = ("infer-shapes",)
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        chip = load_target(ctx.target)
+        chip = ctx.target
         for graph in module.graphs:
             rw = Rewriter(graph)
             for op in list(graph.ops):

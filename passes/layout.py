@@ -91,8 +91,8 @@ class Layout(Pass):
     target: str = attrs.field(default="", validator=check_target)  # empty: the --target of the run
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        chip = load_target(self.target or ctx.target)
-        nd2nz = bool(chip.data.get("layout", {}).get("nd2nz_on_load", False))
+        chip = load_target(self.target) if self.target else ctx.target
+        nd2nz = chip.nd2nz_on_load
         for g in module.graphs:
             assign_layouts(g, nd2nz)
             apply_patterns_greedily(g, [TransDataPair()])

@@ -27,7 +27,7 @@ from geir.ir import Graph, Module, Operation, Value
 from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.placement import AICPU, ENGINE_ATTR, engine_of
-from geir.target_npu.target import load_target
+from geir.target_npu.target import Target
 from geir.traits import Terminator
 
 ALIGN = 512
@@ -73,7 +73,7 @@ class _Builder:
             self.emit("rt.wait", [], {"event": event, "stream": stream}, [], loc)
 
 
-def lower_graph(graph: Graph, target: str | None = None) -> Graph:
+def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
     """The rt.program for a graph that has been tiled and planned (static shapes)."""
     for v in graph.args:
         if not v.type.is_static:
@@ -154,7 +154,7 @@ def lower_graph(graph: Graph, target: str | None = None) -> Graph:
     if target is not None:
         # the tilings, the plan's workspaces and the schedules they imply hold on this chip only: the Runtime
         # refuses to run the program on another
-        program.attributes["target"] = target
+        program.attributes["target"] = target.name
     if "arena_lower_bound" in graph.attributes:  # the plan's live-bytes bound, for reports against the arena
         program.attributes["arena_lower_bound"] = graph.attributes["arena_lower_bound"]
     return program
@@ -222,5 +222,4 @@ class Lower(Pass):
     REQUIRES = ("infer-shapes", "tile", "plan")
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        target = load_target(ctx.target).name
-        module.graphs = [lower_graph(g, target) if g.kind == "ge.graph" else g for g in module.graphs]
+        module.graphs = [lower_graph(g, ctx.target) if g.kind == "ge.graph" else g for g in module.graphs]

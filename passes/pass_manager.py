@@ -17,7 +17,7 @@ import attrs
 from geir.diagnostics import Diagnostic, DiagnosticEngine, DiagnosticError, Location
 from geir.ir import Module
 from geir.registry import Registry
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.verifier import verify_module
 
 
@@ -35,7 +35,7 @@ PASSES: Registry[type["Pass"]] = Registry("passes", _load_passes)
 class PassContext:
     """What a pass may use besides the IR: the target, the diagnostics sink, --explain."""
 
-    target: str = DEFAULT_TARGET
+    target: Target = attrs.field(default=DEFAULT_TARGET, converter=as_target)  # a name given is loaded
     diagnostics: DiagnosticEngine = attrs.field(factory=lambda: DiagnosticEngine(lambda d: None))
     explain: bool = False
     # tilings already chosen, by op signature: a runtime session keeps one across its shape

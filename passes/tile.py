@@ -66,7 +66,7 @@ class Tile(Pass):
                 raise ValueError(f"option 'target': {e}") from None
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        chip = load_target(self.target or ctx.target)
+        chip = load_target(self.target) if self.target else ctx.target
         repository = TuningRepository(self.db) if self.db else None
         try:
             self._tile(module, ctx, chip, repository)

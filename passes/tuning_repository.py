@@ -198,19 +198,19 @@ class TuningRepository:
 
     # --- measurements ---------------------------------------------------------------------------
 
-    def measured(self, key: str, target: str) -> dict[str, float]:
+    def measured(self, key: str, target_key: str) -> dict[str, float]:
         """Every candidate timed so far for this op on this target: tiling text -> microseconds."""
         try:
             rows = self._db.execute("SELECT tiling, time_us FROM measurements WHERE op_key = ? AND target = ? AND "
-                                    "model = ?", (key, target, cost_model_version())).fetchall()
+                                    "model = ?", (key, target_key, cost_model_version())).fetchall()
         except sqlite3.DatabaseError as e:
             raise RepositoryError(f"'{self.path}' cannot be read: {e}") from None
         # a time that is not a finite, non-negative number (a damaged row) is dropped: the candidate is timed again
         return {t: float(us) for t, us in rows if isinstance(t, str) and _is_time(us)}
 
-    def record(self, key: str, target: str, times: Iterable[tuple[str, float]]) -> None:
+    def record(self, key: str, target_key: str, times: Iterable[tuple[str, float]]) -> None:
         """Store the times of some candidates (committed at once, so an interrupted sweep keeps them)."""
-        rows = [(key, target, cost_model_version(), t, us) for t, us in times]
+        rows = [(key, target_key, cost_model_version(), t, us) for t, us in times]
         self._write(lambda: self._db.executemany("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)", rows))
 
     def measurement_count(self) -> int:
@@ -218,18 +218,18 @@ class TuningRepository:
 
     # --- entries -------------------------------------------------------------------------------
 
-    def store(self, sig: OpSignature, buffers: int, target: str, entry: Entry) -> None:
+    def store(self, sig: OpSignature, buffers: int, target_key: str, entry: Entry) -> None:
         """Keep an op's tuned entry (replacing an older one)."""
         name, operands, results, attributes = sig.key
-        row = (op_key(sig, buffers), target, entry.model or cost_model_version(), name, json.dumps(list(operands)),
+        row = (op_key(sig, buffers), target_key, entry.model or cost_model_version(), name, json.dumps(list(operands)),
                json.dumps(list(results)), attributes, buffers, json.dumps(entry.rules_tiling), entry.rules_us,
                json.dumps(entry.tiling), entry.time_us, entry.candidates, entry.check)  # tilings in attribute order
         self._write(lambda: self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
                                              "?, ?, ?)", row))
 
-    def entry(self, sig: OpSignature, buffers: int, target: Target | str) -> Entry | None:
+    def entry(self, sig: OpSignature, buffers: int, target: Target) -> Entry | None:
         """The op's tuned entry on this target, or None when it was never tuned."""
-        tkey = target if isinstance(target, str) else target_key(target)
+        tkey = target_key(target)
         try:
             row = self._db.execute(
                 "SELECT kernel, rules_tiling, rules_us, tiling, time_us, candidates, check_report, model FROM entries "

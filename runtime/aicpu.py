@@ -66,17 +66,17 @@ def has_semantics(op: Operation) -> bool:
 def aicpu_cost(elements: int, ops: float, nbytes: int, target: Target, cores: int | None = None) -> AicpuCost:
     """The cost of an AI CPU task over `elements` result elements with `ops` operations moving `nbytes`
     (`cores`: fewer AI CPU cores than the target has, when one has stopped)."""
-    spec = target.data.get("aicpu")
+    spec = target.aicpu
     if spec is None:
         raise NoAicpu(f"{target.name} has no AI CPU engine (no [aicpu] table in its target file)")
-    cores = int(spec["cores"]) if cores is None else cores
+    cores = spec.cores if cores is None else cores
     blocks, block = ge_blocks(elements, cores)
     waves = -(-blocks // cores)
     ops = max(float(ops), float(elements))  # every result element takes at least one operation
     if elements > 0:
-        per_element = ops / elements * spec["cycles_per_op"] + nbytes / elements / spec["bytes_per_cycle"]
+        per_element = ops / elements * spec.cycles_per_op + nbytes / elements / spec.bytes_per_cycle
     else:
         per_element = 0.0
-    compute_us = waves * block * per_element / (spec["clock_ghz"] * 1e3)
+    compute_us = waves * block * per_element / (spec.clock_ghz * 1e3)
     return AicpuCost(elements, blocks, block, min(blocks, cores) if elements > 0 else 0, waves, ops, nbytes,
-                     float(spec["task_overhead_us"]), compute_us)
+                     float(spec.task_overhead_us), compute_us)

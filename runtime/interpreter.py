@@ -119,11 +119,10 @@ class Runtime:
         # faults to inject, each once: ("dma", n) fails the n-th host-device transfer, ("core", n) stops a
         # core during the n-th kernel, ("ub_overflow", n) makes the n-th kernel's tiling not fit (0-based)
         self.faults = {(kind, n) for kind, n in faults}
-        host = target.data.get("host", {})
-        self.link_bytes_per_us = host.get("pcie_gb_per_s", 32) * 1e3
-        self.copy_latency_us = host.get("copy_latency_us", 0.0)
+        self.link_bytes_per_us = target.host.pcie_gb_per_s * 1e3
+        self.copy_latency_us = target.host.copy_latency_us
         # the host's cost of submitting one task (a copy or a launch) to a stream, one after another
-        self.submit_us = host.get("launch_latency_us", 0.0)
+        self.submit_us = target.host.launch_latency_us
         self.cycles_per_us = target.clock_hz / 1e6
         # timing only: the launches timed so far, replayed where a launch reads the same (geir.runtime.launch_memo);
         # kept across runs, so a session's later steps replay what earlier ones timed (pass one LaunchMemo to
@@ -355,7 +354,7 @@ class Runtime:
                            "recovery": "the task runs on the AI CPU with no tile on chip: nothing to re-tile, "
                                        "it ran as planned"})
         if ("core", index) in self.faults:
-            spare = self.target.data["aicpu"]["cores"] - 1
+            spare = self.target.aicpu.cores - 1
             if spare < 1:
                 raise RuntimeFailure(f"{op.loc}: the only AI CPU core stopped during kernel #{index} ({op.kernel})")
             again = aicpu_cost(elements, flops, read + written, self.target, cores=spare)

@@ -45,7 +45,7 @@ _RATIO_PIPES = {"mte2_ratio": "MTE2", "mte1_ratio": "MTE1", "cube_ratio": "CUBE"
 
 def cube_peak_flops(target: Target) -> float:
     """FLOP/s of every cube core at the f16 rate (2 FLOPs per multiply-add)."""
-    m, k, n = target.data["cube"]["f16"]
+    m, k, n = target.cube_fractal("f16")
     return target.cube_cores * m * k * n * 2 * target.clock_hz
 
 

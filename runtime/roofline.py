@@ -95,14 +95,14 @@ def bandwidths(target: Target, kernel: str = "ge.matmul", both_sides: bool = Fal
 
     `both_sides`: a kernel that moves data through the cube cores' and the vector cores' own ports (the CV-split
     FlashAttention of a chip whose cube and vector units are separate cores) has the ports of both."""
-    mem = target.data["memory"]
+    mem = target.memory
     vector_ports = target.cube_cores * target.vector_per_cube
     if both_sides:
         ports = target.cube_cores + vector_ports
     else:
         ports = target.cube_cores if kernel in CUBE_KERNELS else vector_ports
-    gm = mem["gm_read_bytes_per_cycle_l2"] * ports * target.clock_hz
-    hbm = min(mem["hbm_tb_per_s"] * 1e12, mem["gm_read_bytes_per_cycle_hbm"] * ports * target.clock_hz)
+    gm = mem.l2_read_bytes_per_cycle * ports * target.clock_hz
+    hbm = min(mem.hbm_bytes_per_s, mem.hbm_read_bytes_per_cycle * ports * target.clock_hz)
     return gm, hbm
 
 

@@ -122,7 +122,7 @@ def run_trace(result: RunResult) -> Trace:
     """One Runtime run from its start (time 0: the first submission): the run, each task's submission on the
     host, each task on its stream, each AI CPU task on the AI CPU's track, every pipe's work on its core."""
     trace = Trace()
-    submit_us = result.target.data.get("host", {}).get("launch_latency_us", 0.0)
+    submit_us = result.target.host.launch_latency_us
     end = max((t.end_us for t in result.tasks), default=0.0)
     trace.spans.append(Span(RUNS, "run", 0.0, end, "run",
                             {"tasks": len(result.tasks), "kernels": len(result.kernels)}))

@@ -53,7 +53,7 @@ from geir.runtime.roofline import Roofline, roofline
 from geir.passes.placement import Placement
 from geir.session.pipeline import compile_module, lowering_pipeline, run_passes
 from geir.target_npu.sim import PIPES
-from geir.target_npu.target import Target, load_target
+from geir.target_npu.target import Target
 from geir.types import TensorType
 from geir.verifier import verify_graph
 
@@ -154,7 +154,7 @@ class Diagnosis:
     device_us: float
     end_to_end_us: float
     copies_us: float
-    target: str
+    target: str  # the chip's name, as the JSON report gives it
     lowered: bool  # the input was an rt.program: no fusion to judge
 
     def to_json(self) -> dict[str, Any]:
@@ -196,13 +196,13 @@ def specialise(graph: Graph, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
 
 
 def run_counting_waits(program: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                       target: str) -> RunResult:
+                       target: Target) -> RunResult:
     """Run a lowered program with the pipes' idle time booked by cause (KernelStats.waits)."""
-    return Runtime(load_target(target), count_waits=True).run(program, inputs, weights)
+    return Runtime(target, count_waits=True).run(program, inputs, weights)
 
 
 def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                   pipeline: str, target: str, file: str = "<input>", cold: bool = False) -> Diagnosis:
+                   pipeline: str, target: Target, file: str = "<input>", cold: bool = False) -> Diagnosis:
     """Compile a ge.graph with the pipeline, run it, and judge the layers.
 
     `cold`: the run is the first request, which waits for GE's compile (measured host time); else a
@@ -231,12 +231,12 @@ def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapp
 
 
 def diagnose_program(program: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                     target: str) -> Diagnosis:
+                     target: Target) -> Diagnosis:
     """Run an already lowered rt.program and judge the Runtime and the kernels (fusion is behind it)."""
     return judge(program, run_counting_waits(program, inputs, weights, target), None, None)
 
 
-def fused_attention_us(q: TensorType, k: TensorType, v: TensorType, pipeline: str, target: str) -> float | str:
+def fused_attention_us(q: TensorType, k: TensorType, v: TensorType, pipeline: str, target: Target) -> float | str:
     """Simulated device time (us) of one ge.flash_attention on q, k, v of these types, compiled with the
     same pipeline and run on random inputs; or the reason there is no such kernel."""
     out = TensorType(tuple(q.shape[:-1]) + (v.shape[-1],), q.dtype)
@@ -248,7 +248,7 @@ def fused_attention_us(q: TensorType, k: TensorType, v: TensorType, pipeline: st
         rng = np.random.default_rng(0)
         inputs = {a.name: rng.standard_normal(a.type.shape, dtype=np.float32).astype(a.type.dtype.np)
                   for a in module.graphs[0].args}
-        result = Runtime(load_target(target)).run(module.graphs[0], inputs)
+        result = Runtime(target).run(module.graphs[0], inputs)
     except DiagnosticError as e:
         return "; ".join(d.message for d in e.diagnostics) or "it does not compile"
     except RuntimeFailure as e:
@@ -480,7 +480,7 @@ def timeline_findings(result: RunResult, host_ge_us: float, compile_us: float | 
     busy = _union_us([(t.start_us, t.end_us) for t in result.tasks])
     idle = span_us - busy
     waited = [t for t in result.tasks if t.start_us <= t.submitted_us + 1e-9 and t.submitted_us > 0]
-    submit = result.target.data.get("host", {}).get("launch_latency_us", 0.0)
+    submit = result.target.host.launch_latency_us
     evidence = {**figures, "device_idle_us": idle, "tasks": len(result.tasks), "tasks_waiting_submission": len(waited),
                 "submit_us_per_task": submit, "stake_us": idle, "threshold_idle_share": HOST_BOUND_IDLE}
     if span_us and idle / span_us > HOST_BOUND_IDLE and len(waited) * 2 > len(result.tasks):
@@ -644,7 +644,7 @@ def aicpu_findings(views: list[KernelView], target: Target, device_us: float,
     """Each op GE placed on the AI CPU, with its time; one that costs KERNEL_SHARE of the kernel time or more
     is a kernel-layer problem: the AI Core, far faster, has no kernel that takes it."""
     reasons = {_key(p.loc): p.reason for p in placements or []}
-    overhead = target.data.get("aicpu", {}).get("task_overhead_us", 0.0)
+    overhead = (target.aicpu.task_overhead_us if target.aicpu else 0.0)
     out: list[Finding] = []
     for v in sorted((v for v in views if v.on_aicpu), key=lambda v: -v.time_us):
         reason = reasons.get(_key(v.loc)) or "GE placed it there"

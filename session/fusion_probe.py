@@ -20,6 +20,7 @@ from geir.passes import complete_pipeline
 from geir.passes.fuse import FUSION_RULES, Fuse
 from geir.passes.pattern import FusionOutcome
 from geir.session.pipeline import lowering_pipeline, run_passes
+from geir.target_npu.target import Target
 from geir.traits import CubeOp, Normalization
 from geir.types import TensorType
 
@@ -64,7 +65,7 @@ class Probe:
         return f is not None and rule in (f.rules or list(FUSION_RULES)) and rule not in f.disable
 
 
-def probe_fusion(graph: Graph, pipeline: str, target: str, file: str = "<input>", resources=None) -> Probe:
+def probe_fusion(graph: Graph, pipeline: str, target: Target, file: str = "<input>", resources=None) -> Probe:
     """Run the pipeline up to fusion on a copy, then every fusion rule with --explain; DiagnosticError on bad input."""
     passes = lowering_pipeline(pipeline)
     names = [p.NAME for p in passes]

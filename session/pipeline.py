@@ -17,7 +17,7 @@ from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipel
 from geir.runtime.interpreter import RunResult, Runtime, RuntimeListener
 from geir.runtime.launch_memo import LaunchMemo
 from geir.runtime.trace import GE, Span
-from geir.target_npu.target import DEFAULT_TARGET, load_target
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 
 DEFAULT_PIPELINE = "conv2d-im2col,canonicalize,fuse,layout,tile,plan,lower"
 NO_FUSE_PIPELINE = "conv2d-im2col,canonicalize,layout,tile,plan,lower"
@@ -31,7 +31,7 @@ def lowering_pipeline(pipeline: str) -> list:
     return passes
 
 
-def run_passes(module: Module, passes: list, target: str, emit=None, spans: list | None = None,
+def run_passes(module: Module, passes: list, target: Target, emit=None, spans: list | None = None,
                t0: float | None = None, verify_each: bool = True, explain: bool = False,
                tiling_memo: dict | None = None, records: list | None = None) -> Module:
     """Run passes in place; each pass's span (GE's track, microseconds since `t0`) goes to `spans`, and the typed
@@ -59,23 +59,23 @@ def run_passes(module: Module, passes: list, target: str, emit=None, spans: list
     return module
 
 
-def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
+def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: Target | str = DEFAULT_TARGET,
                    emit=None, verify_each: bool = True) -> tuple[Module, list[Span]]:
     """Run GE's pipeline (ending in lower) in place; returns the module and each pass's span on GE's track.
 
     `verify_each=False` is the serving path: the IR is not re-verified between passes (the input was
     verified when it was read, and the passes are tested to keep it valid)."""
     spans: list[Span] = []
-    return run_passes(module, lowering_pipeline(pipeline), target, emit, spans, verify_each=verify_each), spans
+    return run_passes(module, lowering_pipeline(pipeline), as_target(target), emit, spans, verify_each=verify_each), spans
 
 
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
-                target: str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
+                target: Target | str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
                 resident: Iterable[str] = (), memo: LaunchMemo | None = None, keep: Iterable[int] = (),
                 listeners: Iterable[RuntimeListener] = ()) -> RunResult:
     """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device; `keep`:
     results that stay there, as DeviceTensors; `memo`: timing only, the launches earlier runs timed;
     `listeners`: told of every task as it runs)."""
-    return Runtime(load_target(target), record_pipes=record_pipes, timing_only=timing_only,
+    return Runtime(as_target(target), record_pipes=record_pipes, timing_only=timing_only,
                    memo=True if memo is None else memo, listeners=listeners).run(program, inputs, resources,
                                                                                  resident, keep)

@@ -29,7 +29,7 @@ from geir.runtime.profile import time_split
 from geir.runtime.trace import Span, Trace, Track, chrome_trace_json
 from geir.session.pipeline import DEFAULT_PIPELINE, compile_module, run_program
 from geir.session.plan_cache import bind_shapes
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.traits import Terminator
 
 
@@ -230,13 +230,14 @@ class PipelinedRun:
 
 
 def run_pipelined(module: Module, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
-                  *, parts: int = 4, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET,
+                  *, parts: int = 4, pipeline: str = DEFAULT_PIPELINE, target: Target | str = DEFAULT_TARGET,
                   timing_only: bool = False) -> PipelinedRun:
     """Partition the graph, compile each part (measuring GE's host time) and run it on the simulated chip.
 
     Dynamic dimensions are bound from the inputs first. The result places both schedules,
     compile-while-running and compile-then-run, on one modelled timeline.
     """
+    target = as_target(target)
     graph = module.graphs[0]
     shapes = tuple(tuple(np.shape(inputs[a.name])) for a in graph.args)
     bound = bind_shapes(graph, shapes)

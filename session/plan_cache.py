@@ -18,7 +18,7 @@ from geir.passes.fusion_guards import FusionGuards, Unfusion
 from geir.passes.tile import TilingDecision
 from geir.runtime.trace import GE, Span
 from geir.session.pipeline import DEFAULT_PIPELINE, lowering_pipeline, run_passes
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.types import TensorType
 from geir.verifier import verify_graph
 
@@ -111,12 +111,12 @@ class Session:
     Programs are cached by signature (the plan cache); a signature seen before costs nothing.
     """
 
-    def __init__(self, module: Module, pipeline: str = DEFAULT_PIPELINE, target: str = DEFAULT_TARGET, emit=None,
+    def __init__(self, module: Module, pipeline: str = DEFAULT_PIPELINE, target: Target | str = DEFAULT_TARGET, emit=None,
                  explain: bool = False):
         passes = lowering_pipeline(pipeline)
         KERNELS.load()  # registered now: the compile's host time below counts GE's work, not imports
         cut = next(i for i, p in enumerate(passes) if p.NAME in SHAPE_DEPENDENT)
-        self.target = target
+        self.target = as_target(target)  # a name is loaded once, here
         self.emit = emit
         self.explain = explain
         self.spans: list[Span] = []  # GE's host work, typed spans on GE's track (geir.runtime.trace)

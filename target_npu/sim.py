@@ -127,12 +127,12 @@ class GlobalMemory:
     """
 
     def __init__(self, target: Target):
-        mem = target.data["memory"]
-        self.l2_bytes = mem["l2_mib"] * 2**20
-        self.l2_rate = mem["gm_read_bytes_per_cycle_l2"]
-        self.hbm_rate = mem["gm_read_bytes_per_cycle_hbm"]
-        self.chip_hbm_rate = mem["hbm_tb_per_s"] * 1e12 / target.clock_hz  # bytes per cycle, whole chip
-        self.latency = mem.get("dma_latency_cycles", 0)
+        mem = target.memory
+        self.l2_bytes = mem.l2_bytes
+        self.l2_rate = mem.l2_read_bytes_per_cycle
+        self.hbm_rate = mem.hbm_read_bytes_per_cycle
+        self.chip_hbm_rate = mem.hbm_bytes_per_s / target.clock_hz  # bytes per cycle, whole chip
+        self.latency = mem.dma_latency_cycles
         self.clock = 0  # bytes moved so far: the reuse-distance clock
         self.last_touch: dict[str, np.ndarray] = {}
         self.tensor_clock: dict[str, int] = {}  # when each tensor was last touched, whatever its blocks
@@ -513,19 +513,19 @@ def whole_sums(busy: np.ndarray, added: float) -> bool:
 
 def cube_cycles(target: Target, dtype: str, m: int, k: int, n: int) -> float:
     """Cycles of one core's cube for an m x k by k x n matmul: fractal count at the dtype's MACs per cycle."""
-    fm, fk, fn = target.data["cube"][dtype]
+    fm, fk, fn = target.cube_fractal(dtype)
     return float(-(-m // fm) * -(-k // fk) * -(-n // fn))
 
 
 def vector_cycles(target: Target, nbytes: int | np.ndarray, instructions: int = 1) -> np.ndarray | float:
     """Cycles of one core's vector units for `instructions` passes over `nbytes` of operands."""
-    per_cycle = target.data["vector"]["bytes_per_cycle"] * target.vector_per_cube
+    per_cycle = target.vector_bytes_per_cycle * target.vector_per_cube
     return instructions * np.ceil(np.asarray(nbytes) / per_cycle)
 
 
 def local_copy_cycles(target: Target, nbytes: int) -> float:
     """Cycles to move data between on-chip buffers (MTE1, FIXP): the on-chip rate from the target data."""
-    return float(np.ceil(nbytes / target.data["memory"].get("onchip_bytes_per_cycle", 256)))
+    return float(np.ceil(nbytes / target.memory.onchip_bytes_per_cycle))
 
 
 def buffers_of(target: Target) -> dict[str, Buffer]:

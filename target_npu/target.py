@@ -16,11 +16,111 @@ DEFAULT_TARGET = "ascend910b"
 
 
 @attrs.frozen
+class MemorySystem:
+    """The [memory] table: global memory as the cores see it, and the on-chip blocks."""
+
+    l2_bytes: int
+    l2_read_bytes_per_cycle: float  # a core's GM read rate when the bytes are in L2
+    hbm_read_bytes_per_cycle: float  # a core's GM read rate from HBM
+    hbm_bytes_per_s: float  # the whole chip's HBM bandwidth
+    ub_block_bytes: int  # UB is allocated in blocks of this size
+    hbm_block_bytes: int  # the burst HBM transfers round up to
+    dma_latency_cycles: float  # the start of one DMA
+    onchip_bytes_per_cycle: float  # L1 -> L0 and UB <-> L1 moves
+
+    @classmethod
+    def of(cls, table: dict[str, Any]) -> MemorySystem:
+        return cls(int(table["l2_mib"] * 2**20), table["gm_read_bytes_per_cycle_l2"],
+                   table["gm_read_bytes_per_cycle_hbm"], table["hbm_tb_per_s"] * 1e12, table["ub_block_bytes"],
+                   table["hbm_block_bytes"], table.get("dma_latency_cycles", 0),
+                   table.get("onchip_bytes_per_cycle", 256))
+
+
+@attrs.frozen
+class HostLink:
+    """The [host] table: the link between host and device, and the host's cost of submitting a task."""
+
+    pcie_gb_per_s: float = 32.0
+    copy_latency_us: float = 0.0
+    launch_latency_us: float = 0.0  # the host's cost of submitting one task to a stream
+
+    @classmethod
+    def of(cls, table: dict[str, Any]) -> HostLink:
+        return cls(table.get("pcie_gb_per_s", 32.0), table.get("copy_latency_us", 0.0),
+                   table.get("launch_latency_us", 0.0))
+
+
+@attrs.frozen
+class AicpuEngine:
+    """The [aicpu] table: the AI CPU cores that take the ops no AI Core kernel does."""
+
+    cores: int
+    clock_ghz: float
+    cycles_per_op: float
+    bytes_per_cycle: float
+    task_overhead_us: float
+
+    @classmethod
+    def of(cls, table: dict[str, Any]) -> AicpuEngine:
+        return cls(int(table["cores"]), table["clock_ghz"], table["cycles_per_op"], table["bytes_per_cycle"],
+                   table["task_overhead_us"])
+
+
+@attrs.frozen
+class FusionGuard:
+    """The [fusion] table: where the fused attention's decode-shaped calls stop paying off (measured by
+    bench/fusion_crossover.py); None where the target gives no threshold."""
+
+    decode_max_q: int | None = None
+    decode_min_kv: int | None = None
+    decode_max_busy: float = 0.5
+
+    @classmethod
+    def of(cls, table: dict[str, Any]) -> FusionGuard:
+        return cls(table.get("flash_attention_decode_max_q"), table.get("flash_attention_decode_min_kv"),
+                   table.get("flash_attention_decode_max_busy", 0.5))
+
+
+@attrs.frozen
 class Target:
-    """A chip's numbers, as read from its data file (the raw tables stay available in `data`)."""
+    """A chip's numbers, as typed records read from its data file (the raw tables stay available in `data`, for
+    the what-if overrides that rewrite them). A target is its name: the bundled name, a what-if spec in its
+    canonical spelling, or the name a user's file declares."""
 
     name: str
-    data: dict[str, Any] = attrs.field(repr=False)
+    data: dict[str, Any] = attrs.field(repr=False, eq=False)
+    memory: MemorySystem = attrs.field(init=False, repr=False, eq=False)
+    host: HostLink = attrs.field(init=False, repr=False, eq=False)
+    aicpu: AicpuEngine | None = attrs.field(init=False, repr=False, eq=False)
+    fusion: FusionGuard = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        # the records are read once, when the (checked) data file is loaded; frozen, so set through object
+        object.__setattr__(self, "memory", MemorySystem.of(self.data["memory"]))
+        object.__setattr__(self, "host", HostLink.of(self.data.get("host", {})))
+        object.__setattr__(self, "aicpu", AicpuEngine.of(self.data["aicpu"]) if "aicpu" in self.data else None)
+        object.__setattr__(self, "fusion", FusionGuard.of(self.data.get("fusion", {})))
+
+    def cube_fractal(self, dtype: str) -> tuple[int, int, int] | None:
+        """The cube's m x k x n MACs per cycle for an element type (`"f16"`), None where the cube has no such
+        mode."""
+        mode = self.data["cube"].get(dtype)
+        return None if mode is None else (mode[0], mode[1], mode[2])
+
+    @property
+    def cube_modes(self) -> tuple[str, ...]:
+        """The element types the cube multiplies ([cube] table)."""
+        return tuple(self.data["cube"])
+
+    @property
+    def vector_bytes_per_cycle(self) -> float:
+        """Bytes a vector unit processes per cycle ([vector] bytes_per_cycle)."""
+        return self.data["vector"]["bytes_per_cycle"]
+
+    @property
+    def nd2nz_on_load(self) -> bool:
+        """Whether the load into L1 converts ND to the cube's NZ fractal layout on the way ([layout])."""
+        return bool(self.data.get("layout", {}).get("nd2nz_on_load", False))
 
     @property
     def clock_hz(self) -> float:
@@ -53,7 +153,7 @@ class Target:
     @property
     def has_aicpu(self) -> bool:
         """Whether the target has an AI CPU engine ([aicpu]) for the ops the AI Core cannot take."""
-        return "aicpu" in self.data
+        return self.aicpu is not None
 
     def overhead(self, key: str) -> float:
         """A cost of running kernels on the board that no pipe's work accounts for ([overhead] table; 0 where the
@@ -234,6 +334,12 @@ def load_target(name_or_path: str = DEFAULT_TARGET) -> Target:
         raise TargetError(f"{name_or_path}: not a valid target file: {e}") from None
     _check_data(data, str(name_or_path))
     return Target(data.get("name", path.stem), data)
+
+
+def as_target(target: Target | str) -> Target:
+    """A Target as is, or the one a name (bundled, a TOML path, a what-if spec) loads: for the public entry points,
+    which take either; everything below them takes a Target."""
+    return target if isinstance(target, Target) else load_target(target)
 
 
 def _load_spec(spec: str) -> Target:

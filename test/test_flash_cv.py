@@ -20,7 +20,7 @@ from geir.kernels.flash_attention_tiling import FlashTiling, choose_cv_tiling, c
 from geir.ops.linalg import FlashAttention
 from geir.parser import parse
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
-from geir.target_npu import load_target
+from geir.target_npu import as_target, load_target
 from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory
 from geir.types import DType, TensorType
 from helpers.attention import attention_inputs
@@ -74,7 +74,8 @@ def test_both_schedules_compute_the_same_numbers(case):
     assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
     # and the schedule the rules choose (the document's CV block) is as accurate as the dtype allows
     chosen = choose_flash_tiling(*(TensorType(x.shape, DType.from_numpy(x.dtype)) for x in (q, k, v)), causal,
-                                 mask is not None, A2, mask_itemsize=mask.dtype.itemsize if mask is not None else None)
+                                 mask is not None, load_target(A2),
+                                 mask_itemsize=mask.dtype.itemsize if mask is not None else None)
     out = flash_attention_forward(q, k, v, mask, causal, scale, chosen, _context(A2))
     op = FlashAttention("ge.flash_attention", [], [], {"causal": causal, "scale": scale})
     ref = op.compute(*(x.astype(np.float64) for x in (q, k, v)), *([mask] if mask is not None else []))
@@ -178,7 +179,7 @@ def test_the_workspace_is_in_the_memory_plan_on_split_cores_only(target):
 def test_combined_core_chips_keep_the_on_chip_schedule():
     q, k, v, _ = _arrays(1, 8, 1024, 64)
     for target in ("ascend910a", "ascend310p", ONCHIP):
-        t = choose_flash_tiling(*(TensorType(x.shape, DType.f16) for x in (q, k, v)), False, False, target)
+        t = choose_flash_tiling(*(TensorType(x.shape, DType.f16) for x in (q, k, v)), False, False, as_target(target))
         assert not t.cv_split and t.design is None
         ctx = _context(target)
         flash_attention_forward(q, k, v, None, False, 0.125, t, ctx)

@@ -16,7 +16,7 @@ from geir.kernels.flash_attention import flash_attention_forward
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, SPLIT_KV, choose_flash_tiling
 from geir.ops.linalg import FlashAttention
 from geir.ops.numerics import round_to
-from geir.target_npu import load_target
+from geir.target_npu import as_target, load_target
 from geir.target_npu.sim import Cores, GlobalMemory
 from geir.types import DType, TensorType
 from helpers.attention import attention_inputs
@@ -49,7 +49,7 @@ def assert_close(out, ref, q, k, v, mask, causal: bool) -> None:
 def tiling_for(b, n, nkv, sq, skv, d=128, dtype=np.float16, causal=False, mask=None, target="ascend910b"):
     dt = DType.from_numpy(np.dtype(dtype))
     q, k = TensorType((b, n, sq, d), dt), TensorType((b, nkv, skv, d), dt)
-    return choose_flash_tiling(q, k, k, causal, mask is not None, target,
+    return choose_flash_tiling(q, k, k, causal, mask is not None, as_target(target),
                                mask_itemsize=None if mask is None else mask.dtype.itemsize)
 
 
@@ -189,6 +189,6 @@ def test_the_rules_tiling_is_among_the_candidates():
 
     q, k = TensorType((1, 32, 1, 128), DType.f16), TensorType((1, 8, 8192, 128), DType.f16)
     sig = OpSignature("ge.flash_attention", (q, k, k), (q,), {"causal": True})
-    rule = choose_flash_tiling(q, k, k, True, False, "ascend910b")
+    rule = choose_flash_tiling(q, k, k, True, False, load_target("ascend910b"))
     found = candidates(sig, load_target("ascend910b"))
     assert rule in found and all(t.template == FLASH_DECODE for t in found)

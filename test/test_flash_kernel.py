@@ -13,7 +13,7 @@ from geir.kernels.flash_attention import flash_attention_forward
 from geir.kernels.flash_attention_a2 import PRELOAD
 from geir.ops.linalg import FlashAttention
 from geir.kernels.flash_attention_tiling import FlashTiling, choose_flash_tiling
-from geir.target_npu import load_target
+from geir.target_npu import as_target, load_target
 from geir.target_npu.sim import CapacityError, Cores, GlobalMemory
 from geir.types import DType, TensorType
 from helpers.attention import attention_inputs
@@ -33,7 +33,7 @@ def _context(target: str = "ascend910b", record: bool = False) -> LaunchContext:
 def _tiling(q, k, causal: bool, mask, target: str = "ascend910b", buffers: int = 2) -> dict:
     dt = DType.from_numpy(q.dtype)
     tq, tk = TensorType(q.shape, dt), TensorType(k.shape, dt)
-    return choose_flash_tiling(tq, tk, tk, causal, mask is not None, target, buffers,
+    return choose_flash_tiling(tq, tk, tk, causal, mask is not None, as_target(target), buffers,
                                mask_itemsize=mask.dtype.itemsize if mask is not None else None).to_attr()
 
 

@@ -188,7 +188,8 @@ def well_tuned() -> doctor.Diagnosis:
 
     path = DOCTOR / "well_tuned.geir"
     graph = parse(path.read_text(), str(path)).graph()
-    return doctor.diagnose_graph(graph, random_inputs(graph, 0), {}, DEFAULT_PIPELINE, "ascend910b", str(path))
+    return doctor.diagnose_graph(graph, random_inputs(graph, 0), {}, DEFAULT_PIPELINE, load_target("ascend910b"),
+                                 str(path))
 
 
 def test_well_tuned_attention_is_none(well_tuned):

@@ -92,3 +92,61 @@ def test_a_nan_clock_is_a_usage_error_not_nan_figures(tmp_path, capsys):
     assert gerun_main([str(src), "--target", path, "--profile"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"gerun: error: {path}: [cores] clock_ghz must be a finite number, not nan\n"
+
+
+# --- the typed Target: its records are the file's numbers, and the chip travels as a Target --------------------
+
+@pytest.mark.parametrize("name", available_targets())
+def test_the_target_records_are_the_data_file_s_numbers(name):
+    import tomllib
+
+    raw = tomllib.loads((TARGET_DIR / f"{name}.toml").read_text())  # the oracle: the file itself
+    t = load_target(name)
+    mem = raw["memory"]
+    assert t.memory.l2_bytes == mem["l2_mib"] * 2**20
+    assert t.memory.l2_read_bytes_per_cycle == mem["gm_read_bytes_per_cycle_l2"]
+    assert t.memory.hbm_read_bytes_per_cycle == mem["gm_read_bytes_per_cycle_hbm"]
+    assert t.memory.hbm_bytes_per_s == mem["hbm_tb_per_s"] * 1e12
+    assert t.memory.ub_block_bytes == mem["ub_block_bytes"]
+    assert t.host.launch_latency_us == raw.get("host", {}).get("launch_latency_us", 0.0)
+    assert (t.aicpu is None) == ("aicpu" not in raw) and t.has_aicpu == ("aicpu" in raw)
+    if t.aicpu is not None:
+        assert (t.aicpu.cores, t.aicpu.task_overhead_us) == (raw["aicpu"]["cores"], raw["aicpu"]["task_overhead_us"])
+    assert t.fusion.decode_max_q == raw.get("fusion", {}).get("flash_attention_decode_max_q")
+    assert t.vector_per_cube == raw["cores"].get("vector_per_cube", 1)
+    for mode, fractal in raw["cube"].items():
+        assert t.cube_fractal(mode) == tuple(fractal)
+    assert t.cube_fractal("i4") is None
+
+
+def test_a_what_if_chip_s_records_follow_its_overrides():
+    t = load_target("ascend910b[dma_latency_cycles=128,pcie_gb_per_s=64]")
+    base = load_target("ascend910b")
+    assert (t.memory.dma_latency_cycles, t.host.pcie_gb_per_s) == (128, 64)
+    assert t.memory.ub_block_bytes == base.memory.ub_block_bytes
+    assert t != base and hash(t) != hash(base) and load_target("ascend910b") == base  # a target is its name
+
+
+def test_the_pass_context_holds_a_target_even_when_given_a_name():
+    from geir.passes import PassContext
+    from geir.target_npu.target import Target
+
+    assert isinstance(PassContext().target, Target)
+    assert PassContext(target="ascend910a").target is load_target("ascend910a")
+
+
+def test_no_code_outside_the_target_package_reads_a_number_from_the_raw_tables():
+    # every number is a typed field of the Target (target_npu/target.py); the raw tables stay for the what-if
+    # overrides and for comparing or fingerprinting a chip as a whole
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    reads = re.compile(r"\.data(\[|\.get\()")
+    found = []
+    for layer in ("geir", "kernels", "runtime", "passes", "session", "frontends", "tools", "bench"):
+        for path in (root / layer).rglob("*.py"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if reads.search(line) and re.search(r"(target|chip)\.data", line):
+                    found.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -19,7 +19,7 @@ from geir.kernels.tiling import OpSignature, TilingError, Untiled
 from geir.kernels.vector_tiling import choose_vector_tiling
 from geir.printer import print_module
 from geir.runtime.single_launch import launch_us
-from geir.target_npu import available_targets, load_target
+from geir.target_npu import as_target, available_targets, load_target
 from geir.types import DType, TensorType
 
 # The on-chip schedule's rules: chips whose AI core holds cube and vector, and the 910B's numbers modelled so (the
@@ -38,7 +38,7 @@ def qkv(sq: int | None, skv: int | None, d: int | None = 128, dtype: DType = F16
 
 
 def flash(sq, skv, d=128, dtype=F16, target=ONCHIP_910B, causal=False, buffers=2, **kw):
-    return choose_flash_tiling(*qkv(sq, skv, d, dtype, **kw), causal, False, target, buffers)
+    return choose_flash_tiling(*qkv(sq, skv, d, dtype, **kw), causal, False, as_target(target), buffers)
 
 
 def fits(t, target: str) -> bool:
@@ -137,8 +137,8 @@ def test_every_choice_fits_every_buffer(target, dtype, d):
 
 def test_a_mask_costs_ub_and_can_shrink_the_block():
     q, k, v = qkv(4096, 4096, 128)
-    plain = choose_flash_tiling(q, k, v, False, False, ONCHIP_910B)
-    masked = choose_flash_tiling(q, k, v, True, True, ONCHIP_910B, mask_itemsize=4)
+    plain = choose_flash_tiling(q, k, v, False, False, as_target(ONCHIP_910B))
+    masked = choose_flash_tiling(q, k, v, True, True, as_target(ONCHIP_910B), mask_itemsize=4)
     assert masked.s1 < plain.s1 and fits(masked, ONCHIP_910B)
     assert "UB" in masked.rule
 
@@ -210,7 +210,7 @@ def test_dynamic_sequences_use_the_largest_bucket():
 
 def test_layouts_agree():
     q = TensorType((2, 512, 8, 64), F16)
-    bsnd = choose_flash_tiling(q, q, q, False, False, ONCHIP_910B, layout="BSND")
+    bsnd = choose_flash_tiling(q, q, q, False, False, as_target(ONCHIP_910B), layout="BSND")
     assert bsnd.to_attr() == flash(512, 512, 64, b=2).to_attr()
 
 
@@ -230,8 +230,8 @@ def test_matmul_base_block_fits_l0_and_differs_by_l0c():
     # pto-isa's gemm_performance (fp16): base 128 x 256 x 64, L0A/L0B halves of 32 KiB, 128 x 256 f32 fills the
     # 910B's 128 KiB L0C (one accumulator); the 910A's 256 KiB holds two
     a, b = TensorType((4096, 4096), F16), TensorType((4096, 4096), F16)
-    t910b = choose_matmul_tiling(a, b, "ascend910b")
-    t910a = choose_matmul_tiling(a, b, "ascend910a")
+    t910b = choose_matmul_tiling(a, b, load_target("ascend910b"))
+    t910a = choose_matmul_tiling(a, b, load_target("ascend910a"))
     assert t910b.blocks == t910a.blocks == {"m": 128, "n": 256, "k": 64}
     assert (t910b.l0c_bytes, t910a.l0c_bytes) == (128 * 256 * 4, 2 * 128 * 256 * 4)
     for t, target in ((t910b, "ascend910b"), (t910a, "ascend910a")):
@@ -244,7 +244,7 @@ def test_matmul_base_block_fits_l0_and_differs_by_l0c():
 def test_matmul_tiling_is_gemm_performance_s_at_6144():
     # the TCubeTiling table of pto-isa kernels/manual/a2a3/gemm_performance/README.md (24 cube cores, m = k = n = 6144)
     s = TensorType((6144, 6144), F16)
-    t = choose_matmul_tiling(s, s, "ascend910b")
+    t = choose_matmul_tiling(s, s, load_target("ascend910b"))
     assert (t.single_core_m, t.single_core_k, t.single_core_n) == (1536, 6144, 1024)
     assert (t.base_m, t.base_k, t.base_n) == (128, 64, 256)
     assert (t.step_m, t.step_ka, t.step_kb, t.step_n) == (1, 4, 4, 1)
@@ -257,19 +257,19 @@ def test_matmul_order_keeps_the_re_read_panel_in_l2():
     # its block, and between two reads the cores touch gm A + gn B panels a wave for sn waves: far more than the
     # 192 MiB L2. M first keeps B and re-reads the (shared) A panels, which fit
     a, b = TensorType((4096, 4096), F16), TensorType((4096, 128256), F16)
-    t = choose_matmul_tiling(a, b, "ascend910b")
+    t = choose_matmul_tiling(a, b, load_target("ascend910b"))
     sm, sn = t.single_core_m // t.base_m, t.single_core_n // t.base_n
     gm, gn = -(-4096 // t.single_core_m), -(-128256 // t.single_core_n)
     per_wave = gm * t.base_m * 4096 * 2 + gn * 4096 * t.base_n * 2
     assert sn * per_wave > 192 * 2**20 > sm * per_wave
     assert t.iterate_order == 0 and "M first" in t.rule
-    square = choose_matmul_tiling(a, a, "ascend910b")
+    square = choose_matmul_tiling(a, a, load_target("ascend910b"))
     assert square.iterate_order == 1  # both fit: N first, as gemm_performance's loop
 
 
 def test_a_decode_gemv_spreads_its_columns_over_every_core():
     # one token (M = 1): 4096 columns in base blocks of 256 would keep 16 of 24 cores streaming B
-    t = choose_matmul_tiling(TensorType((1, 4096), F16), TensorType((4096, 4096), F16), "ascend910b")
+    t = choose_matmul_tiling(TensorType((1, 4096), F16), TensorType((4096, 4096), F16), load_target("ascend910b"))
     blocks = -(-4096 // t.base_n)
     assert t.base_m == 16 and blocks >= 24 and t.cores > 16
     assert t.single_core_n // t.base_n == -(-blocks // 24)  # the busiest core has no more blocks than an even deal
@@ -281,29 +281,30 @@ def test_matmul_small_and_f32_and_epilogue():
     # without a launch head (this 910B with the [overhead] head at 0) smaller blocks spread C over more of them
     a, b = TensorType((8, 64, 32), F32), TensorType((32, 48), F32)
     headless = "ascend910b[overhead.head_full_chip_us=0]"
-    t = choose_matmul_tiling(a, b, headless, transpose_b=False)
+    t = choose_matmul_tiling(a, b, as_target(headless), transpose_b=False)
     units = 8 * -(-64 // t.base_m) * -(-48 // t.base_n)
     assert t.base_k == 32 and t.base_m <= 64 and t.base_n <= 48 and t.base_m % 16 == 0 and t.base_n % 16 == 0
     assert 8 < units and t.cores == min(units, 24)
     # with the 910B's head (0.28 us a core) the blocks' few cycles of work do not pay for more cores: the rule
     # keeps the 8 blocks, and that launch is the faster one on the 910B
     sig = OpSignature("ge.matmul", (a, b), (TensorType((8, 64, 48), F32),), {})
-    few = choose_matmul_tiling(a, b, "ascend910b", transpose_b=False)
+    few = choose_matmul_tiling(a, b, load_target("ascend910b"), transpose_b=False)
     assert few.cores == 8 and few.work_units == 8
     chip = load_target("ascend910b")
     assert launch_us(sig, few, chip) < launch_us(sig, attrs.evolve(t, rule=""), chip)
-    big = choose_matmul_tiling(TensorType((64, 2048, 32), F32), TensorType((32, 48), F32), "ascend910b")
+    big = choose_matmul_tiling(TensorType((64, 2048, 32), F32), TensorType((32, 48), F32), load_target("ascend910b"))
     assert big.blocks == {"m": 128, "n": 48, "k": 32}  # enough blocks for every core: the shape's own
     for target, template in (("ascend910b", "MatmulMixEpilogue"), ("ascend910a", "MatmulEpilogue")):
-        e = choose_matmul_tiling(TensorType((512, 512), F16), TensorType((512, 512), F16), target, epilogue=True)
+        e = choose_matmul_tiling(TensorType((512, 512), F16), TensorType((512, 512), F16), as_target(target),
+                                 epilogue=True)
         assert e.template == template and 0 < e.ub_bytes <= load_target(target).buffer_bytes("ub")
 
 
 def test_vector_tiles_fit_ub_and_spread_over_cores():
     x = TensorType((64, 4096), F16)
     big = TensorType((4096, 4096), F16)
-    ew = choose_vector_tiling("ge.exp", [big], [big], "ascend910b")
-    sm = choose_vector_tiling("ge.softmax", [x], [x], "ascend910b", attributes={"axis": -1})
+    ew = choose_vector_tiling("ge.exp", [big], [big], load_target("ascend910b"))
+    sm = choose_vector_tiling("ge.softmax", [x], [x], load_target("ascend910b"), attributes={"axis": -1})
     assert ew.template == "VectorElementwise" and ew.cores == 48 and ew.ub_bytes <= 192 * 1024
     assert sm.template == "VectorRow" and sm.blocks["cols"] == 4096 and sm.segments == 1
 
@@ -312,7 +313,7 @@ def test_a_small_vector_op_leaves_units_idle_where_their_head_costs_more_than_th
     # 1 MiB in and out: on the 910B each vector unit started costs 0.28 us of launch head (catlass's 20.5 us over
     # 72 cores), more than a share of so few bytes saves; the rule's launch beats the same tiles dealt to all 48
     x = TensorType((64, 4096), F16)
-    few = choose_vector_tiling("ge.exp", [x], [x], "ascend910b")
+    few = choose_vector_tiling("ge.exp", [x], [x], load_target("ascend910b"))
     assert few.cores < 48 and "launch head" in few.rule
     elems = -(-64 * 4096 // 48 // 16) * 16
     every = attrs.evolve(few, elems=elems, cores=48, work_units=-(-64 * 4096 // elems), rule="")
@@ -320,12 +321,12 @@ def test_a_small_vector_op_leaves_units_idle_where_their_head_costs_more_than_th
     chip = load_target("ascend910b")
     assert launch_us(sig, few, chip) < launch_us(sig, every, chip)
     # a chip without a head spreads it over every unit
-    assert choose_vector_tiling("ge.exp", [x], [x], "ascend910b[overhead.head_full_chip_us=0]").cores == 48
+    assert choose_vector_tiling("ge.exp", [x], [x], load_target("ascend910b[overhead.head_full_chip_us=0]")).cores == 48
 
 
 def test_a_softmax_row_longer_than_ub_is_segmented():
     x = TensorType((4, 1 << 20), F32)
-    t = choose_vector_tiling("ge.softmax", [x], [x], "ascend910b")
+    t = choose_vector_tiling("ge.softmax", [x], [x], load_target("ascend910b"))
     assert t.segments > 1 and t.blocks["cols"] * t.segments >= 1 << 20
     assert t.ub_bytes <= load_target("ascend910b").buffer_bytes("ub")
 
@@ -409,7 +410,7 @@ def test_pass_reports_an_impossible_tiling_at_the_op():
 def test_any_shape_fits_or_says_which_buffer_overflows(target, dtype, sq, skv, d, causal, has_mask, buffers):
     q, k, v = qkv(sq, skv, d, dtype, b=1, n=4)
     try:
-        t = choose_flash_tiling(q, k, v, causal, has_mask, target, buffers)
+        t = choose_flash_tiling(q, k, v, causal, has_mask, as_target(target), buffers)
     except TilingError as e:
         assert re.search(r"needs \d+ bytes of (UB|L1|L0A|L0B|L0C), which holds \d+", str(e))
         return
@@ -422,8 +423,8 @@ def test_any_shape_fits_or_says_which_buffer_overflows(target, dtype, sq, skv, d
 def test_matmul_and_vector_tiles_fit(target, dtype, m, k, n, buffers):
     chip = load_target(target)
     a, b, c = TensorType((m, k), dtype), TensorType((k, n), dtype), TensorType((m, n), dtype)
-    mm = choose_matmul_tiling(a, b, target, buffers)
+    mm = choose_matmul_tiling(a, b, as_target(target), buffers)
     assert all(getattr(mm, f"{x}_bytes") <= chip.buffer_bytes(x) for x in ("l1", "l0a", "l0b", "l0c"))
     for name, attributes in (("ge.exp", {}), ("ge.softmax", {"axis": -1}), ("ge.reduce_sum", {"axes": [0]})):
-        t = choose_vector_tiling(name, [c], [c], target, buffers, attributes)
+        t = choose_vector_tiling(name, [c], [c], as_target(target), buffers, attributes)
         assert t.ub_bytes <= chip.buffer_bytes("ub") and 1 <= t.cores <= chip.vector_cores

@@ -9,7 +9,7 @@ from importlib import metadata
 from typing import Callable
 
 from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
-from geir.target_npu.target import DEFAULT_TARGET, available_targets, load_target
+from geir.target_npu.target import DEFAULT_TARGET, Target, available_targets, load_target
 
 from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
 from geir.ir import Graph, Module
@@ -211,10 +211,10 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
                         help="print the bundled targets (cores, clock) and exit")
 
 
-def check_target(name: str) -> None:
-    """A usage error unless --target names a bundled chip or a target file."""
+def check_target(name: str) -> Target:
+    """The chip --target names (a bundled chip, a target file, a what-if spec); a usage error where none."""
     try:
-        load_target(name)
+        return load_target(name)
     except KeyError as e:  # TargetError: an unknown name (with the nearest one) or an invalid file, said in it
         raise ToolError(str(e), EXIT_USAGE) from None
 

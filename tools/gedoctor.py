@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         random_inputs,
     )
 
-    check_target(args.target)
+    chip = check_target(args.target)
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
     pipeline = checked_pipeline(args, sources)
@@ -103,9 +103,8 @@ def run(args: argparse.Namespace) -> int:
                         f"apply to a ge.graph", EXIT_USAGE)
     if lowered:
         from geir.runtime.interpreter import target_mismatch
-        from geir.target_npu.target import load_target
 
-        mismatch = target_mismatch(graph, load_target(args.target))
+        mismatch = target_mismatch(graph, chip)
         if mismatch is not None:
             printer(mismatch)
             return EXIT_USAGE  # as gerun: the program is fine, the command asked for another chip
@@ -120,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if lowered:
             check_inputs_match(graph, inputs, f"--inputs {args.inputs}" if args.inputs else f"--seed {args.seed}")
-            diagnosis = diagnose_program(graph, inputs, weights, args.target)
+            diagnosis = diagnose_program(graph, inputs, weights, chip)
         else:
-            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, args.target, module.file, cold=args.cold)
+            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, chip, module.file, cold=args.cold)
     except DiagnosticError as e:
         for d in e.diagnostics:
             printer(d)

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_target(args.target)
+    args.chip = check_target(args.target)  # the typed Target the passes take
     picture = picture_path(args.dot)
     outputs = [("-o", args.output), ("--dot", args.dot), ("the picture beside --dot", picture)]
     refuse_overwrites([("FILE", args.input)], outputs)
@@ -288,7 +288,7 @@ def _process_chunk(source: str, name: str, offset: int, engine: DiagnosticEngine
     timer.add("verify", time.perf_counter() - t0)
     if not ok:
         return None
-    ctx = PassContext(target=args.target, diagnostics=engine, explain=args.explain)
+    ctx = PassContext(target=args.chip, diagnostics=engine, explain=args.explain)
     pm.timings = {}
     ok = pm.run(module, ctx)
     for pass_name, seconds in pm.timings.items():

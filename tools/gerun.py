@@ -40,7 +40,6 @@ import numpy as np
 from geir.kernels.base import KernelStats
 from geir.passes import PipelineError
 from geir.runtime.interpreter import RuntimeListener, Task
-from geir.target_npu.target import load_target
 from geir.tools.common import (
     seed,
     EXIT_FAILURE,
@@ -349,7 +348,7 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
 
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
     progress = _Progress(launches, label)
-    runtime = Runtime(load_target(args.target), record_pipes=bool(args.trace or args.timeline), faults=faults,
+    runtime = Runtime(args.chip, record_pipes=bool(args.trace or args.timeline), faults=faults,
                       timing_only=args.timing_only, memo=memo, listeners=[progress])
     try:
         return runtime.run(program, inputs, weights, resident_args(program, args.resident))
@@ -442,7 +441,7 @@ def output_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_target(args.target)
+    args.chip = check_target(args.target)  # the typed Target every step below takes
     if args.timing_only and (args.output or args.check):
         raise ToolError(f"--timing-only computes no values: {'--output' if args.output else '--check'} needs a full "
                         f"run", EXIT_USAGE)
@@ -504,15 +503,15 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
         from geir.runtime.interpreter import load_tilings, no_target_note, target_mismatch
 
         program = graph
-        mismatch = target_mismatch(program, load_target(args.target))
+        mismatch = target_mismatch(program, args.chip)
         if mismatch is not None:
             printer(mismatch)
             return EXIT_USAGE  # the program is fine; the command asked for another chip
-        assumed = no_target_note(program, load_target(args.target))
+        assumed = no_target_note(program, args.chip)
         if assumed is not None:
             printer(assumed)
         # decoded once for this program: the runs below reuse these tilings
-        problems = load_tilings(program, load_target(args.target))[1]
+        problems = load_tilings(program, args.chip)[1]
         for d in problems:
             printer(d)
         if problems:
@@ -520,7 +519,7 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
     else:
         reference = select_graph(parse(text, name), args.entry, name) if args.check else None
         try:
-            session = Session(Module([graph], module.file, module.resources), pipeline, args.target, emit=printer,
+            session = Session(Module([graph], module.file, module.resources), pipeline, args.chip, emit=printer,
                               explain=args.explain)
         except DiagnosticError:
             return EXIT_FAILURE  # the session printed the diagnostics
@@ -644,7 +643,7 @@ def _run_overlapped(args, module: Module, graph: Graph, text: str, name: str, we
         shape_inputs(graph) if args.timing_only else random_inputs(graph, args.seed or 0))
     try:
         run = run_pipelined(Module([graph], module.file, module.resources), inputs, weights,
-                            parts=args.overlap_compile, pipeline=pipeline, target=args.target,
+                            parts=args.overlap_compile, pipeline=pipeline, target=args.chip,
                             timing_only=args.timing_only)
     except DiagnosticError as e:
         print_all(e, DiagnosticPrinter(SourceManager()))

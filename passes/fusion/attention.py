@@ -27,7 +27,7 @@ from geir.builder import create_op
 from geir.ir import Operation, Value
 from geir.opdef import ShapeError
 from geir.passes.fusion.guards import flash_attention_guard
-from geir.target_npu.target import DEFAULT_TARGET, load_target
+from geir.target_npu.target import DEFAULT_TARGET, Target, load_target
 from geir.passes.fusion.match import const_array, defining, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 from geir.types import DType
@@ -69,8 +69,9 @@ class FuseFlashAttention(Pattern):
 
     NAME, ROOT, BENEFIT, EXPLAIN = "flash_attention", "ge.matmul", 20, True
 
-    def __init__(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None):
-        self.target = target  # the chip whose kernel must take the shapes (passes.fusion.guards)
+    def __init__(self, target: Target | None = None, resources: Mapping[str, np.ndarray] | None = None):
+        # the chip whose kernel must take the shapes (passes.fusion.guards)
+        self.target = target or load_target(DEFAULT_TARGET)
         self.resources = resources  # the module's weights: a mask may be a dense_resource constant
 
     def match(self, pv: Operation) -> Match | Miss | None:
@@ -159,7 +160,7 @@ class FuseFlashAttention(Pattern):
             return Miss(f"the fused op would not type-check: {e}")
         if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:
             return Miss(f"the fused result {t} differs from the attention's result {pv.result.type}")
-        why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", load_target(self.target))
+        why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", self.target)
         if why is not None:
             return Miss(why)
         return Match(pv, operands=operands, masks=masks, attrs=attrs, k_perm=k_perm, k_shape=k_shape, guard=guard,
@@ -202,8 +203,8 @@ class NativeAttentionInputs(Pattern):
 
     NAME, ROOT, BENEFIT, EXPLAIN = "attention_native", "ge.flash_attention", 19, True
 
-    def __init__(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None):
-        self.target = target
+    def __init__(self, target: Target | None = None, resources: Mapping[str, np.ndarray] | None = None):
+        self.target = target or load_target(DEFAULT_TARGET)
         self.resources = resources
 
     def match(self, fa: Operation) -> Match | Miss | None:
@@ -227,7 +228,7 @@ class NativeAttentionInputs(Pattern):
         if not changed:
             return None  # nothing spelled out that the kernel does itself
         why = flash_attention_guard(q.type, k.type, v.type, None if mask is None else mask.type, causal,
-                                    fa.attr("layout"), load_target(self.target))
+                                    fa.attr("layout"), self.target)
         if why is not None:
             return Miss(why)
         attrs = {"scale": fa.attr("scale"), "causal": causal, "layout": fa.attr("layout")}

@@ -59,9 +59,7 @@ def _decode_guard(sq: int, skv: int, units: int, chip: Target) -> str | None:
     most cube cores idle, while the unfused matmuls spread over all of them. The thresholds are
     target data, measured by bench/fusion_crossover.py.
     """
-    fusion = chip.data.get("fusion", {})
-    max_q, min_kv = fusion.get("flash_attention_decode_max_q"), fusion.get("flash_attention_decode_min_kv")
-    busy = fusion.get("flash_attention_decode_max_busy", 0.5)
+    max_q, min_kv, busy = chip.fusion.decode_max_q, chip.fusion.decode_min_kv, chip.fusion.decode_max_busy
     if max_q is None or min_kv is None or sq > max_q or skv < min_kv or units > busy * chip.cube_cores:
         return None
     return (f"decode-shaped attention (Sq = {sq} <= {max_q}, Skv = {skv} >= {min_kv}) does not pay off fused: "

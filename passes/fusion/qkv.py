@@ -19,7 +19,7 @@ from geir.ir import Operation, Value
 from geir.passes.fusion.add_norm import named
 from geir.passes.fusion.match import const_array
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import Target
 from geir.types import TensorType
 
 _MATMULS = ("ge.matmul", "ge.fused_matmul")
@@ -54,7 +54,7 @@ class MergeSiblingMatmuls(Pattern):
     # below the epilogue rule (10): the bias adds and activations are in the matmuls by the time this runs
     NAME, ROOT, BENEFIT, EXPLAIN = "qkv_merge", _MATMULS, 5, True
 
-    def __init__(self, target: str = DEFAULT_TARGET, resources: Mapping[str, np.ndarray] | None = None):
+    def __init__(self, target: Target | None = None, resources: Mapping[str, np.ndarray] | None = None):
         self.resources = resources
 
     def match(self, mm: Operation) -> Match | Miss | None:
