@@ -589,6 +589,61 @@ class SliceKernel(_CopyKernel):
 
 
 @register_kernel
+class ScatterUpdateKernel(_CopyKernel):
+    """ge.index_put with one index tensor and no accumulation (the KV cache's update, torch's index_copy), as
+    ops-transformer's ScatterUpdate: the operand copied to the result, then each indexed slab of values written
+    over its place (an update whose result does not share the operand's memory moves the operand once; the
+    indexed slabs are the only other bytes). Several index tensors or accumulation stay on the AI CPU."""
+
+    OPS = ("ge.index_put",)
+    TEMPLATE = "ScatterUpdate"
+
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        if sig.attr("accumulate", False):
+            return "it accumulates (duplicate indices add up in order, as np.add.at), which ScatterUpdate does not"
+        if len(sig.operands) != 3:
+            return f"it takes {len(sig.operands) - 2} index tensors; ScatterUpdate writes slabs along one axis"
+        return super().refuses(sig, target)
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> VectorTiling | Miss:
+        # tiled over the operand and result: the values' slabs stream through the same flat tiles
+        return super().choose(OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes), target, buffers)
+
+    def budget(self, tiling: VectorTiling, sig: OpSignature, target: Target) -> Budget:
+        return super().budget(tiling, OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes), target)
+
+    def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[VectorTiling]:
+        return super().candidates(OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes), target,
+                                  buffers)
+
+    def out_shapes(self, op, inputs):
+        return [inputs[0].shape]
+
+    def pairs(self, op, inputs, outs):
+        x, values, index = inputs
+        axis = op.axis % x.ndim
+        problem = index_problem(index, x.shape[axis], axis, "index_put")
+        if problem is not None:  # a write outside the tensor is an access the device faults on
+            raise DeviceFault(problem)
+        where = np.asarray(index).reshape(-1).astype(np.int64)
+        where = np.where(where < 0, where + x.shape[axis], where)  # negative positions count from the end
+        slabs = np.broadcast_to(values, x.shape[:axis] + index.shape + x.shape[axis + 1:])
+        slabs = slabs.reshape(x.shape[:axis] + (where.size,) + x.shape[axis + 1:])
+        pairs = [(x, outs[0], 0, 0)]
+        # one slab per index, in order (a duplicate keeps the last value written, as the op's semantics says);
+        # a run of consecutive positions (a step's new tokens) is one slab
+        start = 0
+        for i in range(1, where.size + 1):
+            if i == where.size or where[i] != where[i - 1] + 1:
+                lo, hi = int(where[start]), int(where[i - 1]) + 1
+                dst = (slice(None),) * axis + (slice(lo, hi),)
+                src = (slice(None),) * axis + (slice(start, i),)
+                pairs.append((slabs[src], outs[0][dst], 1, 0))
+                start = i
+        return pairs
+
+
+@register_kernel
 class ReshapeKernel(_CopyKernel):
     """A view of ND data: no launch cost, the result aliases the operand. Of NZ data (the tile pass gave
     it a tiling) the fractals are rearranged: a copy with a vector pass."""

@@ -34,7 +34,7 @@ from geir.target_npu.target import Target
 from geir.types import DType, TensorType
 
 ELEMENTWISE, ROW, SCAN = "VectorElementwise", "VectorRow", "VectorScan"
-COPY_TEMPLATES = ("DataCopy", "TransData", "VectorTranspose")
+COPY_TEMPLATES = ("DataCopy", "TransData", "VectorTranspose", "ScatterUpdate")
 SMALLEST_CHUNK = 32  # elements: the least a shrunk flat tile keeps
 
 

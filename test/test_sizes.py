@@ -216,11 +216,28 @@ def test_an_index_out_of_range_on_the_ai_cpu_is_a_device_fault_at_the_op(tmp_pat
     path.write_text("""ge.graph @main(%x: tensor<3x1x4xf32>) -> tensor<3x1x4xf32> {
   %s = ge.const dense<[3]> : tensor<1xi64>
   %v = ge.const dense<1.0> : tensor<f32>
-  %y = ge.index_put %x, %v, %s {axis = 1}
+  %y = ge.index_put %x, %v, %s {axis = 1, accumulate = true}
   ge.return %y
 }
 """)
     assert gerun.main([str(path)]) == 1
     err = capsys.readouterr().err
     assert f"{path}:4:3: device fault: ge.index_put on the AI CPU: index 3 is out of range for axis 1 of size 1" in err
+    assert "internal error" not in err and "Traceback" not in err
+
+
+def test_an_index_out_of_range_in_the_scatter_kernel_is_a_device_fault_at_the_op(tmp_path, capsys):
+    from geir.tools import gerun
+
+    path = tmp_path / "put.geir"
+    path.write_text("""ge.graph @main(%x: tensor<3x1x4xf32>) -> tensor<3x1x4xf32> {
+  %s = ge.const dense<[3]> : tensor<1xi64>
+  %v = ge.const dense<1.0> : tensor<f32>
+  %y = ge.index_put %x, %v, %s {axis = 1}
+  ge.return %y
+}
+""")
+    assert gerun.main([str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:4:3: device fault: index_put index 3 is out of range for axis 1 of size 1" in err
     assert "internal error" not in err and "Traceback" not in err

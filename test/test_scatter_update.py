@@ -1,0 +1,80 @@
+"""The KV cache's update as a scatter kernel on the AI Core (issue 28 item 1): `ge.index_put` through one index
+tensor, as ops-transformer's ScatterUpdate, instead of the AI CPU.
+
+Oracles: numpy's own indexed assignment for the numbers, and an analytic count of the bytes a scatter that
+does not share the operand's memory moves (the operand once each way, each written slab once each way).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from geir.parser import parse
+from geir.session import compile_module, run_program
+
+
+def _run(cache_shape, values_shape, index, axis: int, dtype: str = "f16"):
+    np_dt = {"f16": np.float16, "f32": np.float32}[dtype]
+    t = lambda s: f"tensor<{'x'.join(map(str, s))}x{dtype}>"  # noqa: E731
+    text = (f"ge.graph @main(%x: {t(cache_shape)}, %v: {t(values_shape)}, %i: tensor<{len(index)}xi64>) -> "
+            f"{t(cache_shape)} {{\n  %y = ge.index_put %x, %v, %i {{axis = {axis}}}\n  ge.return %y\n}}\n")
+    program = compile_module(parse(text, "<scatter>"))[0].graphs[0]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(cache_shape).astype(np_dt)
+    v = rng.standard_normal(values_shape).astype(np_dt)
+    i = np.asarray(index, dtype=np.int64)
+    result = run_program(program, {"x": x, "v": v, "i": i})
+    want = x.copy()
+    want[(slice(None),) * axis + (i,)] = v  # numpy: a duplicate index keeps the last value written
+    (kernel,) = result.kernels
+    return np.asarray(result.outputs[0]), want, kernel, x, v
+
+
+@pytest.mark.parametrize("index", [[5, 6, 7], [7], [3, -1, 0], [2, 9, 2]],
+                         ids=["a step's tokens", "one token", "scattered, negative", "a duplicate"])
+def test_the_scatter_is_numpy_s_indexed_assignment(index):
+    out, want, kernel, _, _ = _run((2, 4, 16, 8), (2, 4, len(index), 8), index, axis=2)
+    assert kernel.engine == "aicore" and kernel.tiling.template == "ScatterUpdate"
+    np.testing.assert_array_equal(out, want)
+
+
+def test_values_broadcast_over_the_indexed_slabs():
+    out, want, _, _, _ = _run((6, 16), (1, 16), [4, 0], axis=0, dtype="f32")
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("index", [[5, 6, 7], [1, 9]], ids=["one run", "two runs"])
+def test_the_scatter_moves_the_operand_once_and_each_slab_once(index):
+    out, _, kernel, x, v = _run((1, 2, 64, 16), (1, 2, len(index), 16), index, axis=2)
+    assert kernel.gm_read_bytes == x.nbytes + v.nbytes
+    assert kernel.gm_write_bytes == x.nbytes + v.nbytes
+
+
+def test_generate_s_cache_updates_run_on_the_ai_core():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from geir.frontends.generate import generate
+    from geir.runtime.interpreter import RuntimeListener
+
+    class Updates(RuntimeListener):
+        def __init__(self):
+            self.engines: list[str] = []
+
+        def launched(self, task, stats) -> None:
+            if stats.name == "ge.index_put":
+                self.engines.append(stats.engine)
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    updates = Updates()
+    steps = 3
+    run = generate(model, ids, steps, listeners=[updates])
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=steps, do_sample=False)
+    assert torch.equal(run.tokens, want)
+    # each step writes keys and values of every layer: all on the AI Core
+    assert updates.engines == ["aicore"] * (2 * cfg.num_hidden_layers * steps)
