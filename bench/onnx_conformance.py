@@ -9,7 +9,7 @@
    (geir.frontends.onnx_conformance). Cases with an op, dtype or run-time-only value GEIR does not
    take are "unsupported". A case refused only because a shape, axes or indices input is fed at
    run time also runs with its integer inputs bound as constants ("bound"). One row per op tested.
-2. The `_expanded` attention cases without softcap, a key/value cache or a qk_matmul_output
+2. The `_expanded` attention cases (a softcap included) without a key/value cache or a qk_matmul_output
    output (ONNX's own primitive spelling of attention): how many become one ge.flash_attention
    after the default pipeline's canonicalize + fuse, as given (head dim 8 or less) and with the
    head dim widened to 16, with the --explain reason of each miss; the widened graphs also run
@@ -64,8 +64,8 @@ def conformance(show_failures: bool) -> list:
 def fusion() -> None:
     """The expanded attention cases' fusion fraction, as given and with head dim 16."""
     goals = [c for c in node_cases() if fusion_goal(c)]
-    print(f"## Expanded attention cases fused into one ge.flash_attention ({len(goals)} cases: `_expanded`, no "
-          f"softcap, no key/value cache, no qk_matmul_output output)\n")
+    print(f"## Expanded attention cases fused into one ge.flash_attention ({len(goals)} cases: `_expanded`, "
+          f"softcaps included, no key/value cache, no qk_matmul_output output)\n")
     for label, widen in (("as given (head dim 8, or 1 and 4 in two cases)", False), ("head dim widened to 16", True)):
         fused, reasons, runs = 0, collections.Counter(), collections.Counter()
         for case in goals:

@@ -31,8 +31,6 @@ from geir.types import DType
 def attention(b: GraphBuilder, node: Node, xs: list[Tensor | None]) -> list[Tensor | None]:
     q, k, v = required(xs, 0, "Q"), required(xs, 1, "K"), required(xs, 2, "V")
     mask, past_k, past_v, nonpad = optional(xs, 3), optional(xs, 4), optional(xs, 5), optional(xs, 6)
-    if node.attr("softcap", 0.0):
-        raise UseFunctionBody("softcap is not part of flash_attention")
     if node.wants(3):
         raise UseFunctionBody("the qk_matmul_output output is not part of flash_attention")
     if nonpad is not None:
@@ -70,6 +68,8 @@ def attention(b: GraphBuilder, node: Node, xs: list[Tensor | None]) -> list[Tens
     attrs: dict = {"causal": causal, "layout": "BNSD"}
     if node.has_attr("scale"):
         attrs["scale"] = float(node.attr("scale"))
+    if node.attr("softcap", 0.0):  # capped before the mask is added, as the kernel caps (ONNX's reference does)
+        attrs["softcap"] = float(node.attr("softcap"))
     out = b.emit1("ge.flash_attention", [q4, k4, v4] + ([bias] if bias is not None else []), attrs)
     dead = _fully_masked_rows(b, bias, causal, sq, skv) if bias is not None else None
     if dead is not None:

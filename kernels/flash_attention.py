@@ -24,7 +24,7 @@ from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
 from geir.kernels.flash_attention_a2 import cv_budget, vector_rows
-from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, SOFTMAX_PASSES, cv_grid, time_cv_split
+from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, cv_grid, softmax_passes, time_cv_split
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.ops.numerics import round_in_f32, round_to
@@ -105,7 +105,8 @@ class FlashAttentionKernel(Kernel):
         if bsnd:
             # the mask is [B, N, Sq, Skv] in both layouts (the op's semantics): only q, k and v swap
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
-        out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx)
+        out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx,
+                                      softcap=op.softcap)
         return [np.swapaxes(out, 1, 2) if bsnd else out]
 
 
@@ -122,8 +123,10 @@ def schedule_problem(tiling: FlashTiling, target: Target) -> str | None:
 
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
-                            scale: float, tiling: FlashTiling, ctx: LaunchContext) -> np.ndarray:
-    """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm."""
+                            scale: float, tiling: FlashTiling, ctx: LaunchContext, *,
+                            softcap: float = 0.0) -> np.ndarray:
+    """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm (`softcap` > 0:
+    the scores capped, cap * tanh(s / cap), on the vector units before the mask)."""
     target = ctx.target
     B, N, Sq, D = q.shape
     Skv = k.shape[2]
@@ -163,19 +166,20 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
                  ("o", ctx.result_names[0], grid["o"])]
         names = _role_names(ctx.gm, roles)
         time_cv_split(q_grid, k.shape, q.dtype, mask, causal, s1, s2, v_rows, preload, ctx, names, nbuf, parts,
-                      causal_rows)
+                      causal_rows, softcap)
         if parts > 1:
             # on the AIVs, loading with their own engine
             _time_combine(ctx, names[4], grid["o"] // parts, parts, s1, D, _bytes(q.dtype), "AIV_MTE2")
         segments = parts  # the CV schedule's own blocks hold a whole key row segment per unit
     else:
-        _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows)
+        _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows, softcap)
     if not ctx.compute:
         return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
-    return _compute(q, k, v, mask, causal, scale, s1, s2, segments)
+    return _compute(q, k, v, mask, causal, scale, s1, s2, segments, softcap)
 
 
-def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segments: int) -> np.ndarray:
+def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segments: int,
+             softcap: float = 0.0) -> np.ndarray:
     """The kernel's arithmetic, FlashAttention-2 style, for many work units at once.
 
     Work units are independent, so one key-block step of many of them (every core's tile of that
@@ -208,7 +212,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
         for c0 in range(0, R, chunk):
             c1 = min(c0 + chunk, R)
             of[h, :, c0:c1] = _rows(qf[h, :, c0:c1], kff[h], vff[h], None if mf is None else mf[h, :, c0:c1],
-                                    rows[c0:c1], causal, scale, q.dtype, s1, s2, segments)
+                                    rows[c0:c1], causal, scale, q.dtype, s1, s2, segments, softcap)
     return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 
@@ -217,14 +221,14 @@ _CACHE_SCORES = 1 << 19
 
 
 def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: int, s2: int,
-          segments: int) -> np.ndarray:
+          segments: int, softcap: float = 0.0) -> np.ndarray:
     """Attention output (f32) of one chunk of stacked query rows, over every key block in order."""
     B, Nkv, R, D = qg.shape
     Skv = kf.shape[2]
     half = _bytes(dt) < 4
     nk = -(-Skv // s2)
     per_seg = -(-nk // segments)
-    scale32 = _F32(scale)
+    scale32, cap32 = _F32(scale), _F32(softcap)
     partials = []
     for seg in range(segments):
         m = np.full((B, Nkv, R), -np.inf, dtype=_F32)
@@ -241,6 +245,10 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
             qs = qg[:, :, sel] if causal else qg
             sc = np.matmul(qs, np.swapaxes(kb, -1, -2))
             sc *= scale32
+            if softcap:  # the logit cap, in f32 on the score tile as the scale is
+                sc /= cap32
+                np.tanh(sc, out=sc)
+                sc *= cap32
             keep = None
             if causal:
                 keep = np.arange(k0, k1)[None, :] <= rows[sel][:, None]
@@ -284,7 +292,7 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
 
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
-                ctx: LaunchContext, causal_rows: int | None = None) -> None:
+                ctx: LaunchContext, causal_rows: int | None = None, softcap: float = 0.0) -> None:
     """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing).
 
     `causal_rows`: the rows are stacked heads whose query positions all lie below it (flash-decoding),
@@ -309,7 +317,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     moves = _Moves(gm, [qname, kname, vname, mname, oname], q_bytes, kv_bytes,
                    s1 * s2 * _bytes(mask.dtype) if mask is not None else 0,
                    s1 * D * isz if segments == 1 else s1 * (D + 2) * 4)
-    c = _Consts(target, dname, s1, s2, D, isz)
+    c = _Consts(target, dname, s1, s2, D, isz, softmax_passes(softcap))
     # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
     slots = _Slots(cores.count, nbuf)
     # MTE1, cube, FIXP and vector cycles are whole numbers: where those busy counters are too, a wave adds
@@ -391,12 +399,12 @@ def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1:
 class _Consts:
     """The cycles of a block's on-chip instructions (the same for every block of a launch)."""
 
-    def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int):
+    def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int, score_passes: int):
         self.q_l0 = local_copy_cycles(target, s1 * D * isz)
         self.k_l0 = local_copy_cycles(target, s2 * D * isz)
         self.qk = cube_cycles(target, dname, s1, D, s2)
         self.s_ub = local_copy_cycles(target, s1 * s2 * 4)
-        self.softmax = vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES)
+        self.softmax = vector_cycles(target, s1 * s2 * 4, score_passes)
         self.p_l1 = local_copy_cycles(target, s1 * s2 * isz)
         self.p_l0 = local_copy_cycles(target, s1 * s2 * isz)
         self.pv = cube_cycles(target, dname, s1, s2, D)

@@ -41,12 +41,20 @@ import numpy as np
 from geir.kernels.base import LaunchContext
 from geir.kernels.flash_attention_a2 import cube_chunk, workspace_per_core
 from geir.kernels.tiling import align
+from geir.opdef import lookup
 from geir.target_npu.sim import PIPE_INDEX, PipeInterval, cube_cycles, local_copy_cycles, vector_cycles
 from geir.target_npu.target import Target
 
 # vector passes over a score tile (scale, mask, row max, subtract, exp, row sum, cast to P) and over the O rows
 # per block (rescale by exp(m_old - m_new), add P V): the same work in both schedules (flash_attention.py)
 SOFTMAX_PASSES = 7
+# a logit softcap, cap * tanh(s / cap), adds its two multiplies and the tanh's own passes (ge.tanh's VECTOR_PASSES)
+SOFTCAP_SCALE_PASSES = 2
+
+
+def softmax_passes(softcap: float) -> int:
+    """Vector passes over a score tile: the online softmax's, and a softcap's where there is one."""
+    return SOFTMAX_PASSES + (SOFTCAP_SCALE_PASSES + lookup("ge.tanh").VECTOR_PASSES if softcap else 0)
 ACCUMULATE_PASSES = 2
 F32 = 4
 
@@ -132,7 +140,7 @@ def cv_grid(q_shape, k_shape, s1: int, s2: int, segments: int = 1) -> dict[str, 
 
 def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, v_rows: int,
                   preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2, segments: int = 1,
-                  causal_rows: int | None = None) -> None:
+                  causal_rows: int | None = None, softcap: float = 0.0) -> None:
     """Issue the CV-split schedule of every work unit (batch, head, query row block, key part) on the cores that
     run them.
 
@@ -171,7 +179,7 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
         assignment = contiguous(trips, cores.count)
     else:
         assignment = interleaved(units, cores.count)
-    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers)
+    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap))
     if segments > 1:  # a partial O: f32, with the row max and sum for the combine
         costs.out_block = s1 * (D + 2) * F32
     _Program(ctx, lay, costs, assignment, trips, kv_first, blocks, mask_bytes, preload, buffers).run()
@@ -218,7 +226,8 @@ def interleaved(units: int, cores: int) -> list[np.ndarray]:
 class _Costs:
     """The cycles of a CV block's on-chip instructions (the same for every block of a launch)."""
 
-    def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int, v_rows: int, buffers: int):
+    def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int, v_rows: int, buffers: int,
+                 score_passes: int = SOFTMAX_PASSES):
         vpc = target.vector_per_cube
         chunk = min(cube_chunk(align(s1, 16), align(s2, 16), align(D, 16), isz, buffers, target), s2)
         self.chunks = -(-s2 // chunk)
@@ -230,7 +239,7 @@ class _Costs:
         self.mm2_l0 = local_copy_cycles(target, (s1 + D) * chunk * isz)
         self.mm2 = cube_cycles(target, dname, s1, chunk, D)
         # vector work of a sub-block pair (each AIV its v_rows rows, side by side: vector_cycles counts the pair)
-        self.softmax = [vector_cycles(target, vpc * r * s2 * F32, SOFTMAX_PASSES) for r in self.rows]
+        self.softmax = [vector_cycles(target, vpc * r * s2 * F32, score_passes) for r in self.rows]
         self.acc = vector_cycles(target, s1 * D * F32, ACCUMULATE_PASSES)
         self.o_l = vector_cycles(target, s1 * D * F32, 1)
         self.s_block, self.p_block, self.o_block = s1 * s2 * F32, s1 * s2 * isz, s1 * D * F32

@@ -277,10 +277,14 @@ def test_attention_fully_masked_row_is_zero():
     assert ops(module).count("ge.flash_attention") == 1 and "ge.select" in ops(module)
 
 
-def test_attention_softcap_is_imported_through_onnx_function_body():
-    m = attention_model([1, 2, 4, 16], [1, 2, 6, 16], [1, 2, 6, 16], [1, 2, 4, 16], softcap=2.0)
-    module, _ = check_against_onnx(m, {"Q": randn(1, 2, 4, 16), "K": randn(1, 2, 6, 16), "V": randn(1, 2, 6, 16)})
-    assert "ge.flash_attention" not in ops(module) and "ge.tanh" in ops(module)
+def test_attention_softcap_is_the_kernel_s_option():
+    # checked against ONNX's reference, which caps before the mask as the kernel does; scores large enough to bite
+    m = attention_model([1, 2, 4, 16], [1, 2, 6, 16], [1, 2, 6, 16], [1, 2, 4, 16], softcap=2.0, mask_shape=[4, 6])
+    module, _ = check_against_onnx(m, {"Q": randn(1, 2, 4, 16) * 4, "K": randn(1, 2, 6, 16) * 4,
+                                       "V": randn(1, 2, 6, 16), "attn_mask": randn(4, 6)})
+    assert ops(module).count("ge.flash_attention") == 1 and "ge.tanh" not in ops(module)
+    (fa,) = [op for op in module.graphs[0].ops if op.name == "ge.flash_attention"]
+    assert fa.attr("softcap") == 2.0
 
 
 # --- errors --------------------------------------------------------------------------------------------

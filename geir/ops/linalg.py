@@ -63,13 +63,21 @@ def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[Dim, Dim, Dim, Dim]:
 
 @op("ge.flash_attention")
 class FlashAttention(Operation):
-    """softmax(scale * q @ k^T + mask) @ v with grouped-query heads and an optional causal mask."""
+    """softmax(cap(scale * q @ k^T) + mask) @ v with grouped-query heads and an optional causal mask; cap(s) is
+    softcap * tanh(s / softcap), the logit soft-capping of Gemma 2 and Grok, where `softcap` > 0 (0: none)."""
 
     OPERAND_NAMES = ("q", "k", "v", "mask?")
     TRAITS = (CubeOp, Fused)
     scale = Attr(float, default=None)  # None: 1/sqrt(head dim)
     causal = Attr(bool, default=False)
     layout = Attr(str, default="BNSD", choices=("BNSD", "BSND"))
+    softcap = Attr(float, default=0.0)
+
+    def verify(self) -> str | None:
+        cap = self.softcap
+        if not (math.isfinite(cap) and cap >= 0):
+            return f"softcap must be a finite number >= 0 (0: no capping), not {cap}"
+        return None
 
     # score elements the reference holds at once: rows of q are taken in blocks so that memory stays
     # O(Sq + Skv) for long sequences instead of O(Sq * Skv)
@@ -130,6 +138,9 @@ class FlashAttention(Operation):
         for r0 in range(0, sq, rows):
             r1 = min(r0 + rows, sq)
             s = np.matmul(q[:, :, r0:r1], np.swapaxes(k, -1, -2)) * scale
+            if self.softcap:
+                cap = q.dtype.type(self.softcap)
+                s = np.tanh(s / cap) * cap
             if mask is not None:
                 m = mask[:, :, r0:r1]
                 s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m

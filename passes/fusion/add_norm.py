@@ -6,16 +6,10 @@ from __future__ import annotations
 
 from geir.ir import Operation
 from geir.ops.core import Const
-from geir.passes.fusion.match import defining
+from geir.passes.fusion.match import defining, named
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 _FUSED = {"ge.rms_norm": "ge.add_rms_norm", "ge.layer_norm": "ge.add_layer_norm"}
-
-
-def named(op: Operation) -> str:
-    """An op as a remark names it: its kind and its first result's name (`ge.add %h`)."""
-    value = op.results[0].name if op.results else None
-    return f"{op.name} %{value}" if value else op.name
 
 
 class _FuseAddNorm(Pattern):

@@ -28,7 +28,7 @@ from geir.ir import Operation, Value
 from geir.opdef import ShapeError
 from geir.passes.fusion.guards import flash_attention_guard
 from geir.target_npu.target import DEFAULT_TARGET, Target, load_target
-from geir.passes.fusion.match import const_array, defining, scalar_constant, used_only_by
+from geir.passes.fusion.match import const_array, defining, named, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 from geir.types import DType
 
@@ -113,7 +113,7 @@ class FuseFlashAttention(Pattern):
         found = _walk_scores(sm.operands[0], self.resources)
         if isinstance(found, Miss):
             return found
-        q, k, scale, masks, causal = found
+        q, k, scale, masks, causal, softcap = found
         mask_type = None
         if masks:
             try:
@@ -152,6 +152,8 @@ class FuseFlashAttention(Pattern):
         if q.type.rank != 4 or k_type.rank != 4 or v.type.rank != 4:
             return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k_type.rank}, {v.type.rank}")
         attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
+        if softcap:
+            attrs["softcap"] = softcap
         operands = [q, k, v]
         try:
             types = [q.type, k_type, v.type] + ([mask_type] if mask_type is not None else [])
@@ -248,11 +250,13 @@ class _Reshaped:
 
 
 def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
-    """From the softmax input up to `q @ k^T`: (q, k, scale, masks, causal) or a Miss.
+    """From the softmax input up to `q @ k^T`: (q, k, scale, masks, causal, softcap) or a Miss.
 
     `masks` are the additive masks in the order they were added (T5 adds a position bias, then the
-    padding mask); a boolean `select` mask is the only one."""
+    padding mask); a boolean `select` mask is the only one. `softcap`: the logit cap c of c * tanh(s / c)
+    between the scale and the masks (Gemma 2), 0.0 where there is none."""
     scale = 1.0
+    softcap = 0.0
     masks: list[Value] = []
     boolean_mask = False
     causal = False
@@ -266,6 +270,20 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
         if op.name == "ge.cast":
             chain.append(op)
             x = op.operands[0]
+            continue
+        if op.name == "ge.tanh" or (op.name == "ge.mul" and any(defining(o, "ge.tanh") for o in op.operands)):
+            found = _softcap(op)
+            if isinstance(found, Miss):
+                return found
+            if softcap:
+                return Miss(f"the scores are capped twice (a second tanh at {named(op)})")
+            if seen_scale:
+                return Miss(f"the scores are scaled after the softcap at {named(op)}; the fused kernel caps the "
+                            f"scaled scores")
+            softcap, capped = found
+            scale *= softcap  # the cap's own 1 / c is among the scales above it: c * tanh(s * scale / c)
+            chain.extend(capped)
+            x = capped[-1].operands[0]
             continue
         if op.name in ("ge.mul", "ge.div"):
             for side in (1, 0) if op.name == "ge.mul" else (1,):
@@ -284,6 +302,9 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
             x = op.operands[1 - side]
             continue
         if op.name == "ge.add":
+            if softcap:
+                return Miss(f"the mask at {named(op)} is added before the softcap; the fused kernel caps the scores "
+                            f"before masking")
             if boolean_mask:
                 return Miss("the scores get an additive mask and a boolean one")
             a, b = op.operands
@@ -304,6 +325,9 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
             chain.append(op)
             continue
         if op.name == "ge.select":
+            if softcap:
+                return Miss(f"the mask at {named(op)} is applied before the softcap; the fused kernel caps the "
+                            f"scores before masking")
             if masks or causal or boolean_mask:
                 return Miss("the scores get two masks")
             cond, keep, fill = op.operands
@@ -344,7 +368,7 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
         flat = _flat_heads_transpose(kt) if t is None or t.result.type.rank != kt.type.rank else None
         if flat is not None:
             b, n, d, s = kt.type.shape
-            return q, _Reshaped(flat, (b, n, s, d)), float(scale), masks, causal
+            return q, _Reshaped(flat, (b, n, s, d)), float(scale), masks, causal, softcap
         if t is None:
             return Miss("the first matmul's right operand is not k transposed (no ge.transpose, transpose_b = false)")
         rank = len(t.perm)
@@ -356,7 +380,22 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
             # k itself is transpose(x, p with its last two entries swapped), which the rewrite builds
             k_perm = list(t.perm[:-2]) + [t.perm[-1], t.perm[-2]]
             k = (k, k_perm)
-    return q, k, float(scale), masks, causal
+    return q, k, float(scale), masks, causal, softcap
+
+
+def _softcap(op: Operation) -> tuple[float, list[Operation]] | Miss:
+    """The cap c of `c * tanh(y)` ending at `op` (a bare tanh: c = 1, as canonicalize leaves a cap of 1), with its
+    ops, or a Miss naming the op that is not that form. y is the scores scaled by whatever the walk finds above
+    (the model's s / c, or that folded into the scale): c * tanh(a * s) is the cap c of scores scaled by a * c."""
+    if op.name == "ge.tanh":
+        return 1.0, [op]
+    tanh_side = 0 if defining(op.operands[0], "ge.tanh") else 1
+    tanh = op.operands[tanh_side].owner
+    c = scalar_constant(op.operands[1 - tanh_side])
+    if c is None or not c > 0:
+        return Miss(f"{named(op)} multiplies {named(tanh)} by something other than a positive scalar constant: "
+                    f"a logit softcap is c * tanh(s / c)")
+    return float(c), [op, tanh]
 
 
 def _peel_scale(v: Value) -> tuple[Value, float]:
@@ -479,8 +518,8 @@ def _all_ones(v: Value) -> bool:
 
 
 def _from_scores(v: Value) -> bool:
-    """`v` comes from a matmul through scales, casts and adds of something else (earlier masks): at each add,
-    exactly one side does.
+    """`v` comes from a matmul through scales, casts, a softcap's tanh and adds of something else (earlier masks):
+    at each add, exactly one side does.
 
     A loop with its own stack and a memo, not recursion: a chain of thousands of adds is a graph's depth, not a
     limit, and an add of a value to itself is decided once, not once per path."""
@@ -492,7 +531,7 @@ def _from_scores(v: Value) -> bool:
             stack.pop()
             continue
         op = u.owner
-        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast"):
+        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast", "ge.tanh"):  # tanh: a logit softcap
             inner = [o for o in op.operands if scalar_constant(o) is None]
             op = inner[0].owner if len(inner) == 1 else None
         if op is not None and op.name == "ge.add":

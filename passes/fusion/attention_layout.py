@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from geir.ir import Operation, Value
 from geir.ops.fused import chainable_ops
-from geir.passes.fusion.add_norm import named
-from geir.passes.fusion.match import defining
+from geir.passes.fusion.match import defining, named
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 HEADS = [0, 2, 1, 3]  # [B, S, N, D] <-> [B, N, S, D]: its own inverse

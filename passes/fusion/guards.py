@@ -115,6 +115,9 @@ def decompose_flash_attention(op: Operation, rw: Rewriter) -> None:
     scale = op.attr("scale")
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     s = make("ge.mul", [s, _const(rw, np.array(scale), DType.f32, op)])
+    if op.attr("softcap"):
+        cap = _const(rw, np.array(op.attr("softcap")), DType.f32, op)
+        s = make("ge.mul", [make("ge.tanh", [make("ge.div", [s, cap])]), cap])
     minus_inf = None
     if mask is not None and mask.type.dtype == DType.i1:
         minus_inf = _const(rw, np.array(-np.inf), DType.f32, op)

@@ -53,3 +53,9 @@ def close(a: float | None, b: float, rel: float = 2e-3) -> bool:
 
 def is_last_axis(axes: list[int], rank: int) -> bool:
     return len(axes) == 1 and rank > 0 and axes[0] % rank == rank - 1
+
+
+def named(op: Operation) -> str:
+    """An op as a remark names it: its kind and its first result's name (`ge.add %h`)."""
+    value = op.results[0].name if op.results else None
+    return f"{op.name} %{value}" if value else op.name

@@ -16,8 +16,7 @@ import numpy as np
 
 from geir.attributes import DenseAttr, DenseResourceAttr
 from geir.ir import Operation, Value
-from geir.passes.fusion.add_norm import named
-from geir.passes.fusion.match import const_array
+from geir.passes.fusion.match import const_array, named
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 from geir.target_npu.target import Target
 from geir.types import TensorType
