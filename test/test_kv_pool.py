@@ -16,10 +16,10 @@ from geir.runtime.kv_pool import KVBlockPool, PoolFull
 
 def test_the_pool_is_sized_in_whole_blocks_from_its_bytes():
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, f32
-    pool = KVBlockPool.from_bytes(10_000, 8, per_token)
+    pool = KVBlockPool.from_bytes(20_000, 8, per_token)
     assert pool.block_bytes == 8 * per_token
-    assert pool.num_blocks == 10_000 // (8 * per_token) == 4
-    assert pool.pool_bytes == 4 * 8 * per_token <= 10_000
+    assert pool.num_blocks == 20_000 // (8 * per_token) == 4
+    assert pool.pool_bytes == 4 * 8 * per_token <= 20_000
 
 
 def test_a_table_grows_a_block_at_a_time_without_moving_earlier_blocks():
