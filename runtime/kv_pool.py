@@ -90,15 +90,23 @@ class KVBlockPool:
 
     def allocate(self, seq: object, tokens: int) -> list[int]:
         """Grow `seq`'s block table to hold `tokens` tokens (a new sequence gets a table); its earlier blocks stay
-        where they are. All or nothing: PoolFull, with nothing allocated, when the free blocks are too few."""
+        where they are. All or nothing: PoolFull, with nothing allocated, when the free blocks are too few. The
+        tokens stored are `store`'s to say (a reservation ahead of them, as static batching makes, is waste)."""
         need = self.needed(seq, tokens)
         if need > len(self._free):
             raise PoolFull(f"{seq!r} needs {need} more block(s) of {self.block_size} tokens, {len(self._free)} free")
         table = self.tables.setdefault(seq, [])
         table.extend(self._free.pop() for _ in range(need))
-        self.tokens[seq] = max(tokens, self.tokens.get(seq, 0))
+        self.tokens.setdefault(seq, 0)
         self.peak_blocks = max(self.peak_blocks, self.used_blocks)
         return table
+
+    def store(self, seq: object, tokens: int) -> None:
+        """Record that `seq`'s blocks now hold `tokens` tokens (at most its table's slots)."""
+        slots = len(self.tables.get(seq, ())) * self.block_size
+        if tokens > slots:
+            raise ValueError(f"{seq!r} stores {tokens} tokens in {slots} allocated slots")
+        self.tokens[seq] = tokens
 
     def free(self, seq: object) -> int:
         """Return all of `seq`'s blocks to the pool (it finished, or was preempted); the blocks freed."""

@@ -28,6 +28,7 @@ def test_a_table_grows_a_block_at_a_time_without_moving_earlier_blocks():
     assert len(first) == 1
     for tokens in range(4, 14):
         table = pool.allocate("a", tokens)
+        pool.store("a", tokens)
         assert len(table) == math.ceil(tokens / 4)
         assert table[:len(first)] == first  # growth appends: what was there stays (no copy)
         first = list(table)
@@ -68,6 +69,7 @@ def test_random_traffic_keeps_the_counts_the_formulas_give():
                     pool.allocate(seq, tokens)
                 continue
             pool.allocate(seq, tokens)
+            pool.store(seq, tokens)
             live[seq] = tokens
         used = sum(math.ceil(t / 16) for t in live.values())
         peak = max(peak, used)
@@ -78,6 +80,15 @@ def test_random_traffic_keeps_the_counts_the_formulas_give():
         owned = [b for t in pool.tables.values() for b in t]
         assert sorted(owned + pool._free) == list(range(40))
     assert pool.peak_blocks == peak
+
+
+def test_a_reservation_ahead_of_the_tokens_counts_as_waste():
+    pool = KVBlockPool(10, 4, 1)
+    pool.allocate("static", 20)  # reserved for the longest the sequence may get
+    pool.store("static", 6)
+    assert pool.usage().waste_slots == 20 - 6
+    with pytest.raises(ValueError, match="stores 21 tokens in 20"):
+        pool.store("static", 21)
 
 
 def test_bad_sizes_are_refused():
