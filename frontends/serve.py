@@ -32,6 +32,7 @@ What is modelled, and what is not:
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Sequence
 
 import attrs
@@ -413,7 +414,8 @@ class _Server:
         s_dim, l_dim = torch.export.Dim("prompt", min=2, max=1 << 16), torch.export.Dim("cache", min=2, max=1 << 16)
         prefill = import_program(_export(_StepModule(model, True), args, ({1: s_dim}, {1: l_dim}, {0: s_dim},
                                                                            {1: s_dim})), source="<prefill>")
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' deprecation notes, as _export keeps them quiet
             cache = _StepModule(model, True)(*args)[1:]
         rows = [_Sequence(0, prompt, 2, 0.0, list(prompt) + [0]), _Sequence(1, prompt, 2, 0.0, list(prompt) + [0])]
         slots = len(prompt) + 1
