@@ -299,13 +299,13 @@ def _prefill_inputs(tokens: list[int], slots: int) -> tuple[torch.Tensor, ...]:
     n = len(tokens)
     mask = torch.zeros(1, slots, dtype=torch.long)
     mask[0, :n] = 1
-    return torch.tensor([tokens]), mask, torch.arange(n), torch.arange(n)[None]
+    return torch.tensor([[max(t, 0) for t in tokens]]), mask, torch.arange(n), torch.arange(n)[None]
 
 
 def _decode_inputs(rows: list[_Sequence], slots: int) -> tuple[torch.Tensor, ...]:
     """A decode step's inputs: each row feeds its last token at its own slot (its cached tokens' count)."""
     batch = len(rows)
-    ids = torch.tensor([[r.tokens[-1]] for r in rows])
+    ids = torch.tensor([[max(r.tokens[-1], 0)] for r in rows])  # timing only: an unknown token (-1) fed as 0
     at = [len(r.tokens) - 1 for r in rows]
     mask = torch.zeros(batch, slots, dtype=torch.long)
     write = torch.zeros(batch, slots, dtype=torch.bool)
@@ -348,16 +348,16 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
-    `buckets`: the decode cache's slot gears (generate's rule), whole blocks when None. ValueError, before
-    anything runs, for a bad argument or a request that could never fit the pool."""
+    `buckets`: the decode cache's slot gears (generate's rule), whole blocks when None. `timing_only`: every run
+    timed by the kernels' cost models without the arithmetic (the schedule does not depend on the tokens, so the
+    device figures are the full run's); the new tokens are then unknown, -1. ValueError, before anything runs,
+    for a bad argument or a request that could never fit the pool."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {', '.join(LAUNCH_MODES)}, not {launch!r}")
     if launch == "graph":
         raise ValueError("launch='graph' (graph mode) is not implemented yet: serve runs single-op launches")
-    if timing_only:
-        raise ValueError("timing_only is not implemented for serve yet: the decode steps need the tokens")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
     seqs = _requests(requests)
@@ -378,7 +378,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"{s.max_new} new tokens need {pool.blocks_for(s.most_slots)} blocks of {block_size} "
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
-    return _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners).run()
+    return _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners, timing_only).run()
 
 
 class _Server:
@@ -386,8 +386,9 @@ class _Server:
 
     def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool, policy: str,
                  buckets: Sequence[int] | str | None, target: str, pipeline: str,
-                 listeners: Sequence[RuntimeListener]):
+                 listeners: Sequence[RuntimeListener], timing_only: bool = False):
         self.seqs = seqs
+        self.timing_only = timing_only
         self.pool = pool
         self.policy = policy
         self.buckets = buckets
@@ -461,16 +462,22 @@ class _Server:
         slots = self._slots(n)
         names = self.names["prefill"]
         feed = {k: to_numpy(t) for k, t in zip(names, _prefill_inputs(seq.tokens, slots))}
-        run = self.loop.plan_and_run("prefill", feed)
+        run = self.loop.plan_and_run("prefill", feed, self.timing_only)
         self.pool.store(seq.index, n)
-        self.pending[seq.index] = list(run.result.outputs[1:])
+        self.pending[seq.index] = self._results(run.program, run.result)[1:]
         split = time_split(run.result)
         step = self._record("prefill", [seq], 1, slots, run.ge_us, run.replanned, split, seq.arrival_us)
-        self._emit(seq, np.asarray(run.result.outputs[0])[0], step.end_us)
+        self._emit(seq, None if self.timing_only else np.asarray(run.result.outputs[0])[0], step.end_us)
 
-    def _emit(self, seq: _Sequence, logits: np.ndarray, at_us: float) -> None:
-        """The row's greedy token, ready when its step ends."""
-        seq.tokens.append(int(np.asarray(logits, dtype=np.float64).argmax(-1)))
+    def _results(self, program: Any, result: Any) -> list[Any]:
+        """A run's results; timing only: stand-ins of their types for the cache (on the device, never read)."""
+        if not self.timing_only:
+            return list(result.outputs)
+        return [DeviceTensor(v.type, np.empty(0, np.uint8)) for v in program.terminator.operands]
+
+    def _emit(self, seq: _Sequence, logits: np.ndarray | None, at_us: float) -> None:
+        """The row's greedy token, ready when its step ends (timing only: not known, -1)."""
+        seq.tokens.append(-1 if logits is None else int(np.asarray(logits, dtype=np.float64).argmax(-1)))
         seq.token_us.append(at_us)
 
     def _regroup(self, rows: list[_Sequence], slots: int) -> None:
@@ -506,8 +513,9 @@ class _Server:
         names = [a.name for a in program.args]
         feed = dict(zip(names, [c for part in parts for c in part] + [order]))
         n = len(parts[0])
-        result = run_program(program, feed, target=self.target, keep=range(n), listeners=self.listeners)
-        self.cache = list(result.outputs)
+        result = run_program(program, feed, target=self.target, keep=range(n), listeners=self.listeners,
+                             timing_only=self.timing_only)
+        self.cache = self._results(program, result)
         self.rows = padded
         self.pending = {}
         self.regroups += 1
@@ -528,16 +536,16 @@ class _Server:
         padded = rows + [rows[0]] * (batch - len(rows))
         feed = {k: to_numpy(t) for k, t in zip(names, _decode_inputs(padded, slots))}
         feed.update(zip(names[5:], self.cache))
-        run = self.loop.plan_and_run("decode", feed)
-        self.cache = list(run.result.outputs[1:])
+        run = self.loop.plan_and_run("decode", feed, self.timing_only)
+        self.cache = self._results(run.program, run.result)[1:]
         for r in rows:
             self.pool.store(r.index, min(len(r.tokens), r.most_slots))
         step = self._record("decode", [r for r in rows if r.index in live], batch, slots, run.ge_us, run.replanned,
                             time_split(run.result))
-        logits = np.asarray(run.result.outputs[0])
+        logits = None if self.timing_only else np.asarray(run.result.outputs[0])
         for i, r in enumerate(rows):
             if r.index in live:
-                self._emit(r, logits[i], step.end_us)
+                self._emit(r, None if logits is None else logits[i], step.end_us)
 
     # --- the policies ---
 

@@ -100,6 +100,17 @@ def test_a_bad_trace_line_is_said_at_its_line_and_column(files, capsys, line, at
     assert source == line and caret == " " * (col - 1) + "^"
 
 
+def test_timing_only_gives_unknown_tokens_and_the_same_schedule(files, capsys):
+    tmp, trace, config = files
+    rc, out, err = _main(capsys, trace, "--model", config, "--block-size", 4, "--json", "--timing-only")
+    assert rc == 0, err
+    fast = json.loads(out)
+    rc, out, _ = _main(capsys, trace, "--model", config, "--block-size", 4, "--json")
+    full = json.loads(out)
+    assert [r["tokens"] for r in fast["per_request"]] == [t["prompt_ids"] + [-1] * t["max_new_tokens"] for t in TRACE]
+    assert [s["device_us"] for s in fast["per_step"]] == [s["device_us"] for s in full["per_step"]]
+
+
 def test_a_request_that_can_never_fit_is_refused_at_its_line(files, capsys):
     tmp, _, config = files
     trace = tmp / "big.jsonl"

@@ -164,6 +164,18 @@ def test_the_pool_is_sized_from_its_bytes_or_from_the_requests(runs):
         assert key in summary
 
 
+def test_timing_only_runs_the_same_schedule_with_the_same_device_times(runs, llama):
+    full = runs["tight"]
+    fast = serve(llama, runs["trace"], policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100,
+                 timing_only=True)
+    assert [(s.kind, s.requests, s.batch, s.slots) for s in fast.steps] == \
+        [(s.kind, s.requests, s.batch, s.slots) for s in full.steps]
+    assert [s.device_us for s in fast.steps] == [s.device_us for s in full.steps]
+    assert [s.transfer_time_us for s in fast.steps] == [s.transfer_time_us for s in full.steps]
+    for record, (ids, new, _) in zip(fast.requests, runs["trace"]):  # the new tokens are not known
+        assert record.tokens.tolist() == ids.tolist() + [-1] * new
+
+
 def test_a_request_that_can_never_fit_is_refused_before_anything_runs(llama, monkeypatch):
     import geir.frontends.serve as serving
 

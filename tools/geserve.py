@@ -77,8 +77,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="the KV pool's device bytes (default: every request at its longest at once)")
     p.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
                    help="how steps are launched (graph mode is not implemented yet)")
-    p.add_argument("--timing-only", action="store_true", help="time the runs without the arithmetic (not yet "
-                                                              "implemented for serving)")
+    p.add_argument("--timing-only", action="store_true",
+                   help="time every run with the kernels' cost models and skip the arithmetic: the same schedule "
+                        "and device times; the new tokens are unknown (-1)")
     p.add_argument("--seed", type=non_negative, default=0, metavar="N", help="the weights' random seed (default 0)")
     add_target_options(p)
     p.add_argument("--json", action="store_true", help="print the run as JSON: its figures, each request, each step")
@@ -223,8 +224,6 @@ def run(args: argparse.Namespace) -> int:
     check_target(args.target)
     if args.launch == "graph":
         raise ToolError("--launch graph: graph mode is not implemented yet; use --launch single-op", EXIT_USAGE)
-    if args.timing_only:
-        raise ToolError("--timing-only is not implemented for serving yet", EXIT_USAGE)
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
     trace_name, trace_text = _text(args.trace)
@@ -243,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             result = serve(model, requests, policy=args.policy, block_size=args.block_size,
-                           pool_bytes=args.pool_bytes, target=args.target)
+                           pool_bytes=args.pool_bytes, target=args.target, timing_only=args.timing_only)
         except TorchImportError as e:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
         except ValueError as e:
