@@ -40,7 +40,15 @@ import numpy as np
 import torch
 
 from geir.builder import Builder
-from geir.frontends.generate import _cache_layer_class, _export, _Loop, _StepModule, bucket_length
+from geir.frontends.generate import (
+    DEVICE_STEPS,
+    GE_HOST,
+    _cache_layer_class,
+    _export,
+    _Loop,
+    _StepModule,
+    bucket_length,
+)
 from geir.frontends.torch_builder import to_numpy
 from geir.frontends.torch_import import import_program
 from geir.ir import Module
@@ -48,11 +56,13 @@ from geir.runtime.device import DeviceTensor
 from geir.runtime.interpreter import RuntimeListener
 from geir.runtime.kv_pool import KVBlockPool
 from geir.runtime.profile import time_split
+from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE, run_program
 from geir.target_npu.target import DEFAULT_TARGET
 from geir.types import DType, TensorType
 
 POLICIES = ("continuous", "static")
+REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
 LAUNCH_MODES = ("single-op", "graph")
 
 
@@ -176,6 +186,36 @@ class Serving:
         """The whole run as plain data: the summary, each request, each step."""
         return {**self.summary(), "per_request": [r.as_dict() for r in self.requests],
                 "per_step": [s.as_dict() for s in self.steps]}
+
+    def timeline(self) -> Trace:
+        """The run's one timeline (geir.runtime.trace): GE's host work, the device's runs with the KV pool's blocks
+        as a counter, and a track per request (queued from its arrival, then served until its last token)."""
+        trace = Trace()
+        for s in self.steps:
+            label = f"{s.kind} {s.batch}x{s.slots}"
+            if s.host_ge_us:
+                trace.spans.append(Span(GE_HOST, f"GE: plan {label}", s.ge_start_us, s.ge_start_us + s.host_ge_us,
+                                        "ge"))
+            trace.spans.append(Span(DEVICE_STEPS, label, s.start_us, s.end_us, s.kind,
+                                    {"requests": list(s.requests), "plan_cache": s.plan_cache}))
+            trace.counters.append(Counter(DEVICE_STEPS, "KV pool (blocks)", s.end_us,
+                                          {"used": s.pool_used_blocks, "free": self.pool_blocks - s.pool_used_blocks}))
+        for i, r in enumerate(self.requests):
+            track = Track(REQUESTS_PID, i, "requests", f"request {i}")
+            prefills = [s for s in self.steps if s.kind == "prefill" and i in s.requests]
+            begin, end = prefills[0].start_us, r.arrival_us + r.latency_us
+            if begin > r.arrival_us:
+                trace.spans.append(Span(track, "queued", r.arrival_us, begin, "queued"))
+            trace.spans.append(Span(track, f"request {i}", begin, end, "request",
+                                    {"prompt": r.prompt_length, "new_tokens": r.new_tokens, "ttft_us": r.ttft_us,
+                                     "tpot_us": r.tpot_us, "preempted": r.preempted}))
+            for p in prefills:
+                trace.spans.append(Span(track, "prefill", p.start_us, p.end_us, "prefill"))
+        return trace
+
+    def trace(self) -> dict[str, Any]:
+        """A Chrome trace (chrome://tracing, Perfetto) of the run's timeline."""
+        return chrome_trace(self.timeline(), display_unit="ms")
 
     def render(self) -> str:
         """A table of the requests, then the run's figures."""

@@ -111,6 +111,18 @@ def test_timing_only_gives_unknown_tokens_and_the_same_schedule(files, capsys):
     assert [s["device_us"] for s in fast["per_step"]] == [s["device_us"] for s in full["per_step"]]
 
 
+def test_the_chrome_trace_is_written_and_never_over_an_input(files, capsys):
+    tmp, trace, config = files
+    out_path = tmp / "run.json"
+    rc, _, err = _main(capsys, trace, "--model", config, "--block-size", 4, "--timing-only", "--trace", out_path)
+    assert rc == 0, err
+    events = json.loads(out_path.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == 2} == \
+        {f"request {i}" for i in range(len(TRACE))}
+    rc, _, err = _main(capsys, trace, "--model", config, "--trace", trace)
+    assert rc == 2 and "an output must not overwrite an input" in err
+
+
 def test_a_request_that_can_never_fit_is_refused_at_its_line(files, capsys):
     tmp, _, config = files
     trace = tmp / "big.jsonl"

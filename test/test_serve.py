@@ -164,6 +164,23 @@ def test_the_pool_is_sized_from_its_bytes_or_from_the_requests(runs):
         assert key in summary
 
 
+def test_the_trace_has_a_track_per_request_and_the_pool_as_a_counter(runs):
+    run = runs["tight"]
+    events = run.trace()["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert [names[(2, i)] for i in range(4)] == [f"request {i}" for i in range(4)]
+    device = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
+    assert [e["name"].split()[0] for e in device] == [s.kind for s in run.steps]
+    counters = [e for e in events if e["ph"] == "C"]
+    assert [c["args"]["used"] for c in counters] == [s.pool_used_blocks for s in run.steps]
+    assert all(c["args"]["used"] + c["args"]["free"] == run.pool_blocks for c in counters)
+    for i, r in enumerate(run.requests):
+        mine = [e for e in events if e["ph"] == "X" and e["pid"] == 2 and e["tid"] == i]
+        assert [e["name"] for e in mine].count("prefill") == 1 + r.preempted
+        served = next(e for e in mine if e["name"] == f"request {i}")
+        assert served["args"]["preempted"] == r.preempted
+
+
 def test_timing_only_runs_the_same_schedule_with_the_same_device_times(runs, llama):
     full = runs["tight"]
     fast = serve(llama, runs["trace"], policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100,

@@ -1,7 +1,7 @@
 """geserve: serve a trace of requests with a Hugging Face causal LM on the simulated NPU (geir.frontends.torch.serve).
 
     geserve TRACE.jsonl --model CONFIG.json [--policy continuous|static] [--block-size N] [--pool-bytes B]
-            [--launch single-op|graph] [--timing-only] [--seed N] [--target NAME] [--json]
+            [--launch single-op|graph] [--timing-only] [--seed N] [--target NAME] [--json] [--trace OUT.json]
 
 TRACE.jsonl holds one request per line, a JSON object:
     {"prompt_ids": [15, 4, 92], "max_new_tokens": 16, "arrival_us": 250.0}
@@ -39,7 +39,10 @@ from geir.tools.common import (
     check_target,
     non_negative,
     read_input,
+    refuse_overwrites,
+    refuse_unwritable,
     run_tool,
+    write_atomically,
 )
 
 TOOL = "geserve"
@@ -65,7 +68,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                "\"arrival_us\": t}\n(prompt of at least 2 ids below the vocabulary size, n >= 1, t >= 0 "
                "microseconds, 0 when absent).\nCONFIG.json: a transformers config dict with \"model_type\".")
     add_version(p, TOOL)
-    p.add_argument("trace", metavar="TRACE.jsonl", help="the requests, one JSON object a line (see below)")
+    p.add_argument("requests", metavar="TRACE.jsonl", help="the requests, one JSON object a line (see below)")
     p.add_argument("--model", required=True, metavar="CONFIG.json",
                    help="a transformers config as JSON, with \"model_type\" (weights: random from --seed)")
     p.add_argument("--policy", choices=("continuous", "static"), default="continuous",
@@ -83,6 +86,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative, default=0, metavar="N", help="the weights' random seed (default 0)")
     add_target_options(p)
     p.add_argument("--json", action="store_true", help="print the run as JSON: its figures, each request, each step")
+    p.add_argument("--trace", dest="chrome_trace", metavar="TRACE.json",
+                   help="write a Chrome trace of the run (atomically): GE's host work, the device's runs with the KV "
+                        "pool's blocks as a counter, a track per request")
     return p
 
 
@@ -222,11 +228,14 @@ def _limit(cfg: Any) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     check_target(args.target)
+    if args.chrome_trace:
+        refuse_overwrites([("TRACE.jsonl", args.requests), ("--model", args.model)], [("--trace", args.chrome_trace)])
+        refuse_unwritable([("--trace", args.chrome_trace)])
     if args.launch == "graph":
         raise ToolError("--launch graph: graph mode is not implemented yet; use --launch single-op", EXIT_USAGE)
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
-    trace_name, trace_text = _text(args.trace)
+    trace_name, trace_text = _text(args.requests)
     model_name, model_text = _text(args.model)
     sources.add(trace_name, trace_text)
     sources.add(model_name, model_text)
@@ -253,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
     except _BadInput as e:
         printer(e.diag)
         return EXIT_FAILURE
+    if args.chrome_trace:
+        write_atomically(args.chrome_trace, json.dumps(result.trace()))
     if args.json:
         print(json.dumps(result.as_dict(), indent=1))
     else:
