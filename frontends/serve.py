@@ -124,6 +124,8 @@ class Serving:
     plan_cache_hits: int  # over the step programs (prefill and decode)
     plan_cache_misses: int
     regroups: int
+    pool_sized_from: str = "pool_bytes"  # or "requests": no target names its device memory, so None sizes it so
+
 
     @property
     def new_tokens(self) -> int:
@@ -175,7 +177,7 @@ class Serving:
         return {"policy": self.policy, "requests": len(self.requests), "new_tokens": self.new_tokens,
                 "steps": len(self.steps), "makespan_us": self.makespan_us,
                 "throughput_tok_per_s": self.throughput_tok_per_s, "block_size": self.block_size,
-                "pool_blocks": self.pool_blocks, "pool_bytes": self.pool_bytes,
+                "pool_blocks": self.pool_blocks, "pool_bytes": self.pool_bytes, "pool_sized_from": self.pool_sized_from,
                 "pool_peak_blocks": self.pool_peak_blocks, "pool_waste": self.pool_waste,
                 "pool_utilisation": self.pool_utilisation, "plan_cache_hits": self.plan_cache_hits,
                 "plan_cache_misses": self.plan_cache_misses, "regroups": self.regroups,
@@ -230,7 +232,8 @@ class Serving:
                      f"{m['steps']} device runs ({m['regroups']} cache regroups); plan cache {m['plan_cache_hits']} "
                      f"hits / {m['plan_cache_misses']} misses; host GE {m['host_ge_us']:.0f} us; device idle "
                      f"{m['device_idle_us']:.0f} us")
-        lines.append(f"KV pool: {m['pool_blocks']} blocks of {m['block_size']} tokens ({m['pool_bytes']} B), peak "
+        sized = "" if self.pool_sized_from == "pool_bytes" else ", sized for every request at its longest"
+        lines.append(f"KV pool: {m['pool_blocks']} blocks of {m['block_size']} tokens ({m['pool_bytes']} B{sized}), peak "
                      f"{m['pool_peak_blocks']} blocks, utilisation {100 * m['pool_utilisation']:.1f} %, waste "
                      f"{100 * m['pool_waste']:.1f} % of allocated slots; {m['preemptions']} preemption(s)")
         return "\n".join(lines)
@@ -273,12 +276,13 @@ def _requests(requests: Sequence[Any]) -> list[_Sequence]:
             ids, max_new, arrival = req
         except (TypeError, ValueError):
             raise ValueError(f"request {i}: expected (input_ids, max_new_tokens, arrival_us), not {req!r}") from None
-        prompt = [int(t) for t in torch.as_tensor(ids).reshape(-1).tolist()]
-        if torch.as_tensor(ids).dim() > 2 or (torch.as_tensor(ids).dim() == 2 and torch.as_tensor(ids).shape[0] != 1):
+        ids = torch.as_tensor(ids)
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"request {i}: input_ids must be one prompt (a 1-D list or a [1, n] tensor)")
+        prompt = [int(t) for t in ids.reshape(-1).tolist()]
         if len(prompt) < 2:  # torch.export specialises a length of 1, as in generate
             raise ValueError(f"request {i}: the prompt has {len(prompt)} token(s); serve takes prompts of at least 2")
-        if int(max_new) < 1:
+        if not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"request {i}: max_new_tokens must be at least 1, not {max_new}")
         if float(arrival) < 0:
             raise ValueError(f"request {i}: arrival_us must be >= 0, not {arrival}")
@@ -289,8 +293,9 @@ def _requests(requests: Sequence[Any]) -> list[_Sequence]:
 
 
 def _batch_gear(rows: int) -> int:
-    """The batch a decode step runs for `rows` sequences: the next power of two, at least 2 (a batch of one does
-    not re-plan: GE's shape inference leaves a broadcast batch of 1 unknown in the dynamic step program)."""
+    """The batch a decode step runs for `rows` sequences: the next power of two (GE's gears: fewer re-plans), at
+    least 2, because a batch of one fails to specialise: GE's shape inference leaves the batch of HF's mask
+    (an `arange` over a size known only after folding) unknown, and a broadcast of unknown with 1 stays unknown."""
     return max(2, 1 << (rows - 1).bit_length())
 
 
@@ -412,13 +417,16 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
         pool = KVBlockPool(blocks, block_size, per_token)
     else:
         pool = KVBlockPool.from_bytes(int(pool_bytes), block_size, per_token)
+    if buckets is not None:  # a gear for the longest cache any step needs, said now rather than mid-run
+        bucket_length(max(s.most_slots for s in seqs), buckets)
     for s in seqs:
         if not pool.fits_ever(s.most_slots):
             raise ValueError(f"request {s.index} can never fit the KV pool: its prompt of {len(s.prompt)} tokens and "
                              f"{s.max_new} new tokens need {pool.blocks_for(s.most_slots)} blocks of {block_size} "
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
-    return _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners, timing_only).run()
+    run = _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners, timing_only).run()
+    return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
 class _Server:

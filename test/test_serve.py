@@ -78,6 +78,10 @@ def test_gpt2_served_continuously_matches_hugging_face():
     run = serve(model, trace, block_size=4)
     for record, (ids, new, _) in zip(run.requests, trace):
         assert torch.equal(record.tokens, _hf(model, ids, new))
+    assert all(s.slots % 4 == 0 for s in run.steps)  # without buckets, whole blocks
+    geared = serve(model, trace, block_size=4, buckets=[8, 16], policy="static")
+    assert [r.tokens.tolist() for r in geared.requests] == [r.tokens.tolist() for r in run.requests]
+    assert {s.slots for s in geared.steps} <= {8, 16}
 
 
 def test_a_full_pool_preempts_by_recompute_and_says_so(runs):
@@ -155,6 +159,7 @@ def test_the_pool_is_sized_from_its_bytes_or_from_the_requests(runs):
     assert run.block_size == 8
     assert run.pool_blocks == sum(-(-(len(ids) + new - 1) // 8) for ids, new, _ in trace)  # pool_bytes=None
     assert run.pool_bytes == run.pool_blocks * 8 * PER_TOKEN
+    assert run.pool_sized_from == "requests" and runs["tight"].pool_sized_from == "pool_bytes"
     for s in run.steps:
         assert s.pool_allocated_slots == 8 * s.pool_used_blocks >= s.pool_token_slots
     assert 0 < run.pool_waste < 1 and 0 < run.pool_utilisation <= 1
@@ -210,6 +215,8 @@ def test_bad_arguments_are_refused_with_the_reason(llama):
     trace = _trace(((5, 4, 0.0),))
     with pytest.raises(ValueError, match="policy must be one of continuous, static"):
         serve(llama, trace, policy="fifo")
+    with pytest.raises(ValueError, match=r"12 tokens exceed the largest bucket \(8\)"):
+        serve(llama, _trace(((5, 4, 0.0), (9, 4, 0.0))), buckets=[8])
     with pytest.raises(ValueError, match="graph mode"):
         serve(llama, trace, launch="graph")
     with pytest.raises(ValueError, match="request 0: the prompt has 1 token"):
