@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -389,14 +389,16 @@ def _regroup_graph(parts: list[list[TensorType]], slots: int, batch: int) -> Mod
 def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "continuous", block_size: int = 128,
           pool_bytes: int | None = None, launch: str = "single-op", buckets: Sequence[int] | str | None = None,
           dtype: torch.dtype | None = None, target: str = DEFAULT_TARGET, timing_only: bool = False,
-          pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = ()) -> Serving:
+          pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = (),
+          progress: Callable[[int, int], None] | None = None) -> Serving:
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
     `buckets`: the decode cache's slot gears (generate's rule), whole blocks when None. `timing_only`: every run
     timed by the kernels' cost models without the arithmetic (the schedule does not depend on the tokens, so the
     device figures are the full run's); the new tokens are then unknown, -1. ValueError, before anything runs,
-    for a bad argument or a request that could never fit the pool."""
+    for a bad argument or a request that could never fit the pool. `progress(done, total)`: told each time a
+    request finishes (a progress bar on long runs)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
@@ -425,7 +427,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"{s.max_new} new tokens need {pool.blocks_for(s.most_slots)} blocks of {block_size} "
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
-    run = _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners, timing_only).run()
+    run = _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners, timing_only, progress).run()
     return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
@@ -434,8 +436,11 @@ class _Server:
 
     def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool, policy: str,
                  buckets: Sequence[int] | str | None, target: str, pipeline: str,
-                 listeners: Sequence[RuntimeListener], timing_only: bool = False):
+                 listeners: Sequence[RuntimeListener], timing_only: bool = False,
+                 progress: Callable[[int, int], None] | None = None):
         self.seqs = seqs
+        self.progress = progress
+        self.finished = 0
         self.timing_only = timing_only
         self.pool = pool
         self.policy = policy
@@ -619,7 +624,11 @@ class _Server:
         self.device_free = max(self.device_free, min(s.arrival_us for s in waiting))
 
     def _finish(self, seq: _Sequence) -> None:
+        """A request done: its blocks back to the pool."""
         self.pool.free(seq.index)
+        self.finished += 1
+        if self.progress is not None:
+            self.progress(self.finished, len(self.seqs))
 
     def _continuous(self) -> None:
         waiting = list(self.seqs)

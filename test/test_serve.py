@@ -75,7 +75,9 @@ def test_every_request_gets_hugging_faces_greedy_tokens(runs, llama, name):
 def test_gpt2_served_continuously_matches_hugging_face():
     model = _gpt2()
     trace = _trace(((4, 3, 0.0), (7, 5, 0.0), (2, 4, 10.0)), seed=2)
-    run = serve(model, trace, block_size=4)
+    told = []
+    run = serve(model, trace, block_size=4, progress=lambda done, total: told.append((done, total)))
+    assert told == [(1, 3), (2, 3), (3, 3)]  # once per finished request
     for record, (ids, new, _) in zip(run.requests, trace):
         assert torch.equal(record.tokens, _hf(model, ids, new))
     assert all(s.slots % 4 == 0 for s in run.steps)  # without buckets, whole blocks
@@ -225,3 +227,23 @@ def test_bad_arguments_are_refused_with_the_reason(llama):
         serve(llama, [([7, 8], 0, 0.0)])
     with pytest.raises(ValueError, match=r"request 0: expected \(input_ids, max_new_tokens, arrival_us\)"):
         serve(llama, [[1, 2]])
+
+
+def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    trace = bench.synthetic_trace(200, 20.0, 100, 0)
+    assert all(2 <= len(p) <= 64 and 1 <= n <= 64 for p, n, _ in trace)
+    arrivals = [a for _, _, a in trace]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+    # Poisson arrivals at 20 per ms: the mean gap is 50 us, within sampling error over 199 gaps
+    assert 35 < arrivals[-1] / 199 < 65
+    assert bench.main(["--requests", "5", "--timing-only"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("5 requests, prompts ") and [line.split()[0] for line in out[2:4]] == ["continuous",
+                                                                                                      "static"]
+    assert out[4].startswith("continuous batching: ")

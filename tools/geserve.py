@@ -226,6 +226,16 @@ def _limit(cfg: Any) -> int | None:
     return None
 
 
+def _progress_bar():
+    """A one-line progress bar on stderr (a terminal only): requests done of all, redrawn in place."""
+    def show(done: int, total: int) -> None:
+        filled = 30 * done // total
+        end = "\n" if done == total else ""
+        print(f"\r{TOOL}: [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} requests", end=end, file=sys.stderr,
+              flush=True)
+    return show
+
+
 def run(args: argparse.Namespace) -> int:
     check_target(args.target)
     if args.chrome_trace:
@@ -251,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             result = serve(model, requests, policy=args.policy, block_size=args.block_size,
-                           pool_bytes=args.pool_bytes, target=args.target, timing_only=args.timing_only)
+                           pool_bytes=args.pool_bytes, target=args.target, timing_only=args.timing_only,
+                           progress=_progress_bar() if sys.stderr.isatty() else None)
         except TorchImportError as e:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
         except ValueError as e:
