@@ -413,6 +413,12 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
 
         model = copy.deepcopy(model).to(dtype)
     model = model.eval()
+    vocab = getattr(model.config, "vocab_size", None)
+    for s in seqs:
+        bad = [t for t in s.prompt if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"request {s.index}: token id {bad[0]} is outside the model's vocabulary (0 to "
+                             f"{vocab - 1 if vocab else '?'})")
     per_token = kv_bytes_per_token(model)
     if pool_bytes is None:
         blocks = sum(-(-s.most_slots // block_size) for s in seqs)
@@ -667,6 +673,8 @@ class _Server:
                         break
                 if seq in running:
                     self.pool.allocate(seq.index, len(seq.tokens))
+            if not admitted and not running:  # the pool is empty here, and every request fits it alone (checked)
+                raise AssertionError(f"request {waiting[0].index} could not be admitted into an empty pool")
             if running:
                 self._decode(running, {s.index for s in running})
                 for seq in [s for s in running if s.done]:

@@ -223,6 +223,8 @@ def test_bad_arguments_are_refused_with_the_reason(llama):
         serve(llama, trace, launch="graph")
     with pytest.raises(ValueError, match="request 0: the prompt has 1 token"):
         serve(llama, [([7], 3, 0.0)])
+    with pytest.raises(ValueError, match=r"request 0: token id 100 is outside the model's vocabulary \(0 to 99\)"):
+        serve(llama, [([7, 100], 3, 0.0)])
     with pytest.raises(ValueError, match="request 0: max_new_tokens must be at least 1"):
         serve(llama, [([7, 8], 0, 0.0)])
     with pytest.raises(ValueError, match=r"request 0: expected \(input_ids, max_new_tokens, arrival_us\)"):
