@@ -306,7 +306,11 @@ class _StepModule(torch.nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return (out.logits[:, -1, :], *kv)
+        return (self.next_token_logits(out.logits), *kv)
+
+    def next_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the next token is chosen from: the last position's."""
+        return logits[:, -1, :]
 
 
 def _export(step: _StepModule, args: tuple, dynamic: tuple) -> Any:

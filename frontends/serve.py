@@ -339,12 +339,34 @@ class _RowDecode(_StepModule):
         return (out.logits[:, -1, :], *kv)
 
 
+class _PaddedPrefill(_StepModule):
+    """The prefill of one sequence padded to its cache's slots (GE's gears: a plan per slot count, not per prompt
+    length): the pads come after the tokens, so causality keeps them out of the tokens' attention, and the mask
+    keeps their keys out of every later step's (the decode overwrites their slots); the next token's logits are
+    read at the last real token (`last`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model, True)
+
+    def forward(self, input_ids, attention_mask, slots, position_ids, last):
+        self.last = last
+        return super().forward(input_ids, attention_mask, slots, position_ids)
+
+    def next_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_select(1, self.last)[:, 0, :]
+
+
 def _prefill_inputs(tokens: list[int], slots: int) -> tuple[torch.Tensor, ...]:
-    """A prefill's inputs for one sequence: ids, the mask over `slots`, the slots written, the positions."""
+    """A prefill's inputs for one sequence padded to `slots`: ids (pads 0), the mask over the slots, the slots
+    written, the positions (the pads' held at the last token's, inside any model's position table), the last
+    token's index."""
     n = len(tokens)
     mask = torch.zeros(1, slots, dtype=torch.long)
     mask[0, :n] = 1
-    return torch.tensor([[max(t, 0) for t in tokens]]), mask, torch.arange(n), torch.arange(n)[None]
+    ids = torch.zeros(1, slots, dtype=torch.long)
+    ids[0, :n] = torch.tensor([max(t, 0) for t in tokens])  # timing only: an unknown token (-1) fed as 0
+    positions = torch.arange(slots).clamp(max=n - 1)[None]
+    return ids, mask, torch.arange(slots), positions, torch.tensor([n - 1])
 
 
 def _decode_inputs(rows: list[_Sequence], slots: int) -> tuple[torch.Tensor, ...]:
@@ -471,12 +493,12 @@ class _Server:
         """The prefill (one sequence, its length dynamic) and the row-wise decode step (batch and slots
         dynamic), exported from the model and imported by GEIR's frontend."""
         args = _prefill_inputs(prompt, len(prompt))
-        s_dim, l_dim = torch.export.Dim("prompt", min=2, max=1 << 16), torch.export.Dim("cache", min=2, max=1 << 16)
-        prefill = import_program(_export(_StepModule(model, True), args, ({1: s_dim}, {1: l_dim}, {0: s_dim},
-                                                                           {1: s_dim})), source="<prefill>")
+        l_dim = torch.export.Dim("cache", min=2, max=1 << 16)
+        prefill = import_program(_export(_PaddedPrefill(model), args, ({1: l_dim}, {1: l_dim}, {0: l_dim},
+                                                                        {1: l_dim}, None)), source="<prefill>")
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # transformers' deprecation notes, as _export keeps them quiet
-            cache = _StepModule(model, True)(*args)[1:]
+            cache = _PaddedPrefill(model)(*args)[1:]
         rows = [_Sequence(0, prompt, 2, 0.0, list(prompt) + [0]), _Sequence(1, prompt, 2, 0.0, list(prompt) + [0])]
         slots = len(prompt) + 1
         past = [torch.cat([c, c]).new_zeros(2, c.shape[1], slots, c.shape[3]) for c in cache]

@@ -130,6 +130,18 @@ def test_times_are_read_off_the_one_clock(runs, name):
     assert run.plan_cache_hits + run.plan_cache_misses == sum(s.kind != "regroup" for s in run.steps)
 
 
+@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+def test_ge_plans_once_per_gear_not_per_prompt_length(runs, name):
+    run = runs[name]
+    # a prefill is padded to whole blocks, a decode step runs a power-of-two batch: one plan per (batch, slots)
+    for kind in ("prefill", "decode"):
+        steps = [s for s in run.steps if s.kind == kind]
+        assert [s.plan_cache for s in steps].count("miss") == len({(s.batch, s.slots) for s in steps})
+        assert all(s.slots % run.block_size == 0 for s in steps)
+    assert all(s.batch == 1 for s in run.steps if s.kind == "prefill")
+    assert all(s.batch >= 2 and s.batch & (s.batch - 1) == 0 for s in run.steps if s.kind == "decode")
+
+
 def test_continuous_batching_lets_a_late_request_join_the_running_batch(runs):
     run = runs["continuous"]
     # request 2 arrives at 300 us while 0 and 1 decode: some decode step serves all three
