@@ -1,8 +1,8 @@
 """Serving many requests at once on the simulated NPU: continuous or static batching over a KV block pool, one clock.
 
 `serve` takes requests `(input_ids, max_new_tokens, arrival_us)` and runs them greedily as a server would. The
-step programs are generate()'s (geir.frontends.generate): a prefill per admitted request (batch 1, its cache
-made on the device) and a decode step over the whole running batch. The decode step writes each row's new key
+step programs are built from generate()'s (geir.frontends.generate): a prefill per admitted request (batch 1,
+its cache made on the device) and a decode step over the whole running batch. The decode step writes each row's new key
 and value at that row's own slot with a one-hot select (`torch.where(write, new, cache)`, GEIR's `ge.select`),
 because the rows are at different lengths and index_copy writes one slot for all rows; the select reads and
 writes each row's whole cache once per layer, which is what it costs over index_copy's one-slot write.
@@ -15,8 +15,9 @@ What is modelled, and what is not:
   whole number of blocks (or `buckets`' gear). When rows join or leave, or the batch needs more slots, a
   regroup program (a device gather of rows, padded or cut to the new length) builds the new dense cache on
   the device, on the timeline; a paged cache would not need it.
-- The batch is padded to a power of two (at least 2: rows repeated, their results dropped), GE's gears for
-  the batch size, so that GE re-plans only on a new (batch, slots) bucket.
+- GE's gears: a prefill is padded to its cache's slots (pads after the tokens, masked), so a plan serves every
+  prompt of that many blocks; a decode step's batch is padded to a power of two (at least 2: rows repeated,
+  their results dropped). GE re-plans only on a new (batch, slots) bucket; the pads cost compute.
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
   requests that have arrived and whose blocks fit (first come, first served), prefills them, then runs one
   decode step over every running sequence; finished sequences leave and free their blocks. When a running
