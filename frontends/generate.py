@@ -88,6 +88,19 @@ class Step:
 
 
 @attrs.frozen
+class StepRun:
+    """One step program planned (a plan-cache hit, or GE re-plans it) and run on the simulated device."""
+
+    program: Any
+    result: Any
+    replanned: bool
+    ge_us: float  # GE's host time: the re-plan (0 on a hit), and the program's compile on the first step that runs it
+    device_us: float  # the run's span on the device
+    kernel_time_us: float
+    transfer_time_us: float
+
+
+@attrs.frozen
 class Generation:
     """What `generate` returns: the tokens (prompt and new, per row) and one record per step."""
 
@@ -293,7 +306,11 @@ class _StepModule(torch.nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return (out.logits[:, -1, :], *kv)
+        return (self.next_token_logits(out.logits), *kv)
+
+    def next_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the next token is chosen from: the last position's."""
+        return logits[:, -1, :]
 
 
 def _export(step: _StepModule, args: tuple, dynamic: tuple) -> Any:
@@ -402,24 +419,15 @@ class _Loop:
             positions = _positions(mask)[:, -fed.shape[1]:]
             first = 0 if phase == "prefill" else length - 1
             feed_t = (fed, _slot_mask(mask, slots), torch.arange(first, first + fed.shape[1]), positions)
-            session, weights = self.sessions[phase]
+            session = self.sessions[phase][0]
             names = [a.name for a in session.generic.args]
             feed = {n: to_numpy(t) for n, t in zip(names, feed_t)}
             if phase == "decode":
                 feed.update({n: c for n, c in zip(names[4:], cache)})
-            misses = session.misses
-            program = session.program({k: v.shape for k, v in feed.items()})
-            replanned = session.misses > misses
-            ge_us += session.last_ge_us if replanned else 0.0
-            if phase in self.uncompiled:
-                self.uncompiled.discard(phase)
-                ge_us += session.compile_us
-            kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
-            result = run_program(program, feed, weights, target=self.target, keep=kv_results,
-                                 listeners=self.listeners)
-            split = time_split(result)
-            device_us = split["simulated_time_us"]
-            self.last[phase] = (program, result)
+            run = self.plan_and_run(phase, feed)
+            program, result, replanned, device_us = run.program, run.result, run.replanned, run.device_us
+            ge_us += run.ge_us
+            split = {"kernel_time_us": run.kernel_time_us, "transfer_time_us": run.transfer_time_us}
             logits = np.asarray(result.outputs[0], dtype=np.float64)
             cache = list(result.outputs[1:])
             chosen = torch.from_numpy(logits.argmax(-1)).to(tokens.dtype)
@@ -446,6 +454,25 @@ class _Loop:
         findings = {phase: tuple(kernel_findings(kernel_views(program, result), result.target))
                     for phase, (program, result) in self.last.items()}
         return Generation(tokens, steps, len(self.sessions), findings)
+
+    def plan_and_run(self, phase: str, feed: dict[str, Any], timing_only: bool = False) -> StepRun:
+        """A step of `phase`'s program on these inputs: its plan (from the plan cache, or GE re-plans it) run on
+        the device, the results after the first (the cache) kept there."""
+        session, weights = self.sessions[phase]
+        misses = session.misses
+        program = session.program({k: v.shape for k, v in feed.items()})
+        replanned = session.misses > misses
+        ge_us = session.last_ge_us if replanned else 0.0
+        if phase in self.uncompiled:
+            self.uncompiled.discard(phase)
+            ge_us += session.compile_us
+        kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
+        result = run_program(program, feed, weights, target=self.target, keep=kv_results, listeners=self.listeners,
+                             timing_only=timing_only)
+        split = time_split(result)
+        self.last[phase] = (program, result)
+        return StepRun(program, result, replanned, ge_us, split["simulated_time_us"], split["kernel_time_us"],
+                       split["transfer_time_us"])
 
     def _grow(self, cache: list[DeviceTensor], slots: int) -> tuple[list[DeviceTensor], float, float]:
         """The cache moved into a region of `slots` on the device: the moved cache, the move's device time, and

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from geir.builder import clone_graph
 from geir.frontends.torch_builder import TorchImportError, from_numpy, geir_dtype, to_numpy
 from geir.frontends.generate import Generation, Step, generate
+from geir.frontends.serve import Serving, serve
 from geir.frontends.torch_compile import GeirFallbackWarning, geir_backend, register
 from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.ir import Graph, Module
@@ -42,7 +43,7 @@ from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 
 
 __all__ = ["CompiledModule", "GeirFallbackWarning", "Generation", "Step", "TorchImportError", "compile", "export",
-           "from_exported", "from_module", "generate", "geir_backend", "save"]
+           "from_exported", "from_module", "generate", "geir_backend", "save", "serve", "Serving"]
 
 
 def export(module: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: Any = None) -> ImportedProgram:

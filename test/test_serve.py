@@ -1,0 +1,263 @@
+"""Serving many requests (geir.frontends.torch.serve): continuous and static batching over the KV block pool.
+
+Oracles: Hugging Face's greedy `model.generate` on each prompt alone for the tokens; for the figures, what
+follows from the step records and the shapes: a request's token times are the ends of the device runs that
+served it, KV bytes per token = 2 x layers x KV heads x head dim x 4, blocks = ceil(tokens / block size),
+throughput = new tokens / makespan; static batching's reservation from its definition.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from geir.frontends.torch import serve  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=100)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=128, vocab_size=100,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _trace(lengths=((5, 6, 0.0), (9, 4, 0.0), (3, 7, 300.0), (12, 5, 2000.0)), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(1, 100, (n,), generator=g), new, at) for n, new, at in lengths]
+
+
+def _hf(model, ids, new):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=new,
+                              do_sample=False, pad_token_id=0)[0]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+@pytest.fixture(scope="module")
+def runs(llama):
+    """Both policies on one trace, a pool large enough for all (block size 8), and a pool that forces preemption."""
+    trace = _trace()
+    return {"trace": trace,
+            "continuous": serve(llama, trace, policy="continuous", block_size=8),
+            "static": serve(llama, trace, policy="static", block_size=8),
+            "tight": serve(llama, trace, policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100)}
+
+
+@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+def test_every_request_gets_hugging_faces_greedy_tokens(runs, llama, name):
+    run = runs[name]
+    assert len(run.requests) == len(runs["trace"])
+    for record, (ids, new, _) in zip(run.requests, runs["trace"]):
+        assert record.tokens.dtype == torch.long
+        assert torch.equal(record.tokens, _hf(llama, ids, new))  # all of them: never lost, never truncated
+        assert record.new_tokens == new and record.prompt_length == len(ids)
+
+
+def test_gpt2_served_continuously_matches_hugging_face():
+    model = _gpt2()
+    trace = _trace(((4, 3, 0.0), (7, 5, 0.0), (2, 4, 10.0)), seed=2)
+    told = []
+    run = serve(model, trace, block_size=4, progress=lambda done, total: told.append((done, total)))
+    assert told == [(1, 3), (2, 3), (3, 3)]  # once per finished request
+    for record, (ids, new, _) in zip(run.requests, trace):
+        assert torch.equal(record.tokens, _hf(model, ids, new))
+    assert all(s.slots % 4 == 0 for s in run.steps)  # without buckets, whole blocks
+    geared = serve(model, trace, block_size=4, buckets=[8, 16], policy="static")
+    assert [r.tokens.tolist() for r in geared.requests] == [r.tokens.tolist() for r in run.requests]
+    assert {s.slots for s in geared.steps} <= {8, 16}
+
+
+def test_a_full_pool_preempts_by_recompute_and_says_so(runs):
+    run = runs["tight"]
+    assert run.pool_blocks == 10 and run.pool_bytes == 10 * 4 * PER_TOKEN
+    assert sum(r.preempted for r in run.requests) >= 1
+    assert run.pool_peak_blocks <= 10 and all(s.pool_used_blocks <= 10 for s in run.steps)
+    # a preempted request is prefilled again (over its prompt and the tokens it had)
+    for i, r in enumerate(run.requests):
+        prefills = [s for s in run.steps if s.kind == "prefill" and i in s.requests]
+        assert len(prefills) == 1 + r.preempted
+    assert runs["continuous"].summary()["preemptions"] == 0
+
+
+def _token_times(run, i):
+    """When request i's tokens were ready: the ends of the prefills and decode steps that served it."""
+    return [s.end_us for s in run.steps if s.kind in ("prefill", "decode") and i in s.requests]
+
+
+@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+def test_times_are_read_off_the_one_clock(runs, name):
+    run = runs[name]
+    for a, b in zip(run.steps, run.steps[1:]):
+        assert b.start_us >= a.end_us  # one device: runs one after another
+    for s in run.steps:
+        assert s.end_us == pytest.approx(s.start_us + s.device_us)
+        assert s.start_us >= s.ge_start_us + s.host_ge_us - 1e-6  # GE planned it before the device ran it
+    for i, (r, (_, new, arrival)) in enumerate(zip(run.requests, runs["trace"])):
+        first_prefill = next(s for s in run.steps if s.kind == "prefill" and i in s.requests)
+        assert first_prefill.start_us >= arrival and first_prefill.ge_start_us >= arrival
+        times = _token_times(run, i)
+        # a preemption drops the tokens of no step: recompute's prefill yields the next one
+        assert len(times) == new
+        assert r.ttft_us == pytest.approx(times[0] - arrival)
+        assert r.latency_us == pytest.approx(times[-1] - arrival)
+        assert r.tpot_us == pytest.approx((times[-1] - times[0]) / (new - 1) if new > 1 else 0.0)
+    total = sum(new for _, new, _ in runs["trace"])
+    makespan = run.steps[-1].end_us - min(a for _, _, a in runs["trace"])
+    assert run.throughput_tok_per_s == pytest.approx(total / makespan * 1e6)
+    busy = sum(s.device_us for s in run.steps)
+    inside = sum(s.device_us - s.kernel_time_us - s.transfer_time_us for s in run.steps)
+    assert run.device_idle_us == pytest.approx(makespan - busy + inside)
+    assert run.host_ge_us == pytest.approx(sum(s.host_ge_us for s in run.steps)) and run.host_ge_us > 0
+    assert run.plan_cache_hits + run.plan_cache_misses == sum(s.kind != "regroup" for s in run.steps)
+
+
+@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+def test_ge_plans_once_per_gear_not_per_prompt_length(runs, name):
+    run = runs[name]
+    # a prefill is padded to whole blocks, a decode step runs a power-of-two batch: one plan per (batch, slots)
+    for kind in ("prefill", "decode"):
+        steps = [s for s in run.steps if s.kind == kind]
+        assert [s.plan_cache for s in steps].count("miss") == len({(s.batch, s.slots) for s in steps})
+        assert all(s.slots % run.block_size == 0 for s in steps)
+    assert all(s.batch == 1 for s in run.steps if s.kind == "prefill")
+    assert all(s.batch >= 2 and s.batch & (s.batch - 1) == 0 for s in run.steps if s.kind == "decode")
+
+
+def test_continuous_batching_lets_a_late_request_join_the_running_batch(runs):
+    run = runs["continuous"]
+    # request 2 arrives at 300 us while 0 and 1 decode: some decode step serves all three
+    assert any(s.kind == "decode" and {0, 1, 2} <= set(s.requests) for s in run.steps)
+    # finished requests leave: no step serves a request after its last token
+    for i, r in enumerate(run.requests):
+        last = r.latency_us + r.arrival_us
+        assert all(s.end_us <= last for s in run.steps if s.kind == "decode" and i in s.requests)
+
+
+def test_static_batching_runs_a_batch_to_its_end_and_reserves_its_longest(runs):
+    run, trace = runs["static"], runs["trace"]
+    first = [s for s in run.steps if s.kind == "decode"]
+    batch = set(first[0].requests)
+    assert batch == {0, 1}  # the two there at 0 us; the others arrive while it runs
+    batch_end = max(s.end_us for s in run.steps if s.kind == "decode" and set(s.requests) <= batch)
+    later = [s for s in run.steps if s.kind == "prefill" and s.requests[0] not in batch]
+    assert later and all(s.start_us >= batch_end for s in later)
+    # each row reserves blocks for its prompt plus the batch's longest run, whatever it needs itself
+    steps = max(trace[i][1] for i in batch)
+    reserved = sum(-(-(len(trace[i][0]) + steps - 1) // 8) for i in batch)
+    assert first[0].pool_used_blocks == reserved
+    # rows that finished stay in the batch (their slot runs on), so static wastes more of what it allocates
+    assert run.pool_waste > runs["continuous"].pool_waste
+
+
+def test_the_pool_is_sized_from_its_bytes_or_from_the_requests(runs):
+    run, trace = runs["continuous"], runs["trace"]
+    assert run.block_size == 8
+    assert run.pool_blocks == sum(-(-(len(ids) + new - 1) // 8) for ids, new, _ in trace)  # pool_bytes=None
+    assert run.pool_bytes == run.pool_blocks * 8 * PER_TOKEN
+    assert run.pool_sized_from == "requests" and runs["tight"].pool_sized_from == "pool_bytes"
+    for s in run.steps:
+        assert s.pool_allocated_slots == 8 * s.pool_used_blocks >= s.pool_token_slots
+    assert 0 < run.pool_waste < 1 and 0 < run.pool_utilisation <= 1
+    summary = run.summary()
+    for key in ("throughput_tok_per_s", "pool_bytes", "pool_waste", "plan_cache_hits", "plan_cache_misses",
+                "host_ge_us", "device_idle_us", "steps"):
+        assert key in summary
+
+
+def test_the_trace_has_a_track_per_request_and_the_pool_as_a_counter(runs):
+    run = runs["tight"]
+    events = run.trace()["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert [names[(2, i)] for i in range(4)] == [f"request {i}" for i in range(4)]
+    device = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
+    assert [e["name"].split()[0] for e in device] == [s.kind for s in run.steps]
+    counters = [e for e in events if e["ph"] == "C"]
+    assert [c["args"]["used"] for c in counters] == [s.pool_used_blocks for s in run.steps]
+    assert all(c["args"]["used"] + c["args"]["free"] == run.pool_blocks for c in counters)
+    for i, r in enumerate(run.requests):
+        mine = [e for e in events if e["ph"] == "X" and e["pid"] == 2 and e["tid"] == i]
+        assert [e["name"] for e in mine].count("prefill") == 1 + r.preempted
+        served = next(e for e in mine if e["name"] == f"request {i}")
+        assert served["args"]["preempted"] == r.preempted
+
+
+def test_timing_only_runs_the_same_schedule_with_the_same_device_times(runs, llama):
+    full = runs["tight"]
+    fast = serve(llama, runs["trace"], policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100,
+                 timing_only=True)
+    assert [(s.kind, s.requests, s.batch, s.slots) for s in fast.steps] == \
+        [(s.kind, s.requests, s.batch, s.slots) for s in full.steps]
+    assert [s.device_us for s in fast.steps] == [s.device_us for s in full.steps]
+    assert [s.transfer_time_us for s in fast.steps] == [s.transfer_time_us for s in full.steps]
+    for record, (ids, new, _) in zip(fast.requests, runs["trace"]):  # the new tokens are not known
+        assert record.tokens.tolist() == ids.tolist() + [-1] * new
+
+
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs(llama, monkeypatch):
+    import geir.frontends.serve as serving
+
+    def never(*args, **kwargs):
+        raise AssertionError("the scheduler ran")
+
+    monkeypatch.setattr(serving, "_Server", never)
+    trace = _trace(((5, 4, 0.0), (30, 10, 0.0)))
+    with pytest.raises(ValueError, match=r"request 1 can never fit the KV pool: its prompt of 30 tokens and 10 new "
+                                         r"tokens need 5 blocks of 8 tokens .* the pool has 4"):
+        serve(llama, trace, block_size=8, pool_bytes=4 * 8 * PER_TOKEN)
+
+
+def test_bad_arguments_are_refused_with_the_reason(llama):
+    trace = _trace(((5, 4, 0.0),))
+    with pytest.raises(ValueError, match="policy must be one of continuous, static"):
+        serve(llama, trace, policy="fifo")
+    with pytest.raises(ValueError, match=r"12 tokens exceed the largest bucket \(8\)"):
+        serve(llama, _trace(((5, 4, 0.0), (9, 4, 0.0))), buckets=[8])
+    with pytest.raises(ValueError, match="graph mode"):
+        serve(llama, trace, launch="graph")
+    with pytest.raises(ValueError, match="request 0: the prompt has 1 token"):
+        serve(llama, [([7], 3, 0.0)])
+    with pytest.raises(ValueError, match=r"request 0: token id 100 is outside the model's vocabulary \(0 to 99\)"):
+        serve(llama, [([7, 100], 3, 0.0)])
+    with pytest.raises(ValueError, match="request 0: max_new_tokens must be at least 1"):
+        serve(llama, [([7, 8], 0, 0.0)])
+    with pytest.raises(ValueError, match=r"request 0: expected \(input_ids, max_new_tokens, arrival_us\)"):
+        serve(llama, [[1, 2]])
+
+
+def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    trace = bench.synthetic_trace(200, 20.0, 100, 0)
+    assert all(2 <= len(p) <= 64 and 1 <= n <= 64 for p, n, _ in trace)
+    arrivals = [a for _, _, a in trace]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+    # Poisson arrivals at 20 per ms: the mean gap is 50 us, within sampling error over 199 gaps
+    assert 35 < arrivals[-1] / 199 < 65
+    assert bench.main(["--requests", "5", "--timing-only"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("5 requests, prompts ") and [line.split()[0] for line in out[2:4]] == ["continuous",
+                                                                                                      "static"]
+    assert out[4].startswith("continuous batching: ")
