@@ -59,7 +59,7 @@ from geir.runtime.kv_pool import KVBlockPool
 from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE, run_program
-from geir.target_npu.target import DEFAULT_TARGET
+from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.types import DType, TensorType
 
 POLICIES = ("continuous", "static")
@@ -411,7 +411,7 @@ def _regroup_graph(parts: list[list[TensorType]], slots: int, batch: int) -> Mod
 
 def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "continuous", block_size: int = 128,
           pool_bytes: int | None = None, launch: str = "single-op", buckets: Sequence[int] | str | None = None,
-          dtype: torch.dtype | None = None, target: str = DEFAULT_TARGET, timing_only: bool = False,
+          dtype: torch.dtype | None = None, target: Target | str = DEFAULT_TARGET, timing_only: bool = False,
           pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = (),
           progress: Callable[[int, int], None] | None = None) -> Serving:
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
@@ -456,7 +456,8 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"{s.max_new} new tokens need {pool.blocks_for(s.most_slots)} blocks of {block_size} "
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
-    run = _Server(model, seqs, pool, policy, buckets, target, pipeline, listeners, timing_only, progress).run()
+    run = _Server(model, seqs, pool, policy, buckets, as_target(target), pipeline, listeners, timing_only,
+                  progress).run()
     return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
@@ -464,7 +465,7 @@ class _Server:
     """The scheduler and the one clock: GE's sessions for both step programs, the batch's cache on the device."""
 
     def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool, policy: str,
-                 buckets: Sequence[int] | str | None, target: str, pipeline: str,
+                 buckets: Sequence[int] | str | None, target: Target, pipeline: str,
                  listeners: Sequence[RuntimeListener], timing_only: bool = False,
                  progress: Callable[[int, int], None] | None = None):
         self.seqs = seqs

@@ -237,7 +237,7 @@ def _progress_bar():
 
 
 def run(args: argparse.Namespace) -> int:
-    check_target(args.target)
+    chip = check_target(args.target)
     if args.chrome_trace:
         refuse_overwrites([("TRACE.jsonl", args.requests), ("--model", args.model)], [("--trace", args.chrome_trace)])
         refuse_unwritable([("--trace", args.chrome_trace)])
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             result = serve(model, requests, policy=args.policy, block_size=args.block_size,
-                           pool_bytes=args.pool_bytes, target=args.target, timing_only=args.timing_only,
+                           pool_bytes=args.pool_bytes, target=chip, timing_only=args.timing_only,
                            progress=_progress_bar() if sys.stderr.isatty() else None)
         except TorchImportError as e:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
