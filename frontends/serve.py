@@ -54,7 +54,7 @@ from geir.frontends.torch_builder import to_numpy
 from geir.frontends.torch_import import import_program
 from geir.ir import Module
 from geir.runtime.device import DeviceTensor
-from geir.runtime.interpreter import RuntimeListener
+from geir.runtime.interpreter import LAUNCH_MODES, RuntimeListener
 from geir.runtime.kv_pool import KVBlockPool
 from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
@@ -64,7 +64,6 @@ from geir.types import DType, TensorType
 
 POLICIES = ("continuous", "static")
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
-LAUNCH_MODES = ("single-op", "graph")
 
 
 @attrs.frozen
@@ -426,8 +425,6 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {', '.join(LAUNCH_MODES)}, not {launch!r}")
-    if launch == "graph":
-        raise ValueError("launch='graph' (graph mode) is not implemented yet: serve runs single-op launches")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
     seqs = _requests(requests)
@@ -457,7 +454,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
     run = _Server(model, seqs, pool, policy, buckets, as_target(target), pipeline, listeners, timing_only,
-                  progress).run()
+                  progress, launch).run()
     return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
@@ -467,7 +464,7 @@ class _Server:
     def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool, policy: str,
                  buckets: Sequence[int] | str | None, target: Target, pipeline: str,
                  listeners: Sequence[RuntimeListener], timing_only: bool = False,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, launch: str = "single-op"):
         self.seqs = seqs
         self.progress = progress
         self.finished = 0
@@ -478,7 +475,7 @@ class _Server:
         self.target = target
         self.pipeline = pipeline
         self.listeners = listeners
-        self.loop = _Loop(*self._programs(model, seqs[0].prompt), target, pipeline, listeners)
+        self.loop = _Loop(*self._programs(model, seqs[0].prompt), target, pipeline, listeners, launch)
         self.names = {phase: [a.name for a in session.generic.args]
                       for phase, (session, _) in self.loop.sessions.items()}
         self.regroup_programs: dict[tuple, Any] = {}
@@ -597,12 +594,12 @@ class _Server:
         feed = dict(zip(names, [c for part in parts for c in part] + [order]))
         n = len(parts[0])
         result = run_program(program, feed, target=self.target, keep=range(n), listeners=self.listeners,
-                             timing_only=self.timing_only)
+                             timing_only=self.timing_only, launch_mode=self.loop.launch, graphs=self.loop.graphs)
         self.cache = self._results(program, result)
         self.rows = padded
         self.pending = {}
         self.regroups += 1
-        self._record("regroup", rows, batch, slots, ge_us, miss, time_split(result))
+        self._record("regroup", rows, batch, slots, ge_us + result.capture_us, miss, time_split(result))
 
     def _decode(self, rows: list[_Sequence], live: set[int]) -> None:
         """One decode step over the running rows (`live`: the rows whose tokens count; static batching keeps

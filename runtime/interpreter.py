@@ -74,6 +74,29 @@ class RunResult:
     faults: list[dict[str, Any]] = attrs.field(factory=list)
     # timing only: launches replayed from an identical one timed before (geir.runtime.launch_memo)
     replayed: int = 0
+    # how the launches reached the device: "single-op" (the host submits each) or "graph" (a captured task
+    # graph replayed by one submission); capture_us: the host's time capturing it, on this run (its first)
+    launch_mode: str = "single-op"
+    capture_us: float = 0.0
+
+
+LAUNCH_MODES = ("single-op", "graph")
+
+
+class GraphCaptures:
+    """The programs whose task graphs are loaded on the device (ACL Graph's model run instances, captured between
+    aclmdlRICaptureBegin and aclmdlRICaptureEnd): a later run replays one with a single aclmdlRIExecuteAsync.
+    Share one across the Runtimes of a session so that each program (a plan-cache entry, GE's bucket) is captured
+    once."""
+
+    def __init__(self) -> None:
+        self._captured: weakref.WeakSet = weakref.WeakSet()
+
+    def capture(self, program: Graph) -> bool:
+        """Record `program` as captured; whether this is its first capture."""
+        first = program not in self._captured
+        self._captured.add(program)
+        return first
 
 
 class RuntimeListener:
@@ -106,8 +129,16 @@ class Runtime:
 
     def __init__(self, target: Target, record_pipes: bool = False, faults: Iterable[tuple[str, int]] = (),
                  count_waits: bool = False, timing_only: bool = False,
-                 memo: bool | LaunchMemo = True, listeners: Iterable[RuntimeListener] = ()):
+                 memo: bool | LaunchMemo = True, listeners: Iterable[RuntimeListener] = (),
+                 launch_mode: str = "single-op", graphs: GraphCaptures | None = None):
+        if launch_mode not in LAUNCH_MODES:
+            raise ValueError(f"launch mode must be one of {', '.join(LAUNCH_MODES)}, not {launch_mode!r}")
         self.target = target
+        # "graph": the program's launches are a task graph captured on the device once (per program, in `graphs`)
+        # and replayed by one submission, as ACL Graph (torchair's reduce-overhead, vllm-ascend's decode) does;
+        # "single-op": the host submits every launch, `launch_latency_us` each
+        self.launch_mode = launch_mode
+        self.graphs = graphs if graphs is not None else GraphCaptures()
         # told of every task as it runs (geir.runtime.interpreter.RuntimeListener)
         self.listeners = list(listeners)
         # timing only: every task is timed as in a full run, but no value is computed or copied, so inputs
@@ -166,6 +197,23 @@ class Runtime:
         load_us = 0.0
         transfers = 0
         faults: list[dict[str, Any]] = []
+        graph = self.launch_mode == "graph"
+        capture_us = 0.0
+        if graph and self.graphs.capture(program):
+            # loading the program captures it: the host submits every launch once into the model run instance,
+            # which executes nothing then. That is host work when GE loads the program (once per program: a
+            # plan-cache entry), before the run, as a compile is: RunResult.capture_us, not this run's span
+            capture_us = self.submit_us * sum(1 for op in program.ops if op.name == "rt.launch")
+        replay_pending = graph  # graph mode: the launches reach the device with one submission, the first
+
+        def submit_launch() -> None:
+            """The host's submission before a launch: each one's own, or the replay's once in graph mode."""
+            nonlocal submitted, replay_pending
+            if not graph:
+                submitted += self.submit_us
+            elif replay_pending:  # aclmdlRIExecuteAsync: the device's task scheduler dispatches the rest
+                submitted += self.submit_us
+                replay_pending = False
 
         def copy_task(kind: str, what: str, op: Operation) -> None:
             """Submit a host-device copy and run it on the copy engine, after its stream and the copy before it."""
@@ -226,7 +274,7 @@ class Runtime:
                         raise RuntimeFailure(f"{op.loc}: wait for event {op.event}, which nothing recorded before")
                     streams[op.stream] = max(streams.get(op.stream, 0.0), events[op.event])
                 elif name == "rt.launch" and op.engine == AICPU:
-                    submitted += self.submit_us
+                    submit_launch()
                     streams[op.stream] = max(streams.get(op.stream, 0.0), submitted)
                     stats = self._aicpu_launch(op, device, where, gm, streams, aicpu_free, len(kernels), faults)
                     aicpu_free = stats.end / self.cycles_per_us
@@ -237,7 +285,7 @@ class Runtime:
                     for listener in self.listeners:
                         listener.launched(tasks[-1], stats)
                 elif name == "rt.launch":
-                    submitted += self.submit_us
+                    submit_launch()
                     streams[op.stream] = max(streams.get(op.stream, 0.0), submitted)
                     stats, cores = self._launch_recovering(op, tilings[id(op)], device, where, cores, gm, streams,
                                                            len(kernels), faults)
@@ -263,7 +311,8 @@ class Runtime:
             raise RuntimeFailure(f"cannot inject {kind}@{n}: the program has only {count} "
                                  f"{'transfers' if kind == 'dma' else 'kernel launches'}")
         replayed = self.memo.hits - hits if self.memo is not None else 0
-        result = RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us, faults, replayed)
+        result = RunResult(outputs, tasks, kernels, cores, gm, self.target, load_us, faults, replayed,
+                           self.launch_mode, capture_us)
         for listener in self.listeners:
             listener.run_finished(result)
         return result

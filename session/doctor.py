@@ -59,7 +59,8 @@ from geir.verifier import verify_graph
 
 
 # GE's host work comes first on the timeline: a run that waits for GE cannot be saved by the device
-LAYERS = ("ge-host", "fusion", "runtime", "kernel")
+# host-launch: the device waits for the host to submit launch after launch (fusion first: fewer launches)
+LAYERS = ("ge-host", "fusion", "host-launch", "runtime", "kernel")
 CULPRITS = LAYERS + ("none",)
 # GE's host work (a compile or re-plan the run waited for) is the culprit when it takes more than this
 # share of the run's end-to-end time: then no device-side improvement can win back much
@@ -196,13 +197,14 @@ def specialise(graph: Graph, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
 
 
 def run_counting_waits(program: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                       target: Target) -> RunResult:
+                       target: Target, launch_mode: str = "single-op") -> RunResult:
     """Run a lowered program with the pipes' idle time booked by cause (KernelStats.waits)."""
-    return Runtime(target, count_waits=True).run(program, inputs, weights)
+    return Runtime(target, count_waits=True, launch_mode=launch_mode).run(program, inputs, weights)
 
 
 def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                   pipeline: str, target: Target, file: str = "<input>", cold: bool = False) -> Diagnosis:
+                   pipeline: str, target: Target, file: str = "<input>", cold: bool = False,
+                   launch_mode: str = "single-op") -> Diagnosis:
     """Compile a ge.graph with the pipeline, run it, and judge the layers.
 
     `cold`: the run is the first request, which waits for GE's compile (measured host time); else a
@@ -217,7 +219,7 @@ def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapp
                         verify_each=False, records=records)
     compile_us = (time.perf_counter() - start) * 1e6
     program = module.graphs[0]
-    result = run_counting_waits(program, inputs, weights, target)
+    result = run_counting_waits(program, inputs, weights, target, launch_mode)
     cache: dict[tuple[str, ...], float | str] = {}
 
     def fused_equivalent(q: TensorType, k: TensorType, v: TensorType) -> float | str:
@@ -231,9 +233,9 @@ def diagnose_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapp
 
 
 def diagnose_program(program: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-                     target: Target) -> Diagnosis:
+                     target: Target, launch_mode: str = "single-op") -> Diagnosis:
     """Run an already lowered rt.program and judge the Runtime and the kernels (fusion is behind it)."""
-    return judge(program, run_counting_waits(program, inputs, weights, target), None, None)
+    return judge(program, run_counting_waits(program, inputs, weights, target, launch_mode), None, None)
 
 
 def fused_attention_us(q: TensorType, k: TensorType, v: TensorType, pipeline: str, target: Target) -> float | str:
@@ -484,11 +486,14 @@ def timeline_findings(result: RunResult, host_ge_us: float, compile_us: float | 
     evidence = {**figures, "device_idle_us": idle, "tasks": len(result.tasks), "tasks_waiting_submission": len(waited),
                 "submit_us_per_task": submit, "stake_us": idle, "threshold_idle_share": HOST_BOUND_IDLE}
     if span_us and idle / span_us > HOST_BOUND_IDLE and len(waited) * 2 > len(result.tasks):
-        out.append(Finding("runtime", "host_bound", "high",
+        remedy = ("run it in graph mode (--launch graph; generate/serve(launch='graph')): its task graph captured "
+                  "on the device once and replayed with one submission, as ACL Graph does"
+                  if result.launch_mode == "single-op" else "fewer launches (fusion) or a longer task per launch")
+        out.append(Finding("host-launch", "host_bound", "high",
                            f"host-bound: the device sat idle {idle:.1f} of its {span_us:.1f} us waiting for the Runtime "
                            f"to submit tasks ({len(waited)} of {len(result.tasks)} started the moment they were "
-                           f"submitted, {submit:g} us each): fewer launches (fusion) or a longer task per launch",
-                           evidence))
+                           f"submitted, {submit:g} us each, {result.launch_mode} launches): {remedy}",
+                           {**evidence, "launch_mode": result.launch_mode}))
     if end_to_end and copies_us / end_to_end > 0.5:
         out.append(Finding("runtime", "copies_dominate", "medium",
                            f"host-device copies take {copies_us:.1f} us, {100 * copies_us / end_to_end:.0f} % of "

@@ -14,7 +14,7 @@ import numpy as np
 from geir.diagnostics import DiagnosticEngine, DiagnosticError
 from geir.ir import Graph, Module
 from geir.passes import PassContext, PassManager, complete_pipeline, parse_pipeline
-from geir.runtime.interpreter import RunResult, Runtime, RuntimeListener
+from geir.runtime.interpreter import GraphCaptures, RunResult, Runtime, RuntimeListener
 from geir.runtime.launch_memo import LaunchMemo
 from geir.runtime.trace import GE, Span
 from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
@@ -72,10 +72,12 @@ def compile_module(module: Module, pipeline: str = DEFAULT_PIPELINE, target: Tar
 def run_program(program: Graph, inputs: Mapping[str, np.ndarray], resources: Mapping[str, np.ndarray] | None = None,
                 target: Target | str = DEFAULT_TARGET, record_pipes: bool = False, timing_only: bool = False,
                 resident: Iterable[str] = (), memo: LaunchMemo | None = None, keep: Iterable[int] = (),
-                listeners: Iterable[RuntimeListener] = ()) -> RunResult:
+                listeners: Iterable[RuntimeListener] = (), launch_mode: str = "single-op",
+                graphs: GraphCaptures | None = None) -> RunResult:
     """Run a lowered rt.program on a fresh simulated chip (`resident`: inputs already on the device; `keep`:
     results that stay there, as DeviceTensors; `memo`: timing only, the launches earlier runs timed;
-    `listeners`: told of every task as it runs)."""
+    `listeners`: told of every task as it runs; `launch_mode` "graph": the launches replayed from a task graph
+    captured once per program in `graphs`, one submission a run)."""
     return Runtime(as_target(target), record_pipes=record_pipes, timing_only=timing_only,
-                   memo=True if memo is None else memo, listeners=listeners).run(program, inputs, resources,
-                                                                                 resident, keep)
+                   memo=True if memo is None else memo, listeners=listeners, launch_mode=launch_mode,
+                   graphs=graphs).run(program, inputs, resources, resident, keep)

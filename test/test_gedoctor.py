@@ -420,7 +420,7 @@ def test_gedoctor_on_a_20000_node_import(tmp_path, capsys):
     assert rc == 0 and "Error" not in err, err
     doc = check_schema(json.loads(out))
     # hundreds of tiny fused chains, one launch each: the device waits for the Runtime's submissions
-    assert doc["culprit"] == "runtime" and deciding(doc)["kind"] == "host_bound"
+    assert doc["culprit"] == "host-launch" and deciding(doc)["kind"] == "host_bound"
     located = [f["location"] for f in doc["findings"] if f["location"]]
     assert all(loc.startswith(f"{tmp_path / 'chain.geir'}:") for loc in located)
 
@@ -452,11 +452,16 @@ def test_many_tiny_launches_are_host_bound(tmp_path, capsys):
     path.write_text(f"ge.graph @main(%v0: tensor<8x16xf32>) -> tensor<8x16xf32> {{\n  {ops}\n  ge.return %v40\n}}\n")
     doc = diagnosis([path, "--no-fuse"], capsys)
     f = deciding(doc)
-    assert doc["culprit"] == "runtime" and f["kind"] == "host_bound"
+    assert doc["culprit"] == "host-launch" and f["kind"] == "host_bound"
+    assert "--launch graph" in f["message"] and f["evidence"]["launch_mode"] == "single-op"
     e = f["evidence"]
     assert e["device_idle_us"] / e["device_span_us"] > doctor.HOST_BOUND_IDLE
     # oracle: the device cannot finish before the host has submitted every task, one after another
     assert e["device_span_us"] >= e["tasks"] * e["submit_us_per_task"]
+    # in graph mode one submission starts the replay: the device no longer waits for the host
+    graph = diagnosis([path, "--no-fuse", "--launch", "graph"], capsys)
+    assert graph["culprit"] != "host-launch"
+    assert all(f["kind"] != "host_bound" for f in graph["findings"])
 
 
 def test_a_kernel_mostly_head_is_told_to_do_more_per_launch(tmp_path, capsys):

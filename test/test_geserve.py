@@ -155,9 +155,9 @@ def test_missing_files_and_bad_usage(files, capsys):
         with pytest.raises(SystemExit) as e:
             geserve.main([str(a) for a in argv])
         assert e.value.code == 2
-    capsys.readouterr()
-    rc, _, err = _main(capsys, trace, "--model", config, "--launch", "graph")
-    assert rc == 2 and "graph mode is not implemented" in err
+    with pytest.raises(SystemExit) as e:
+        geserve.main([str(trace), "--model", str(config), "--launch", "eager"])
+    assert e.value.code == 2
 
 
 def test_help_states_the_trace_format_and_version(capsys):

@@ -231,8 +231,8 @@ def test_bad_arguments_are_refused_with_the_reason(llama):
         serve(llama, trace, policy="fifo")
     with pytest.raises(ValueError, match=r"12 tokens exceed the largest bucket \(8\)"):
         serve(llama, _trace(((5, 4, 0.0), (9, 4, 0.0))), buckets=[8])
-    with pytest.raises(ValueError, match="graph mode"):
-        serve(llama, trace, launch="graph")
+    with pytest.raises(ValueError, match="launch must be one of single-op, graph, not 'eager'"):
+        serve(llama, trace, launch="eager")
     with pytest.raises(ValueError, match="request 0: the prompt has 1 token"):
         serve(llama, [([7], 3, 0.0)])
     with pytest.raises(ValueError, match=r"request 0: token id 100 is outside the model's vocabulary \(0 to 99\)"):

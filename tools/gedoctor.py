@@ -64,6 +64,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"culprit": ..., "findings": [...]} as JSON')
     p.add_argument("--cold", action="store_true",
                    help="judge the first request, which waits for GE's compile (default: a warm run, a plan-cache hit)")
+    p.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
+                   help="how the run's kernels reach the device: submitted one by one (single-op), or replayed from "
+                        "a task graph captured once (graph); a host-launch culprit recommends graph mode")
     p.add_argument("--entry", metavar="NAME", help="the graph to diagnose (default @main, else the only graph)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--inputs", metavar="IN.npz", help="inputs by argument name (default: random, --seed 0)")
@@ -119,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if lowered:
             check_inputs_match(graph, inputs, f"--inputs {args.inputs}" if args.inputs else f"--seed {args.seed}")
-            diagnosis = diagnose_program(graph, inputs, weights, chip)
+            diagnosis = diagnose_program(graph, inputs, weights, chip, args.launch)
         else:
-            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, chip, module.file, cold=args.cold)
+            diagnosis = diagnose_graph(graph, inputs, weights, pipeline, chip, module.file, cold=args.cold,
+                                       launch_mode=args.launch)
     except DiagnosticError as e:
         for d in e.diagnostics:
             printer(d)

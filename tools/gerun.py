@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from geir.kernels.base import KernelStats
 from geir.passes import PipelineError
-from geir.runtime.interpreter import RuntimeListener, Task
+from geir.runtime.interpreter import GraphCaptures, RuntimeListener, Task
 from geir.tools.common import (
     seed,
     EXIT_FAILURE,
@@ -117,6 +117,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="time every task with the kernels' cost models and skip the arithmetic: the simulated "
                         "figures are the full run's, at a fraction of the host time; weights may be absent and "
                         "there are no results (--output and --check are refused)")
+    p.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
+                   help="how the kernels reach the device: the host submits each launch (single-op, the default), "
+                        "or the program's task graph is captured on the device once and each run replays it with "
+                        "one submission (graph: ACL Graph, torchair's reduce-overhead; the profile's launch_mode)")
     p.add_argument("--explain", action="store_true",
                    help="print GE's fusion and tiling remarks, and what each re-plan for a new shape changed")
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@N",
@@ -349,7 +353,8 @@ def run_once(program: Graph, inputs: dict[str, np.ndarray], weights: dict[str, n
     launches = sum(1 for op in program.ops if op.name == "rt.launch")
     progress = _Progress(launches, label)
     runtime = Runtime(args.chip, record_pipes=bool(args.trace or args.timeline), faults=faults,
-                      timing_only=args.timing_only, memo=memo, listeners=[progress])
+                      timing_only=args.timing_only, memo=memo, listeners=[progress], launch_mode=args.launch,
+                      graphs=args.graphs)
     try:
         return runtime.run(program, inputs, weights, resident_args(program, args.resident))
     except RuntimeFailure as e:
@@ -442,6 +447,7 @@ def output_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 def run(args: argparse.Namespace) -> int:
     args.chip = check_target(args.target)  # the typed Target every step below takes
+    args.graphs = GraphCaptures()  # graph mode: each program captured once in this invocation, then replayed
     if args.timing_only and (args.output or args.check):
         raise ToolError(f"--timing-only computes no values: {'--output' if args.output else '--check'} needs a full "
                         f"run", EXIT_USAGE)

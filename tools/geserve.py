@@ -79,7 +79,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-bytes", type=_positive, metavar="B",
                    help="the KV pool's device bytes (default: every request at its longest at once)")
     p.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
-                   help="how steps are launched (graph mode is not implemented yet)")
+                   help="how a step's kernels reach the device: the host submits each (single-op), or the step's task "
+                        "graph is captured once per GE bucket and replayed by one submission (graph, as ACL Graph)")
     p.add_argument("--timing-only", action="store_true",
                    help="time every run with the kernels' cost models and skip the arithmetic: the same schedule "
                         "and device times; the new tokens are unknown (-1)")
@@ -241,8 +242,6 @@ def run(args: argparse.Namespace) -> int:
     if args.chrome_trace:
         refuse_overwrites([("TRACE.jsonl", args.requests), ("--model", args.model)], [("--trace", args.chrome_trace)])
         refuse_unwritable([("--trace", args.chrome_trace)])
-    if args.launch == "graph":
-        raise ToolError("--launch graph: graph mode is not implemented yet; use --launch single-op", EXIT_USAGE)
     sources = SourceManager()
     printer = DiagnosticPrinter(sources)
     trace_name, trace_text = _text(args.requests)
@@ -261,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             result = serve(model, requests, policy=args.policy, block_size=args.block_size,
-                           pool_bytes=args.pool_bytes, target=chip, timing_only=args.timing_only,
+                           pool_bytes=args.pool_bytes, target=chip, launch=args.launch, timing_only=args.timing_only,
                            progress=_progress_bar() if sys.stderr.isatty() else None)
         except TorchImportError as e:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
