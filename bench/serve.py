@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     ap.add_argument("--pool-blocks", type=int, default=48, help="KV pool blocks, the same for both (default 48)")
     ap.add_argument("--timing-only", action="store_true", help="cost models only (no token check)")
+    ap.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
+                    help="how each step's kernels reach the device (default single-op)")
     ap.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     ap.add_argument("--json", help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(trace)} requests, prompts {min(prompts)}-{max(prompts)} tokens (mean {sum(prompts) / len(trace):.1f}), "
           f"outputs {min(news)}-{max(news)} (mean {sum(news) / len(trace):.1f}), arrivals over "
           f"{trace[-1][2] / 1e3:.2f} ms; pool {args.pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B); "
-          f"2-layer LLaMA, hidden 64, f32, ascend910b{', timing only' if args.timing_only else ''}")
+          f"2-layer LLaMA, hidden 64, f32, ascend910b, {args.launch} launches{', timing only' if args.timing_only else ''}")
     print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>9}{'TPOT us':>9}{'busy ms':>9}{'idle ms':>9}"
           f"{'peak':>6}{'util':>6}{'waste':>7}{'preempt':>8}{'hits':>6}{'miss':>6}{'GE ms':>8}")
     rows, tokens = [], None
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = serve(model, [(torch.tensor(p), n, a) for p, n, a in trace], policy=policy,
-                        block_size=args.block_size, pool_bytes=pool_bytes, timing_only=args.timing_only)
+                        block_size=args.block_size, pool_bytes=pool_bytes, timing_only=args.timing_only,
+                        launch=args.launch)
         got = [r.tokens.tolist() for r in run.requests]
         if tokens is not None and got != tokens and not args.timing_only:
             print(f"{policy}: tokens differ from continuous batching's", file=sys.stderr)
