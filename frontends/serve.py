@@ -16,8 +16,8 @@ What is modelled, and what is not:
   regroup program (a device gather of rows, padded or cut to the new length) builds the new dense cache on
   the device, on the timeline; a paged cache would not need it.
 - GE's gears: a prefill is padded to its cache's slots (pads after the tokens, masked), so a plan serves every
-  prompt of that many blocks; a decode step's batch is padded to a power of two (at least 2: rows repeated,
-  their results dropped). GE re-plans only on a new (batch, slots) bucket; the pads cost compute.
+  prompt of that many blocks; a decode step's batch is padded to a power of two (rows repeated, their
+  results dropped). GE re-plans only on a new (batch, slots) bucket; the pads cost compute.
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
   requests that have arrived and whose blocks fit (first come, first served), prefills them, then runs one
   decode step over every running sequence; finished sequences leave and free their blocks. When a running
@@ -293,10 +293,8 @@ def _requests(requests: Sequence[Any]) -> list[_Sequence]:
 
 
 def _batch_gear(rows: int) -> int:
-    """The batch a decode step runs for `rows` sequences: the next power of two (GE's gears: fewer re-plans), at
-    least 2, because a batch of one fails to specialise: GE's shape inference leaves the batch of HF's mask
-    (an `arange` over a size known only after folding) unknown, and a broadcast of unknown with 1 stays unknown."""
-    return max(2, 1 << (rows - 1).bit_length())
+    """The batch a decode step runs for `rows` sequences: the next power of two (GE's gears: fewer re-plans)."""
+    return 1 << (rows - 1).bit_length()
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:

@@ -156,10 +156,13 @@ class _AddNorm(Operation):
     def infer(self, x1: TensorType, x2: TensorType, *params: TensorType) -> tuple[TensorType, TensorType]:
         if x1.dtype != x2.dtype:
             raise ShapeError(f"the residual {x2} and the input {x1} differ in dtype")
-        if x1.shape != x2.shape:
+        # the same shape, a dim one side knows and the other leaves `?` taken as known (as shapes are bound in
+        # turn, one operand can learn a dim before the other does)
+        if x1.rank != x2.rank or any(a is not None and b is not None and a != b for a, b in zip(x1.shape, x2.shape)):
             raise ShapeError(f"the residual {x2} is not shaped like the input {x1}")
-        y = self.norm_op().infer(x1, *params)
-        return TensorType(x1.shape, x1.dtype), y
+        x = TensorType(tuple(a if a is not None else b for a, b in zip(x1.shape, x2.shape)), x1.dtype)
+        y = self.norm_op().infer(x, *params)
+        return x, y
 
     def compute(self, x1: np.ndarray, x2: np.ndarray, *params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         total = _step_op({"op": "ge.add"}).compute(x1, x2)
