@@ -628,9 +628,12 @@ class ScatterUpdateKernel(_CopyKernel):
             if problem is not None:  # a write outside the tensor is an access the device faults on
                 raise DeviceFault(problem)
         # positions counted from the end made positive; timing only, the indices are stand-ins whose values are
-        # unknown (their count decides the time), so any value is taken as some position
+        # unknown: costed as one run of consecutive positions, a step's new tokens (what a KV cache writes)
         if x.shape[axis]:
-            index = np.mod(np.asarray(index, dtype=np.int64), x.shape[axis])
+            index = np.asarray(index, dtype=np.int64)
+            if not ctx.compute:
+                index = np.arange(index.size, dtype=np.int64).reshape(index.shape)
+            index = np.mod(index, x.shape[axis])
         return super().run(op, [x, values, index], tiling, ctx)
 
     def pairs(self, op, inputs, outs):

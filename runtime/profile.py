@@ -138,6 +138,7 @@ _LEGEND = {
                   "the capture of its task graph (once per program)",
     "end_to_end_us": "host_ge_us + the device's span, on one timeline: when the run's last task ended",
     "device_idle_us": "the device's idle time within its span: no kernel or copy running (waiting for submissions)",
+    "launch_mode": "how launches reach the device: single-op (the host submits each) or graph (one replay)",
     "tflops": "TFLOP/s achieved: the kernels' FLOPs over the kernels' time",
     "cube_peak_fraction": "tflops / the target's f16 cube peak",
     "overlap_ratio": "overlapped share of the shorter of MTE2 (data in) and compute time",
@@ -168,7 +169,8 @@ def format_profile(p: dict[str, Any], top: int = TOP_KERNELS) -> str:
 
     lines = [
         *(row(key, f"{p[key]:.2f}") for key in ("simulated_time_us", "kernel_time_us", "transfer_time_us",
-                                                 "host_ge_us", "end_to_end_us")),
+                                                 "host_ge_us", "end_to_end_us", "device_idle_us")),
+        row("launch_mode", p["launch_mode"]),
         row("tflops", f"{p['tflops']:.2f}"),
         row("cube_peak_fraction", f"{p['cube_peak_fraction']:.3f}"),
         row("overlap_ratio", f"{p['overlap_ratio']:.2f}"),

@@ -247,7 +247,8 @@ def test_gerun_profile_prints_the_legend():
     assert re.search(r"^simulated_time_us +\d+\.\d\d   the device's span", r.stdout, re.MULTILINE)
     # where the time went comes first, in the spec's order
     keys = re.findall(r"^(\w+_us) ", r.stdout, re.MULTILINE)
-    assert keys == ["simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us"]
+    assert keys == ["simulated_time_us", "kernel_time_us", "transfer_time_us", "host_ge_us", "end_to_end_us",
+                    "device_idle_us"]
 
 
 def test_gerun_profile_says_when_faults_were_injected_and_rolls_kernels_up_by_op_type(tmp_path):
