@@ -144,6 +144,15 @@ def kernel_launches(result: Any) -> int:
     return sum(not (k.cores == 0 and k.cycles == 0) for k in result.kernels)
 
 
+def kernels_by_type(result: Any) -> dict[str, int]:
+    """How many kernels of each type a run launched (views left out), the most frequent first."""
+    counts: dict[str, int] = {}
+    for k in result.kernels:
+        if not (k.cores == 0 and k.cycles == 0):
+            counts[k.name] = counts.get(k.name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def glue_share(result: Any) -> float:
     """The share of the run's kernel time in kernels other than matmuls and attention (msprof's op_summary rows)."""
     from geir.runtime.op_summary import op_summary_rows
@@ -173,12 +182,14 @@ def _quietly(fn, *args):
 
 def _compile(imported: Any) -> tuple[Any, list[str]]:
     """GE's session over an imported step program (fusion remarks collected)."""
+    from geir.builder import clone_graph
     from geir.ir import Module
     from geir.session import Session
 
     remarks: list[str] = []
     m = imported.module
-    session = Session(Module([m.graph()], m.file, m.resources), explain=True,
+    # GE's passes rewrite the graph in place: the import stays as torch spelled it, to count what there was
+    session = Session(Module([clone_graph(m.graph())], m.file, m.resources), explain=True,
                       emit=lambda d: remarks.append(d.message) if d.severity == "remark" else None)
     return session, remarks
 
@@ -260,7 +271,7 @@ def measure(kind: str, dtype: str, layers: int = LAYERS, prompt: int = PROMPT) -
         fused = sum(op.name in ATTENTION_KERNELS for op in run.fused.ops)
         sites = attention_sites(run.imported.graph())
         launches = kernel_launches(run.result)
-        row[phase] = {"kernels": launches, "kernels_per_layer": launches / layers, "glue_share": glue_share(run.result),
+        row[phase] = {"kernels": launches, "kernels_by_type": kernels_by_type(run.result), "kernels_per_layer": launches / layers, "glue_share": glue_share(run.result),
                       "attention_fused": fused, "attention_sites": sites, "rms_err": verdict.rms_err,
                       "eager_rms_err": verdict.eager_rms_err, "accurate": verdict.passed,
                       "kernel_time_us": sum(k.cycles for k in run.result.kernels) * 1e6 / run.result.target.clock_hz}
@@ -329,7 +340,7 @@ def _print_row(row: dict[str, Any]) -> None:
         if "attention_remark" in row[phase]:
             remarks.setdefault(row[phase]["attention_remark"], []).append(phase)
     said = "; ".join(f"{' and '.join(phases)}: {text}" for text, phases in remarks.items())
-    print(head + "  ".join(cells) + (f"  {said}" if said else ""), flush=True)
+    print((head + "  ".join(cells) + (f"  {said}" if said else "")).rstrip(), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(ran) - len(over)}/{len(ran)} rows within; fewest {best['decode']['kernels_per_layer']:.1f} "
               f"{best['model']} {best['dtype']}, most {worst['decode']['kernels_per_layer']:.1f} "
               f"{worst['model']} {worst['dtype']})")
+        first = ran[0]
+        spread = ", ".join(f"{name.removeprefix('ge.')} {n / first['layers']:g}"
+                           for name, n in first["decode"]["kernels_by_type"].items())
+        print(f"  where {first['model']} {first['dtype']}'s decode kernels go, per layer: {spread}")
     stopped = [r for r in rows if not r["runs"]]
     if stopped:
         print(f"  {len(stopped)} row(s) did not run: {', '.join(r['model'] + ' ' + r['dtype'] for r in stopped)}")
