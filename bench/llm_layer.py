@@ -10,10 +10,12 @@ a decode step program that takes it), through the torch frontend from `input_ids
 default pipeline; the prefill runs an 8-token prompt into a 9-slot cache, the decode step one more token into
 the last slot. Per family and dtype the table gives:
 
-  kern/L    kernels launched per decoder layer: the compiled program's `rt.launch` ops that are kernels (a
-            reshape is a view, no device task, and not counted) divided by the layers. The launches outside
+  kern/L    kernels launched per decoder layer: the compiled program's kernel launches (its `rt.launch` ops
+            less the views: a reshape renames bytes, no device task) divided by the layers. The launches outside
             the layers (embedding, rotary tables, mask, final norm, LM head) are spread over them, so at 2
             layers this is an upper bound on a layer's own count;
+  layer     a layer's own kernels: the program's launches less those of the same family built with one layer
+            fewer (compiled and planned for the same shapes); the kernel goal is judged on it;
   glue      the share of kernel time (msprof's op_summary rows of the run: every kernel task, AI CPU included)
             in kernels other than matmuls (ge.matmul, ge.fused_matmul) and attention (ge.flash_attention);
   attn      attention fused / total: `ge.flash_attention` ops after fusion over the import's attention sites
@@ -26,7 +28,9 @@ A family that fails to export, import or compile prints the reason in its row, a
 
 Goals (issue 28), each printed PASS or MISS with the measured figure:
   - at most 9 kernels per decoder layer in decode, as torch_npu's fused path runs one (AddRmsNorm, QKV, RoPE,
-    KV scatter, attention, O, AddRmsNorm, gate-up + SwiGLU, down): judged on every family and dtype measured;
+    KV scatter, attention, O, AddRmsNorm, gate-up + SwiGLU, down): judged on every family and dtype measured, on
+    a layer's own kernels (kern/L where that could not be measured: --layers 1), with the kinds a LLaMA layer
+    launches;
   - glue at most 5 % of prefill kernel time on the LLaMA-8B shape (hidden 4096, 32 heads, 8 KV heads, head dim
     128, MLP 14336, f16), one decoder layer and a vocabulary of 1024, prompt --seq-8b tokens, a timing-only run
     (the kernels' cost models, no arithmetic). With one layer its share includes the embedding, rotary tables,
@@ -129,6 +133,7 @@ class PhaseRun:
     program: Any  # the lowered rt.program
     result: Any  # the Runtime's RunResult
     remarks: list[str]
+    shapes: list[tuple[int, ...]]  # what it was planned for: each argument's shape, in order
 
 
 @attrs.define
@@ -203,7 +208,7 @@ def _run_phase(imported: Any, feed: dict[str, Any], timing_only: bool = False) -
     program = session.program(shapes)
     weights = imported.module.resources
     result = run_program(program, {} if timing_only else feed, weights, timing_only=timing_only)
-    return PhaseRun(imported.module, session.generic, program, result, remarks)
+    return PhaseRun(imported.module, session.generic, program, result, remarks, list(shapes.values()))
 
 
 def _step_feeds(names: list[str], ids: Any, cache_length: int) -> dict[str, Any]:
@@ -271,13 +276,53 @@ def measure(kind: str, dtype: str, layers: int = LAYERS, prompt: int = PROMPT) -
         fused = sum(op.name in ATTENTION_KERNELS for op in run.fused.ops)
         sites = attention_sites(run.imported.graph())
         launches = kernel_launches(run.result)
-        row[phase] = {"kernels": launches, "kernels_by_type": kernels_by_type(run.result), "kernels_per_layer": launches / layers, "glue_share": glue_share(run.result),
+        row[phase] = {"kernels": launches, "kernels_per_layer": launches / layers, "layer_kernels": None,
+                      "kernels_by_type": kernels_by_type(run.result), "glue_share": glue_share(run.result),
                       "attention_fused": fused, "attention_sites": sites, "rms_err": verdict.rms_err,
                       "eager_rms_err": verdict.eager_rms_err, "accurate": verdict.passed,
                       "kernel_time_us": sum(k.cycles for k in run.result.kernels) * 1e6 / run.result.target.clock_hz}
         if fused < sites:
             misses = [r for r in run.remarks if r.startswith("flash_attention")]  # the fusion pattern's own
             row[phase]["attention_remark"] = misses[0] if misses else "the flash_attention pattern left no remark"
+    if layers > 1:  # a layer's own launches: the same family with one layer fewer launches them all but one layer's
+        try:
+            fewer = _launches_at(kind, dtype, layers - 1, ids[:, :prompt],
+                                 {phase: out.phases[phase].shapes for phase in PHASES})
+        except Exception:  # noqa: BLE001 - the row keeps its other figures
+            fewer = {}
+        for phase, counts in fewer.items():
+            more = static_kernels(out.phases[phase].program)
+            own = {name: more.get(name, 0) - counts.get(name, 0) for name in {*more, *counts}}
+            row[phase]["layer_kernels"] = sum(own.values())
+            row[phase]["layer_kernels_by_type"] = dict(sorted(((k, n) for k, n in own.items() if n),
+                                                              key=lambda kv: (-kv[1], kv[0])))
+    return out
+
+
+def static_kernels(program: Any) -> dict[str, int]:
+    """Kernel launches of a lowered program by kernel: its `rt.launch` ops less the views."""
+    counts: dict[str, int] = {}
+    for op in program.ops:
+        if op.name == "rt.launch" and op.attr("kernel") not in VIEW_KERNELS:
+            counts[op.attr("kernel")] = counts.get(op.attr("kernel"), 0) + 1
+    return counts
+
+
+def _launches_at(kind: str, dtype: str, layers: int, prompt_ids: Any,
+                 planned: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per phase, the kernel launches (by kernel) of the family's step programs with `layers` layers, planned, not
+    run, for the shapes `planned` gives (each phase's argument shapes: a smaller model's cache is a prefix)."""
+    import torch
+
+    from geir.frontends.generate import export_steps
+
+    model = build(kind, dtype, Shape(layers=layers))
+    steps = _quietly(export_steps, model, prompt_ids, torch.ones_like(prompt_ids), prompt_ids.shape[1] + 1)
+    out = {}
+    for phase, imported in zip(PHASES, steps):
+        session, _ = _compile(imported)
+        args = session.generic.args
+        out[phase] = static_kernels(session.program({a.name: shape for a, shape in zip(args, planned[phase])}))
     return out
 
 
@@ -320,6 +365,12 @@ def _top_glue(result: Any, top: int = 4) -> list[tuple[str, float]]:
     return sorted(by_type.items(), key=lambda kv: -kv[1])[:top]
 
 
+def _decode_per_layer(row: dict[str, Any]) -> float:
+    """The decode figure the kernel goal is judged on: a layer's own launches, or all of them over the layers."""
+    own = row["decode"]["layer_kernels"]
+    return own if own is not None else row["decode"]["kernels_per_layer"]
+
+
 def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -332,7 +383,8 @@ def _print_row(row: dict[str, Any]) -> None:
     cells = []
     for phase in PHASES:
         p = row[phase]
-        cells.append(f"{p['kernels_per_layer']:>6.1f}{100 * p['glue_share']:>6.1f}%"
+        own = f"{p['layer_kernels']:>6}" if p["layer_kernels"] is not None else f"{'?':>6}"
+        cells.append(f"{own}{p['kernels_per_layer']:>7.1f}{100 * p['glue_share']:>6.1f}%"
                      f"{p['attention_fused']:>4}/{p['attention_sites']:<3}"
                      f"{p['rms_err']:>9.1e}{p['eager_rms_err']:>9.1e} {'PASS' if p['accurate'] else 'FAIL':<5}")
     remarks: dict[str, list[str]] = {}  # each remark once, with the phases it came from
@@ -364,11 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(FAMILIES)}")
     warnings.simplefilter("ignore")
-    print(f"{args.layers} layers, hidden {HIDDEN}, {HEADS} heads, prompt {args.prompt}; per phase: kernels per layer, "
-          f"glue share of kernel time, attention fused/total, last-logits RMS error vs float64 beside torch's own "
-          f"in that dtype, verdict")
-    print(f"{'':<14}{'prefill':<42}{'decode'}")
-    unit = f"{'kern/L':>6}{'glue':>7}{'attn':>8}{'rms err':>9}{'torch':>9} {'ok':<5}"
+    print(f"{args.layers} layers, hidden {HIDDEN}, {HEADS} heads, prompt {args.prompt}; per phase: a layer's own "
+          f"kernels, all kernels over the layers, glue share of kernel time, attention fused/total, last-logits RMS "
+          f"error vs float64 beside torch's own in that dtype, verdict")
+    print(f"{'':<14}{'prefill':<49}{'decode'}")
+    unit = f"{'layer':>6}{'kern/L':>7}{'glue':>7}{'attn':>8}{'rms err':>9}{'torch':>9} {'ok':<5}"
     print(f"{'model':<8}{'dtype':<6}{unit}  {unit}  attention remark")
     rows = []
     for kind in models:
@@ -379,17 +431,19 @@ def main(argv: list[str] | None = None) -> int:
     ran = [r for r in rows if r["runs"]]
     print("\ngoals")
     if ran:
-        worst = max(ran, key=lambda r: r["decode"]["kernels_per_layer"])
-        best = min(ran, key=lambda r: r["decode"]["kernels_per_layer"])
-        over = [r for r in ran if r["decode"]["kernels_per_layer"] > GOAL_DECODE_KERNELS]
-        print(f"  decode kernels per layer <= {GOAL_DECODE_KERNELS}: {_verdict(not over)} "
-              f"({len(ran) - len(over)}/{len(ran)} rows within; fewest {best['decode']['kernels_per_layer']:.1f} "
-              f"{best['model']} {best['dtype']}, most {worst['decode']['kernels_per_layer']:.1f} "
-              f"{worst['model']} {worst['dtype']})")
+        judged = {id(r): _decode_per_layer(r) for r in ran}
+        worst = max(ran, key=lambda r: judged[id(r)])
+        best = min(ran, key=lambda r: judged[id(r)])
+        over = [r for r in ran if judged[id(r)] > GOAL_DECODE_KERNELS]
+        print(f"  decode kernels per layer <= {GOAL_DECODE_KERNELS} (a layer's own where measured, else all over the "
+              f"layers): {_verdict(not over)} ({len(ran) - len(over)}/{len(ran)} rows within; fewest "
+              f"{judged[id(best)]:g} {best['model']} {best['dtype']}, most {judged[id(worst)]:g} {worst['model']} "
+              f"{worst['dtype']})")
         first = ran[0]
-        spread = ", ".join(f"{name.removeprefix('ge.')} {n / first['layers']:g}"
-                           for name, n in first["decode"]["kernels_by_type"].items())
-        print(f"  where {first['model']} {first['dtype']}'s decode kernels go, per layer: {spread}")
+        by_type = first["decode"].get("layer_kernels_by_type")
+        if by_type:
+            spread = ", ".join(f"{name.removeprefix('ge.')} {n}" for name, n in by_type.items())
+            print(f"  a {first['model']} {first['dtype']} decode layer's own kernels: {spread}")
     stopped = [r for r in rows if not r["runs"]]
     if stopped:
         print(f"  {len(stopped)} row(s) did not run: {', '.join(r['model'] + ' ' + r['dtype'] for r in stopped)}")

@@ -1,8 +1,9 @@
 """bench/llm_layer.py's figures for one tiny model (LLaMA, f32), checked against what they must be.
 
 Oracles: the lowered program itself (its `rt.launch` ops that are not views: the kernels launched; one kernel task
-of the run per launch), the model's config (one fused attention per layer; four matmuls per layer once q/k/v and
-gate/up merge, plus the LM head), the raw kernel records of the run (the glue share recomputed from their cycles),
+of the run per launch; a layer's own kernels are what the run of a model with one layer fewer lacks), the model's
+config (one fused attention per layer; four matmuls per layer once q/k/v and gate/up merge, plus the LM head; two
+rotations and two add-norms a layer), the raw kernel records of the run (the glue share recomputed from their cycles),
 and torch in float64 (the accuracy verdict is geir.accuracy's). A family that stops prints its reason and the
 table goes on.
 """
@@ -86,3 +87,20 @@ def test_a_family_that_stops_says_why_and_the_table_goes_on(bench, monkeypatch, 
     out = capsys.readouterr().out
     assert "stops at export: RuntimeError: cannot trace this" in out
     assert "1 row(s) did not run: llama f32" in out
+
+
+@pytest.fixture(scope="module")
+def llama_one_layer(bench):
+    return bench.measure("llama", "f32", layers=1, prompt=8)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_layers_own_kernels_are_what_one_more_layer_adds(llama, llama_one_layer, phase):
+    one = llama_one_layer.row[phase]
+    figures = llama.row[phase]
+    assert figures["layer_kernels"] == figures["kernels"] - one["kernels"]
+    own = figures["layer_kernels_by_type"]
+    # the config's layer: merged q/k/v, o, merged gate/up and down; q and k rotate; one attention; both residual
+    # adds fuse with the norm after them (the second layer's input norm takes the first layer's sum)
+    assert own["ge.matmul"] == 4 and own["ge.rotary_embedding"] == 2 and own["ge.flash_attention"] == 1
+    assert own["ge.add_rms_norm"] == 2 and sum(own.values()) == figures["layer_kernels"]
