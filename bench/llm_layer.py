@@ -1,7 +1,7 @@
 """Real decoder layers measured (issue 28): kernels per layer, glue, attention fused and accuracy, per HF family.
 
     python bench/llm_layer.py [--models llama,qwen2,phi3,gemma2,neox,gptj,bloom] [--dtypes f32,f16]
-                              [--layers 2] [--prompt 8] [--seq-8b 2048] [--skip-8b] [--timing-only-8b]
+                              [--layers 2] [--prompt 8] [--seq-8b 2048] [--skip-8b] [--data-8b]
                               [--json OUT.json]
 
 Each family's causal LM is built from a small random-init config (no downloads: 2 layers, hidden 64, 4 heads,
@@ -37,9 +37,9 @@ Goals (issue 28), each printed PASS or MISS with the measured figure:
   - glue at most 5 % of prefill kernel time on the LLaMA-8B shape (hidden 4096, 32 heads, 8 KV heads, head dim
     128, MLP 14336, f16; a vocabulary of 1024), prompt --seq-8b tokens: judged on a decoder layer's own kernel
     time (the 2-layer run's per kernel type less the 1-layer run's: what a 32-layer model is made of), the 1-layer
-    program's whole share printed beside it. The runs compute with data by default (about a minute and a half);
-    --timing-only-8b runs the kernels' cost models alone, which a kernel whose timing reads its data (the KV
-    scatter's index runs) cannot be timed by.
+    program's whole share printed beside it. The runs are timing only (the kernels' cost models, no arithmetic;
+    the KV scatter's indices are stand-ins whose count decides its time); --data-8b computes them with data
+    (about a minute and a half).
 Needs torch and transformers (the `hf` extra).
 """
 
@@ -329,7 +329,7 @@ def _launches_at(kind: str, dtype: str, layers: int, prompt_ids: Any,
     return out
 
 
-def glue_8b(seq: int, timing_only: bool = False) -> dict[str, Any]:
+def glue_8b(seq: int, timing_only: bool = True) -> dict[str, Any]:
     """The prefill's glue share on LLaMA-8B's layer shape (f16): a layer's own (the 2-layer run's kernel time less the
     1-layer run's) and the 1-layer program's whole, with the glue kernels that take most of a layer."""
     row: dict[str, Any] = {"model": "llama-8B shape", "dtype": "f16", "seq": seq, "timing_only": timing_only}
@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens of the prefill (at least 2)")
     ap.add_argument("--seq-8b", type=int, default=2048, help="prompt tokens of the LLaMA-8B-shape prefill")
     ap.add_argument("--skip-8b", action="store_true", help="leave out the LLaMA-8B-shape runs (the glue goal)")
-    ap.add_argument("--timing-only-8b", action="store_true",
-                    help="run the LLaMA-8B shape timing only (the kernels' cost models, no arithmetic)")
+    ap.add_argument("--data-8b", action="store_true",
+                    help="run the LLaMA-8B shape with data (the kernels' arithmetic too), not timing only")
     ap.add_argument("--json", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     try:
@@ -466,13 +466,13 @@ def main(argv: list[str] | None = None) -> int:
           f"({len(ran) - len(unfused)}/{len(rows)} rows{': ' + ', '.join(short) if short else ''})")
     big = None
     if not args.skip_8b:
-        big = glue_8b(args.seq_8b, args.timing_only_8b)
+        big = glue_8b(args.seq_8b, timing_only=not args.data_8b)
         if "stops" in big:
             print(f"  glue <= {100 * GOAL_GLUE:.0f} % of prefill kernel time, LLaMA-8B shape: MISS "
                   f"(did not run: {big['stops']})")
         else:
             top = ", ".join(f"{name.removeprefix('ge.')} {100 * share:.1f} %" for name, share in big["top_glue"])
-            how = "timing only" if args.timing_only_8b else "run with data"
+            how = "run with data" if args.data_8b else "timing only"
             print(f"  glue <= {100 * GOAL_GLUE:.0f} % of prefill kernel time, LLaMA-8B shape (S {args.seq_8b}, f16, "
                   f"{how}; a layer's own, the 2-layer run less the 1-layer one): "
                   f"{_verdict(big['glue_share'] <= GOAL_GLUE)} ({100 * big['glue_share']:.1f} % of "
