@@ -25,7 +25,7 @@ import torch
 
 from geir.builder import Builder
 from geir.frontends.torch_builder import to_numpy
-from geir.frontends.torch_import import import_program
+from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.ir import Module
 from geir.runtime.device import DeviceTensor
 from geir.runtime.interpreter import LAUNCH_MODES, GraphCaptures, RuntimeListener
@@ -359,8 +359,17 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         raise ValueError("max_new_tokens must be at least 1")
     if prompt < 2:  # torch.export specialises a length of 1, so the step programs could not serve others
         raise ValueError(f"the prompt has {prompt} token(s); generate takes prompts of at least 2")
-    length0 = bucket_length(prompt, buckets)
-    prefill_args = (input_ids, _slot_mask(mask, length0), torch.arange(prompt), _positions(mask)[:, -prompt:])
+    prefill, decode = export_steps(model, input_ids, mask, bucket_length(prompt, buckets))
+    return _Loop(prefill, decode, as_target(target), pipeline, listeners, launch).run(input_ids, mask, max_new_tokens,
+                                                                                      buckets)
+
+
+def export_steps(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor,
+                 cache_length: int) -> tuple[ImportedProgram, ImportedProgram]:
+    """The prefill and decode step programs `generate` runs, imported (lengths dynamic; the examples: the prompt
+    `input_ids` with its `mask` into a cache of `cache_length` slots, then one token after it)."""
+    prompt = input_ids.shape[1]
+    prefill_args = (input_ids, _slot_mask(mask, cache_length), torch.arange(prompt), _positions(mask)[:, -prompt:])
     s_dim, l_dim = torch.export.Dim("prompt", min=2, max=1 << 16), torch.export.Dim("cache", min=2, max=1 << 16)
     prefill_ep = _export(_StepModule(model, True), prefill_args, ({1: s_dim}, {1: l_dim}, {0: s_dim}, {1: s_dim}))
     prefill = import_program(prefill_ep, source="<prefill>")
@@ -369,9 +378,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     decode_args = (input_ids[:, :1], prefill_args[1], torch.tensor([prompt]), prefill_args[3][:, :1], *example[1:])
     decode_ep = _export(_StepModule(model, False), decode_args,
                         (None, {1: l_dim}, None, None, tuple({2: l_dim} for _ in example[1:])))
-    decode = import_program(decode_ep, source="<decode>")
-    return _Loop(prefill, decode, as_target(target), pipeline, listeners, launch).run(input_ids, mask, max_new_tokens,
-                                                                                      buckets)
+    return prefill, import_program(decode_ep, source="<decode>")
 
 
 def _slot_mask(mask: torch.Tensor, slots: int) -> torch.Tensor:
