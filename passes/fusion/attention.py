@@ -98,6 +98,12 @@ class FuseFlashAttention(Pattern):
             d = defining(p_val, "ge.div")
             if d is not None and defining(d.operands[0], "ge.exp"):
                 return Miss("the probabilities are a written-out softmax that did not fuse (see the softmax remark)")
+            view = defining(p_val, "ge.reshape", "ge.dynamic_reshape")
+            if view is not None and _probabilities(view.operands[0]):
+                # Bloom's attention: scores and probabilities as [B*N, S, L] around a [B, N, S, L] softmax
+                return Miss(f"the probabilities are reshaped by {named(view)} to {view.result.type} before the "
+                            f"second matmul; the fused kernel takes attention with its heads as their own axis "
+                            f"[B, N, S, L]")
             return None  # an ordinary matmul
         if pv.transpose_a:
             return Miss("the second matmul transposes the probabilities")
