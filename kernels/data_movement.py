@@ -605,16 +605,20 @@ class ScatterUpdateKernel(_CopyKernel):
             return f"it takes {len(sig.operands) - 2} index tensors; ScatterUpdate writes slabs along one axis"
         return super().refuses(sig, target)
 
+    @staticmethod
+    def _copied(sig: OpSignature) -> OpSignature:
+        """The copy the tiles are chosen for: the operand into the result (the values' slabs stream through the
+        same flat tiles)."""
+        return OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes)
+
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> VectorTiling | Miss:
-        # tiled over the operand and result: the values' slabs stream through the same flat tiles
-        return super().choose(OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes), target, buffers)
+        return super().choose(self._copied(sig), target, buffers)
 
     def budget(self, tiling: VectorTiling, sig: OpSignature, target: Target) -> Budget:
-        return super().budget(tiling, OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes), target)
+        return super().budget(tiling, self._copied(sig), target)
 
     def candidates(self, sig: OpSignature, target: Target, buffers: int = 2) -> list[VectorTiling]:
-        return super().candidates(OpSignature(sig.name, sig.operands[:1], sig.results, sig.attributes), target,
-                                  buffers)
+        return super().candidates(self._copied(sig), target, buffers)
 
     def out_shapes(self, op, inputs):
         return [inputs[0].shape]

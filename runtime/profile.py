@@ -24,6 +24,8 @@ ratios, overlap_ratio and memory_bound are over the AI Core kernels; its time co
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from geir.kernels.base import KernelStats
@@ -83,17 +85,22 @@ def time_split(result: RunResult, host_ge_us: float = 0.0) -> dict[str, float]:
             "host_ge_us": host_ge_us, "end_to_end_us": host_ge_us + end}
 
 
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, -math.inf
+    for s, e in sorted(spans):
+        if e > reach:
+            total += e - max(s, reach)
+            reach = e
+    return total
+
+
 def device_idle_us(result: RunResult) -> float:
     """The device's idle time within its span (from the Runtime's start to its last task's end): no kernel and no
     copy running, the device waiting (for the host's submissions, mostly, where launches are submitted one by
     one)."""
     end = max((t.end_us for t in result.tasks), default=0.0)
-    busy, reach = 0.0, 0.0
-    for s, e in sorted((t.start_us, t.end_us) for t in result.tasks):
-        if e > reach:
-            busy += e - max(s, reach)
-            reach = e
-    return max(end - busy, 0.0)
+    return max(end - union_us([(t.start_us, t.end_us) for t in result.tasks]), 0.0)
 
 
 def profile(result: RunResult, plan_cache: dict[str, Any] | None = None,

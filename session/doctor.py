@@ -48,7 +48,7 @@ from geir.session.fusion_probe import (
     probe_fusion,
 )
 from geir.runtime.interpreter import RunResult, Runtime, RuntimeFailure
-from geir.runtime.profile import kernel_profile
+from geir.runtime.profile import kernel_profile, union_us
 from geir.runtime.roofline import Roofline, roofline
 from geir.passes.placement import Placement
 from geir.session.pipeline import compile_module, lowering_pipeline, run_passes
@@ -479,7 +479,7 @@ def timeline_findings(result: RunResult, host_ge_us: float, compile_us: float | 
                            f"GE compiled the graph in {compile_us:.0f} us of host time; the doctor judges a warm run "
                            f"(a plan-cache hit, which waits for no compile; --cold judges the first request)", figures))
     # the device's idle time within its span, and the tasks that started the moment they were submitted
-    busy = _union_us([(t.start_us, t.end_us) for t in result.tasks])
+    busy = union_us([(t.start_us, t.end_us) for t in result.tasks])
     idle = span_us - busy
     waited = [t for t in result.tasks if t.start_us <= t.submitted_us + 1e-9 and t.submitted_us > 0]
     submit = result.target.host.launch_latency_us
@@ -501,16 +501,6 @@ def timeline_findings(result: RunResult, host_ge_us: float, compile_us: float | 
                            f"inputs a session keeps on the device (resident) are not copied again",
                            {**figures, "stake_us": copies_us}))
     return out
-
-
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, reach = 0.0, -math.inf
-    for s, e in sorted(spans):
-        if e > reach:
-            total += e - max(s, reach)
-            reach = e
-    return total
 
 
 def runtime_findings(views: list[KernelView], target: Target, device_us: float, copies_us: float,
