@@ -10,6 +10,17 @@ a single-operator measurement runs it (runtime/single_launch.py); it includes th
 the device. The table ends with the mean absolute error |GEIR / measured - 1| and the worst row, over every
 row and over the rows where the board's time is the device's (not the host's: see the notes).
 
+What the FIA rows time: pto-isa's fa_benchmark.py records an event, makes 50 eager torch_npu calls of
+npu_fused_infer_attention_score, records a second event and divides the elapsed time by 50 (after 10 warm-up
+calls). The calls are queued asynchronously, so a call costs the larger of the host's work per call (torch_npu's
+eager dispatch, aclnn's GetWorkspaceSize with FIA's tiling, the launch) and the device's time per call: in every
+row the board's time bounds the device's from above. Where it sits on the table's flat floor the host's work is
+the larger, and no cited figure gives that host cost for the torch_npu / aclnn FIA path on an aarch64 host (the
+only one is this table's own floor; its x86 run is ~24 us lower). GEIR models none (its [host] launch_latency_us
+is a bare kernel launch), so those rows check only that GEIR's device time stays under the board's time.
+`--pfa-blocks` times the FIA rows with the blocks FIA's S0 > 1 path (PromptFlashAttention) takes instead of
+GEIR's rules, to show what that tiling does on GEIR's schedule (README, "GEIR against silicon").
+
 Nothing here is fitted: the kernels' schedules and the targets' cited constants produce GEIR's column, and a
 row that misses says why in its notes.
 """
@@ -23,6 +34,7 @@ import math
 import attrs
 
 from geir.kernels import KERNELS
+from geir.kernels.flash_attention_tiling import choose_cv_tiling
 from geir.kernels.tiling import OpSignature
 from geir.runtime.single_launch import time_launch
 from geir.target_npu.sim import PIPES
@@ -35,6 +47,17 @@ PTO_GEMM = ("pto-isa (mirror zouzias/pto-isa-mirror), kernels/manual/a2a3/gemm_p
             "commit c138a4b2c1ef2bfc60745cf9c7a8b9309c166a38")
 PTO_FIA = ("pto-isa (mirror zouzias/pto-isa-mirror), demos/torch_jit/flash_atten/README.md, "
            "commit 067f1e7d667f6e062f5f044ad01d9db65add562f")
+# how the FIA rows were timed: the version of the benchmark whose CSV kernel names the README lists
+PTO_FIA_BENCH = ("pto-isa (mirror zouzias/pto-isa-mirror), demos/torch_jit/flash_atten/fa_benchmark.py, "
+                 "commit e57ba37af6c298a78d4a391cbc0c70e0339fb9d0")
+# FIA with S0 > 1 in BSH runs PromptFlashAttention (fused_infer_attention_score_tiling.cpp routes only S = 1 and
+# a few MTP / MLA shapes to IFA). PFA's tiling for fp16 without a mask takes 128 query rows x 1024 keys a block
+# (512 keys where S1 <= 1024), cuts the row blocks over the 48 AIVs and launches every core
+# (prompt_flash_attention_tiling.cpp: AdjustCVTilingCVDiff with CVDIFF_SOUTER_FACTOR_DEFAULT,
+# CVDIFF_SINNER_FACTOR_DEFAULT and _SMALL_KVS; blockDim = CalcTschBlockDim(aivNum, aicNum, aivNum))
+OPS_PFA = ("hicann/ops-transformer, attention/prompt_flash_attention/op_host/prompt_flash_attention_tiling.cpp, "
+           "commit c29bc1069d3252c641e2aa059ec88f392d3f05ac")
+PFA_S1_BLOCK, PFA_S2_BLOCK, PFA_S2_SHORT = 128, 1024, 512
 ASC_ADD = ("hicann/asc-devkit, examples/01_simd_cpp_api/05_best_practices/00_vector_compute/add_high_performance/"
            "README.md, commit 4c68db07c483e21d3d63ceb9ef38c2963da2162f")
 CATLASS_HEAD = ("hicann/catlass, docs/zh/1_Practice/evaluation/bottleneck_analysis_and_optimization.md, "
@@ -76,6 +99,11 @@ class Row:
     def ratio(self) -> float:
         return self.geir_us / self.measured_us
 
+    @property
+    def under_board(self) -> bool:
+        """Whether GEIR's device time stays within the board's time (which bounds the device's from above)."""
+        return self.geir_us <= self.measured_us
+
 
 def _launch(sig: OpSignature, target, tiling=None):
     """Statistics of one standalone launch with the rules' tiling (or `tiling`)."""
@@ -108,22 +136,33 @@ def gemm_rows(target) -> list[Row]:
     return out
 
 
-def fia_rows(target) -> list[Row]:
-    """ops-transformer's FIA at B 1, one head, D 128 (BSH with one head is BNSD's layout)."""
+def fia_rows(target, pfa_blocks: bool = False) -> list[Row]:
+    """ops-transformer's FIA at B 1, one head, D 128 (BSH with one head is BNSD's layout), with GEIR's rules'
+    tiling or (`pfa_blocks`) the blocks PromptFlashAttention's tiling takes (its blocks only: the launch's head stays
+    that of the cores GEIR's schedule starts, where PFA starts every core)."""
     out = []
     for s0, s1, us_measured in FIA:
         q, kv = TensorType((1, 1, s0, 128), F16), TensorType((1, 1, s1, 128), F16)
         sig = OpSignature("ge.flash_attention", (q, kv, kv), (q,), {"scale": 1 / math.sqrt(128)})
-        stats, tiling = _launch(sig, target)
+        tiling = None
+        if pfa_blocks:
+            blocks = (PFA_S1_BLOCK, PFA_S2_BLOCK if s1 > PFA_S2_BLOCK else PFA_S2_SHORT)
+            tiling = choose_cv_tiling(1, 1, 1, s0, s1, 128, F16, False, 0, target, blocks=blocks)
+        stats, tiling = _launch(sig, target, tiling)
         us = stats.cycles / (target.clock_hz / 1e6)
-        host = us < 0.85 * FIA_FLOOR_US and us_measured < 1.1 * FIA_FLOOR_US
+        # judged by the measurement alone: on the table's flat floor the host's work per call is the larger
+        host = us_measured < 1.1 * FIA_FLOOR_US
         if host:
-            notes = (f"host-bound on the board: every call costs the host about {FIA_FLOOR_US:.0f} us (the table's "
-                     "floor; its x86 run is ~24 us lower), which GEIR does not count as device time")
+            notes = (f"host-bound: the table's floor (~{FIA_FLOOR_US:.0f} us a call; its x86 run ~24 us lower) is the "
+                     "host's torch_npu / aclnn work per call, for which no cited figure exists: not modelled, so the "
+                     "row checks only that GEIR's device time stays under the board's "
+                     f"({'holds' if us <= us_measured else 'FAILS'})")
         else:
-            notes = ("not reached: pto-isa's board-fitted model adds its 1000-cycle tile sync serially, where GEIR's "
-                     "preload hides most of it, and fits further short-sequence and large-tile terms that name no "
-                     "mechanism; GEIR models neither without a source")
+            notes = ("not reached: FIA's S0 > 1 path is PromptFlashAttention (128-row x 1024-key blocks over the "
+                     "48 AIVs, every core launched); GEIR runs FlashAttentionScore's blocks, and PFA's blocks on "
+                     "GEIR's schedule (--pfa-blocks) exceed the board's time at S0 128; the board's growth with "
+                     "busy cores at S1 8192 (90 to 127 us from S0 1024 to 2048) points to a shared limit GEIR has "
+                     "no cited constant for")
         out.append(Row(f"FIA {s0} x {s1}", PTO_FIA, f"B 1, N 1, S0 {s0}, S1 {s1}, D 128, fp16",
                        "Atlas A2 (910B2)", us_measured, us, "host per-call floor" if host else "device",
                        f"{_bound(stats)}, {tiling.template}", device_bound=not host, notes=notes))
@@ -157,10 +196,10 @@ def head_row(target) -> Row:
                independent=False)
 
 
-def rows(target_name: str = "ascend910b") -> list[Row]:
-    """Every row of the table, timed on `target_name`."""
+def rows(target_name: str = "ascend910b", pfa_blocks: bool = False) -> list[Row]:
+    """Every row of the table, timed on `target_name` (the FIA rows with PFA's blocks where `pfa_blocks`)."""
     target = load_target(target_name)
-    return gemm_rows(target) + fia_rows(target) + add_rows(target) + [head_row(target)]
+    return gemm_rows(target) + fia_rows(target, pfa_blocks) + add_rows(target) + [head_row(target)]
 
 
 def summary(table: list[Row]) -> dict:
@@ -174,10 +213,13 @@ def summary(table: list[Row]) -> dict:
         return {"rows": len(sel), "mean_abs_error": sum(errors) / len(errors), "worst": worst.name,
                 "worst_ratio": worst.ratio, "within_15": sum(e <= 0.15 for e in errors)}
     checks = [r for r in table if r.independent]
-    return {"all": stats(checks), "device_bound": stats([r for r in checks if r.device_bound])}
+    host = [r for r in checks if not r.device_bound]
+    return {"all": stats(checks), "device_bound": stats([r for r in checks if r.device_bound]),
+            "host_floor": {"rows": len(host), "under_board": sum(r.under_board for r in host)}}
 
 
-def _render(table: list[Row], markdown: bool) -> str:
+def _render(table: list[Row], markdown: bool, pfa_blocks: bool = False) -> str:
+    """The table as text or markdown, its summaries and its sources."""
     head = ("row", "shape", "chip", "measured us", "GEIR us", "GEIR / measured", "bound (board)", "bound (GEIR)",
             "notes")
     cells = [(r.name, r.shape, r.chip, f"{r.measured_us:.1f}", f"{r.geir_us:.1f}", f"{r.ratio:.2f}",
@@ -198,10 +240,17 @@ def _render(table: list[Row], markdown: bool) -> str:
         lines.append("")
         lines.append(f"{what}: {x['rows']} rows, mean absolute error {x['mean_abs_error']:.1%}, worst "
                      f"{x['worst']} at {x['worst_ratio']:.2f}x, {x['within_15']} of {x['rows']} within 15 %")
+    host = s["host_floor"]
+    lines.append("")
+    lines.append(f"rows where the board's time is the host's (not modelled: no cited host cost): {host['rows']} rows, "
+                 f"GEIR's device time under the board's in {host['under_board']} of {host['rows']}")
     lines.append("")
     lines.append("sources:")
     for src in dict.fromkeys(r.source for r in table):
         lines.append(f"- {src}")
+    lines.append(f"- how the FIA rows were timed: {PTO_FIA_BENCH}")
+    if pfa_blocks:
+        lines.append(f"- the FIA rows' blocks (--pfa-blocks): {OPS_PFA}")
     return "\n".join(lines)
 
 
@@ -211,13 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
     out.add_argument("--json", action="store_true", help="every row and the summary as JSON")
+    parser.add_argument("--pfa-blocks", action="store_true",
+                        help="time the FIA rows with PromptFlashAttention's blocks (128 x 1024) instead of GEIR's rules")
     args = parser.parse_args(argv)
-    table = rows(args.target)
+    table = rows(args.target, args.pfa_blocks)
     if args.json:
         print(json.dumps({"rows": [dict(attrs.asdict(r), ratio=r.ratio) for r in table], "summary": summary(table)},
                          indent=2))
     else:
-        print(_render(table, args.markdown))
+        print(_render(table, args.markdown, args.pfa_blocks))
     return 0
 
 

@@ -50,3 +50,28 @@ def test_the_table_prints_its_error_and_sources(capsys):
     assert cal.main([]) == 0
     text = capsys.readouterr().out
     assert "mean absolute error" in text and "worst" in text and "sources:" in text
+
+
+def test_fia_rows_are_judged_by_what_the_board_timed():
+    """The FIA sweep's flat floor is the host's work per call (a loop of eager calls): those rows are judged only as a
+    bound, GEIR's device time against the board's per-call time; the rest by their error."""
+    cal = _calibration()
+    table = cal.rows()
+    fia = [r for r in table if r.name.startswith("FIA")]
+    floor = min(r.measured_us for r in fia)
+    # from the measurements alone: the three points well above the floor are the device's
+    assert sorted(r.name for r in fia if r.device_bound) == ["FIA 1024 x 8192", "FIA 2048 x 4096", "FIA 2048 x 8192"]
+    assert all(r.measured_us < 1.1 * floor for r in fia if not r.device_bound)
+    host = cal.summary(table)["host_floor"]
+    assert host["rows"] == 17
+    assert host["under_board"] == sum(r.geir_us <= r.measured_us for r in fia if not r.device_bound)
+
+
+def test_pfa_blocks_time_the_fia_rows_with_promptflashattentions_blocks(capsys):
+    cal = _calibration()
+    fia = [r for r in cal.rows(pfa_blocks=True) if r.name.startswith("FIA")]
+    # PFA never splits one row's keys over cores: no flash-decoding template, which GEIR's rules pick at S0 128
+    assert not any("Bn2S2FD" in r.geir_bound for r in fia)
+    assert any("Bn2S2FD" in r.geir_bound for r in cal.rows() if r.name.startswith("FIA 128 x"))
+    assert cal.main(["--pfa-blocks"]) == 0
+    assert "prompt_flash_attention_tiling.cpp" in capsys.readouterr().out
