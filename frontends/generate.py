@@ -29,6 +29,7 @@ from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.ir import Module
 from geir.runtime.device import DeviceTensor
 from geir.runtime.interpreter import LAUNCH_MODES, GraphCaptures, RuntimeListener
+from geir.runtime.launch_memo import LaunchMemo
 from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE, Session, run_program
@@ -405,6 +406,8 @@ class _Loop:
         # replayed by one submission per step, as vllm-ascend runs decode with ACL Graph
         self.launch = launch
         self.graphs = GraphCaptures()
+        # timing only: launches timed in one step replayed in the next (a decode step repeats its launches)
+        self.memo = LaunchMemo()
         self.pipeline = pipeline
         self.listeners = listeners
         self.sessions = {}
@@ -484,7 +487,7 @@ class _Loop:
             ge_us += session.compile_us
         kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
         result = run_program(program, feed, weights, target=self.target, keep=kv_results, listeners=self.listeners,
-                             timing_only=timing_only, launch_mode=self.launch, graphs=self.graphs)
+                             timing_only=timing_only, launch_mode=self.launch, graphs=self.graphs, memo=self.memo)
         ge_us += result.capture_us  # graph mode: GE loads a new program's task graph onto the device once
         split = time_split(result)
         self.last[phase] = (program, result)

@@ -106,6 +106,11 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def is_broadcast(t: torch.Tensor) -> bool:
+    """Whether `t` is one element broadcast (many elements, every stride zero), as a timing-only weight is."""
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
 def from_numpy(a: np.ndarray, dtype: DType) -> torch.Tensor:
     """A numpy array (as the Runtime returns it) as a torch tensor of the GEIR dtype."""
     a = np.asarray(a)
@@ -172,6 +177,12 @@ class GraphBuilder(Builder):
         key = self._resource_key(key or hint)
         self.weights[key] = np.array(array, dtype=dtype.np, order="C")  # np.array keeps rank 0
         return self.resource(key, t, name=hint)
+
+    def broadcast_resource(self, array: np.ndarray, dtype: DType, hint: str, key: str) -> Value:
+        """`dense_resource<key>` holding `array` as it is (a zero-stride broadcast: one element's bytes, not a copy)."""
+        key = self._resource_key(key)
+        self.weights[key] = array
+        return self.resource(key, TensorType(tuple(int(d) for d in array.shape), dtype), name=hint)
 
     def scalar(self, value: float | bool, dtype: DType, hint: str = "c") -> Value:
         """A rank-0 constant of `dtype`."""

@@ -13,14 +13,15 @@ import operator
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from geir.diagnostics import UNKNOWN, DiagnosticError
 from geir.frontends.torch_builder import (COMPUTED_LITERAL_LIMIT, LITERAL_LIMIT, GraphBuilder, RunTimeSize,
-                                          TorchImportError, dims_of, geir_dtype, node_description, source_location,
-                                          to_numpy)
+                                          TorchImportError, dims_of, geir_dtype, is_broadcast, node_description,
+                                          source_location, to_numpy)
 from geir.frontends.torch_ops import CONVERTERS, TAKES_RUNTIME_SIZES, Unavailable
 from geir.ir import Module, Value
 from geir.types import DType, TensorType
@@ -134,6 +135,13 @@ class _Importer:
     def materialize(self, node: Any, c: ConstTensor) -> Value:
         """The ge.const for a constant tensor (one per tensor, emitted at its first use)."""
         v = self._consts.get(id(c))
+        if v is None and c.key is not None and is_broadcast(c.tensor):
+            # one element behind many (a timing-only model's weight: bench/serve.py's LLaMA-7B shape): a resource, as
+            # a checkpoint's weight is, that keeps its zero strides, not a splat literal or a copy of its bytes
+            one = to_numpy(c.tensor[(0,) * c.tensor.dim()])
+            dtype = geir_dtype(c.tensor.dtype, f"constant '{c.key}'")
+            v = self.b.broadcast_resource(np.broadcast_to(one, tuple(c.tensor.shape)), dtype, node.name, c.key)
+            self._consts[id(c)] = v
         if v is None:
             dtype = geir_dtype(c.tensor.dtype, f"constant '{c.key or node.name}'")
             limit = LITERAL_LIMIT if c.key is not None else COMPUTED_LITERAL_LIMIT
