@@ -182,6 +182,50 @@ def test_bloom_attention_fuses_with_its_alibi_as_the_pse_and_equals_torch(dtype)
     assert verdict.passed, verdict.render("last_hidden_state")
 
 
+def test_bloom_through_the_onnx_exporter_fuses_and_equals_torch(tmp_path):
+    # the dynamo exporter's Bloom keeps the probabilities [B, N, S, L] to a 4-D second matmul: the scores lift alone
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import contextlib
+    import io
+    import logging
+
+    from geir.frontends.onnx import import_onnx
+    from geir.ir import Module
+    from geir.session import Session
+
+    model = _bloom()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return self.m.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    out = tmp_path / "bloom.onnx"
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Hidden(model), (ids, mask), dynamo=True).save(str(out))
+    module, weights = import_onnx(str(out))
+    session = Session(Module([module.graph()], module.file, weights))
+    attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
+    assert len(attention) == model.config.n_layer and all(op.attr("has_pse") for op in attention)
+    feed = {a.name: x.numpy() for a, x in zip(session.generic.args, (ids, mask))}
+    program = session.program({k: v.shape for k, v in feed.items()})
+    actual = np.asarray(run_program(program, feed, weights).outputs[0], dtype=np.float64)
+    with torch.no_grad():
+        eager = Hidden(model)(ids, mask).numpy()
+        reference = Hidden(_bloom(torch.float64))(ids, mask).numpy()
+    verdict = compare(actual, reference, TensorType(actual.shape, DType.f32), eager)
+    assert verdict.passed, verdict.render("last_hidden_state")
+
+
 def test_bloom_greedy_tokens_equal_hugging_faces_generate():
     torch = pytest.importorskip("torch")
     from geir.frontends.torch import generate

@@ -16,7 +16,8 @@ zeroed where it is NaN. Bloom's spelling merges the heads into the batch around 
 matmuls are [B*N, ...] batched matmuls of q, k and v reshaped from [B, N, S, D], the scores reshaped to
 [B, N, S, L] before the softmax and the probabilities back to [B*N, S, L] after it, with its ALiBi bias added
 by baddbmm on the [B*N, S, L] scores; the heads are lifted back to their own axis (the fused op takes the
-[B, N, S, D] tensors, its result is reshaped to the root's [B*N, S, D]). An additive float term shaped
+[B, N, S, D] tensors, its result is reshaped to the root's [B*N, S, D]). The ONNX exporter's Bloom keeps the
+probabilities [B, N, S, L] to a 4-D second matmul: then only the scores' side is lifted. An additive float term shaped
 [B or 1, N, 1, L] with N > 1 (ALiBi's per-head bias over the key positions) is the fused op's pse
 (ops-transformer's FlashAttentionScore pse input, pseType 0: scale * q k^T + pse); the other additive terms
 add up into its mask. Every other shape of graph is a miss with the reason.
@@ -367,8 +368,9 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None, he
     `masks` are the additive masks (`_Term`s) in the order they were added (T5 adds a position bias, then the
     padding mask); a boolean `select` mask is the only one. `softcap`: the logit cap c of c * tanh(s / c)
     between the scale and the masks (Gemma 2), 0.0 where there is none. `heads`: (B, N) when the probabilities
-    were [B*N, S, L] (Bloom's spelling): the scores must come from [B*N, S, L] too, through a reshape that splits
-    the heads out, and the terms added above it, q and k are lifted to [B, N, ...]."""
+    were [B*N, S, L] (Bloom's spelling): the scores must come from [B*N, S, L] too. Where a reshape splits the
+    heads out of [B*N, S, L] scores (Bloom's, whether or not the probabilities are merged again), the terms added
+    above it, q and k are lifted to [B, N, ...]."""
     scale = 1.0
     softcap = 0.0
     masks: list[Value] = []
@@ -378,18 +380,18 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None, he
     mask_before_scale = False
     chain: list[Operation] = []  # intermediates that must have no other users
     flat = False  # walking up, the scores are now [B*N, S, L] (the heads merged into the batch)
+    root_heads = heads  # the probabilities' own (B, N) where they reach the second matmul merged
     while True:
         op = x.owner
         if op is None:
             return Miss("the softmax input is a graph argument, not attention scores")
         if op.name in ("ge.reshape", "ge.dynamic_reshape"):
-            if heads is None or flat:
+            split = _merged_heads(op.result.type, op.operands[0].type)
+            if flat or split is None or (heads is not None and split != heads):
                 return Miss(f"the scores are reshaped by {named(op)} from {op.operands[0].type} to {op.result.type}; "
-                            f"only the heads merged into the batch around the softmax (Bloom's [B*N, S, L]) lift")
-            if _merged_heads(op.result.type, op.operands[0].type) != heads:
-                return Miss(f"the scores are reshaped by {named(op)} from {op.operands[0].type} to {op.result.type}, "
-                            f"which does not split the heads {heads[0]} x {heads[1]} out of a [B*N, S, L] batch")
-            flat = True
+                            f"only heads split out of a [B*N, S, L] batch (Bloom's scores) lift")
+            # the probabilities may stay [B, N, S, L] to the second matmul (the ONNX exporter's Bloom)
+            heads, flat = split, True
             chain.append(op)
             x = op.operands[0]
             continue
@@ -481,7 +483,7 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None, he
         if op.name == "ge.matmul":
             break
         return Miss(f"the scores come from {op.name}, not from q @ k^T")
-    if heads is not None and not flat:
+    if root_heads is not None and not flat:
         return Miss(f"the probabilities are [B*N, S, L] but the scores are not reshaped from [B*N, S, L] to "
                     f"{x.type} before the softmax")
     if masks and mask_before_scale and not boolean_mask:
