@@ -534,8 +534,14 @@ def _repeat_interleave(b: GraphBuilder, node: Any, a: dict) -> Value:
     if shape[axis] is None:
         raise b.error("repeat_interleave along a run-time dimension is not supported")
     unit = reshape_to(b, x, shape[:axis + 1] + (1,) + shape[axis + 1:], hint=f"{node.name}_unit")
-    wide = _broadcast_to(b, unit, TensorType(shape[:axis + 1] + (repeats,) + shape[axis + 1:], x.type.dtype),
-                         f"{node.name}_wide")
+    # ones of 1 on every axis but the new one broadcast only that axis, so the other axes may be run-time
+    # sizes (GPT-J's sin and cos over the sequence): they keep the input's own size
+    grow = TensorType((1,) * (axis + 1) + (repeats,) + (1,) * (len(shape) - axis - 1), x.type.dtype)
+    if x.type.dtype is DType.i1:
+        wide = b.value("ge.select", [unit, _splat(b, True, grow, "true"), _splat(b, False, grow, "false")],
+                       hint=f"{node.name}_wide")
+    else:
+        wide = b.value("ge.mul", [unit, _splat(b, 1, grow, f"{node.name}_ones")], hint=f"{node.name}_wide")
     return reshape_to(b, wide, shape[:axis] + (shape[axis] * repeats,) + shape[axis + 1:], hint=node.name)
 
 

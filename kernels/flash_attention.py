@@ -100,13 +100,13 @@ class FlashAttentionKernel(Kernel):
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: FlashTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
         q, k, v = inputs[:3]
-        mask = inputs[3] if len(inputs) > 3 else None
+        mask, pse = op.mask_and_pse(inputs[3:])
         bsnd = op.layout == "BSND"
         if bsnd:
-            # the mask is [B, N, Sq, Skv] in both layouts (the op's semantics): only q, k and v swap
+            # the mask and the pse are [B, N, Sq, Skv] in both layouts (the op's semantics): only q, k and v swap
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
         out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx,
-                                      softcap=op.softcap)
+                                      softcap=op.softcap, pse=pse)
         return [np.swapaxes(out, 1, 2) if bsnd else out]
 
 
@@ -124,9 +124,10 @@ def schedule_problem(tiling: FlashTiling, target: Target) -> str | None:
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
                             scale: float, tiling: FlashTiling, ctx: LaunchContext, *,
-                            softcap: float = 0.0) -> np.ndarray:
+                            softcap: float = 0.0, pse: np.ndarray | None = None) -> np.ndarray:
     """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm (`softcap` > 0:
-    the scores capped, cap * tanh(s / cap), on the vector units before the mask)."""
+    the scores capped, cap * tanh(s / cap), on the vector units before the mask; `pse`: a bias added to the
+    scaled scores, ops-transformer's pse with pseType 0, one more vector pass over each score tile)."""
     target = ctx.target
     B, N, Sq, D = q.shape
     Skv = k.shape[2]
@@ -142,6 +143,12 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
         raise ValueError(problem)
     cv = tiling.cv_split
     mask_isz = _bytes(mask.dtype) if mask is not None else 0
+    pse_bytes = 0
+    if pse is not None:
+        # the pse tile comes in with the scores: a row of s2 where it is the same for every query row (ALiBi's
+        # [B, N, 1, Skv]), else s1 x s2; the UB budget holds it as a tile beside the mask's
+        pse_bytes = (s2 if pse.ndim < 2 or pse.shape[-2] == 1 else s1 * s2) * _bytes(pse.dtype)
+        mask_isz += _bytes(pse.dtype)
     if cv:
         preload = tiling.preload
         v_rows = tiling.v_rows or vector_rows(s2, -(-s1 // target.vector_per_cube))
@@ -151,6 +158,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
         check_fits(target, s1, s2, D, q.dtype, nbuf, causal, mask_isz)
     if mask is not None:
         mask = np.broadcast_to(mask, (B, N, Sq, Skv))
+    if pse is not None:
+        pse = np.broadcast_to(pse, (B, N, Sq, Skv))
     q_grid, causal_rows = q.shape, None
     if decode:
         # flash-decoding: the query heads sharing a K/V head are one unit's rows, so the units are timed
@@ -162,24 +171,25 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
         grid = cv_grid(q_grid, k.shape, s1, s2, parts)
         roles = [("q", ctx.operand_names[0], grid["q"]), ("k", ctx.operand_names[1], grid["k"]),
                  ("v", ctx.operand_names[2], grid["v"]),
-                 ("mask", ctx.operand_names[3] if mask is not None else None, grid["mask"]),
+                 ("mask", ctx.operand_names[3] if mask is not None or pse is not None else None, grid["mask"]),
                  ("o", ctx.result_names[0], grid["o"])]
         names = _role_names(ctx.gm, roles)
         time_cv_split(q_grid, k.shape, q.dtype, mask, causal, s1, s2, v_rows, preload, ctx, names, nbuf, parts,
-                      causal_rows, softcap)
+                      causal_rows, softcap, pse_bytes=pse_bytes)
         if parts > 1:
             # on the AIVs, loading with their own engine
             _time_combine(ctx, names[4], grid["o"] // parts, parts, s1, D, _bytes(q.dtype), "AIV_MTE2")
         segments = parts  # the CV schedule's own blocks hold a whole key row segment per unit
     else:
-        _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows, softcap)
+        _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows, softcap,
+                    pse_bytes=pse_bytes)
     if not ctx.compute:
         return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
-    return _compute(q, k, v, mask, causal, scale, s1, s2, segments, softcap)
+    return _compute(q, k, v, mask, causal, scale, s1, s2, segments, softcap, pse)
 
 
 def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segments: int,
-             softcap: float = 0.0) -> np.ndarray:
+             softcap: float = 0.0, pse: np.ndarray | None = None) -> np.ndarray:
     """The kernel's arithmetic, FlashAttention-2 style, for many work units at once.
 
     Work units are independent, so one key-block step of many of them (every core's tile of that
@@ -197,6 +207,7 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     qg = q.astype(_F32).reshape(B, Nkv, R, D)
     kf, vf = k.astype(_F32), v.astype(_F32)  # O(S): converted once, not per block
     mg = None if mask is None else mask.reshape(B, Nkv, R, Skv)
+    pg = None if pse is None else pse.reshape(B, Nkv, R, Skv)
     rows = np.tile(np.arange(Sq), group)
     out = np.empty((B, Nkv, R, Dv), dtype=_F32)
     # The chunks depend on the blocks alone, never on how many batches and heads there are: a row's matmuls then
@@ -207,12 +218,14 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     flat = lambda x: x.reshape(B * Nkv, 1, *x.shape[2:])  # noqa: E731 ((batch, K/V head) pairs as one axis)
     qf, kff, vff, of = flat(qg), flat(kf), flat(vf), flat(out)
     mf = None if mg is None else flat(mg)
+    pf = None if pg is None else flat(pg)
     for h0 in range(0, B * Nkv, heads):
         h = slice(h0, min(h0 + heads, B * Nkv))
         for c0 in range(0, R, chunk):
             c1 = min(c0 + chunk, R)
             of[h, :, c0:c1] = _rows(qf[h, :, c0:c1], kff[h], vff[h], None if mf is None else mf[h, :, c0:c1],
-                                    rows[c0:c1], causal, scale, q.dtype, s1, s2, segments, softcap)
+                                    rows[c0:c1], causal, scale, q.dtype, s1, s2, segments, softcap,
+                                    None if pf is None else pf[h, :, c0:c1])
     return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 
@@ -221,8 +234,9 @@ _CACHE_SCORES = 1 << 19
 
 
 def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: int, s2: int,
-          segments: int, softcap: float = 0.0) -> np.ndarray:
-    """Attention output (f32) of one chunk of stacked query rows, over every key block in order."""
+          segments: int, softcap: float = 0.0, pg=None) -> np.ndarray:
+    """Attention output (f32) of one chunk of stacked query rows, over every key block in order (`pg`: the pse
+    rows of the chunk, added to the scaled and capped scores before the mask)."""
     B, Nkv, R, D = qg.shape
     Skv = kf.shape[2]
     half = _bytes(dt) < 4
@@ -249,6 +263,9 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
                 sc /= cap32
                 np.tanh(sc, out=sc)
                 sc *= cap32
+            if pg is not None:
+                pt = pg[:, :, :, k0:k1]
+                sc += (pt[:, :, sel] if causal else pt).astype(_F32)
             keep = None
             if causal:
                 keep = np.arange(k0, k1)[None, :] <= rows[sel][:, None]
@@ -292,7 +309,8 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
 
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
-                ctx: LaunchContext, causal_rows: int | None = None, softcap: float = 0.0) -> None:
+                ctx: LaunchContext, causal_rows: int | None = None, softcap: float = 0.0, *,
+                pse_bytes: int = 0) -> None:
     """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing).
 
     `causal_rows`: the rows are stacked heads whose query positions all lie below it (flash-decoding),
@@ -308,16 +326,16 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     per_seg = -(-nk // segments)
     roles = [("q", ctx.operand_names[0], B * N * nq), ("k", ctx.operand_names[1], B * Nkv * nk),
              ("v", ctx.operand_names[2], B * Nkv * nk),
-             ("mask", ctx.operand_names[3] if mask is not None else None, B * N * nq * nk),
+             ("mask", ctx.operand_names[3] if mask is not None or pse_bytes else None, B * N * nq * nk),
              ("o", ctx.result_names[0], B * N * nq * segments)]
     qname, kname, vname, mname, oname = _role_names(gm, roles)
     units = B * N * nq * segments
     q_bytes, kv_bytes = s1 * D * isz, s2 * D * isz
 
     moves = _Moves(gm, [qname, kname, vname, mname, oname], q_bytes, kv_bytes,
-                   s1 * s2 * _bytes(mask.dtype) if mask is not None else 0,
+                   (s1 * s2 * _bytes(mask.dtype) if mask is not None else 0) + pse_bytes,
                    s1 * D * isz if segments == 1 else s1 * (D + 2) * 4)
-    c = _Consts(target, dname, s1, s2, D, isz, softmax_passes(softcap))
+    c = _Consts(target, dname, s1, s2, D, isz, softmax_passes(softcap, pse=pse_bytes > 0))
     # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
     slots = _Slots(cores.count, nbuf)
     # MTE1, cube, FIXP and vector cycles are whole numbers: where those busy counters are too, a wave adds

@@ -50,11 +50,15 @@ from geir.target_npu.target import Target
 SOFTMAX_PASSES = 7
 # a logit softcap, cap * tanh(s / cap), adds its two multiplies and the tanh's own passes (ge.tanh's VECTOR_PASSES)
 SOFTCAP_SCALE_PASSES = 2
+# a pse bias (ALiBi) is one add over the score tile, as the mask's is among the softmax's passes
+PSE_PASSES = 1
 
 
-def softmax_passes(softcap: float) -> int:
-    """Vector passes over a score tile: the online softmax's, and a softcap's where there is one."""
-    return SOFTMAX_PASSES + (SOFTCAP_SCALE_PASSES + lookup("ge.tanh").VECTOR_PASSES if softcap else 0)
+def softmax_passes(softcap: float, pse: bool = False) -> int:
+    """Vector passes over a score tile: the online softmax's, a softcap's where there is one, and one add of the
+    pse tile where there is a pse."""
+    return (SOFTMAX_PASSES + (SOFTCAP_SCALE_PASSES + lookup("ge.tanh").VECTOR_PASSES if softcap else 0)
+            + (PSE_PASSES if pse else 0))
 ACCUMULATE_PASSES = 2
 F32 = 4
 
@@ -140,13 +144,14 @@ def cv_grid(q_shape, k_shape, s1: int, s2: int, segments: int = 1) -> dict[str, 
 
 def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, v_rows: int,
                   preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2, segments: int = 1,
-                  causal_rows: int | None = None, softcap: float = 0.0) -> None:
+                  causal_rows: int | None = None, softcap: float = 0.0, *, pse_bytes: int = 0) -> None:
     """Issue the CV-split schedule of every work unit (batch, head, query row block, key part) on the cores that
     run them.
 
     `segments` > 1: flash-decoding's key parts, each unit storing its partial O with its row max and sum (f32) for
     the caller's combine; `causal_rows`: the rows are stacked heads whose query positions all lie below it, so a
-    causal mask hides the same key blocks from every row block.
+    causal mask hides the same key blocks from every row block. `pse_bytes`: a pse's bytes per block, read with the
+    mask's tile (names[3] names the mask, or the pse where there is no mask).
     """
     target, cores, gm = ctx.target, ctx.cores, ctx.gm
     B, N, Sq, D = q_shape
@@ -171,7 +176,7 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     bn = rows // nq
     kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk + t0  # a unit's first K/V block
     blocks = _UnitBlocks(q=rows, mask=rows * nk + t0, o=u if segments > 1 else rows)
-    mask_bytes = 0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize
+    mask_bytes = (0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize) + pse_bytes
     # A core walking one head keeps that head's K and V in the L2 only while the heads all cores walk at once fit
     # beside the workspace; otherwise the cores take turns on each head's row blocks, sharing its K and V
     heads_at_once = min(cores.count, B * Nkv) * 2 * Skv * D * isz
@@ -179,7 +184,7 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
         assignment = contiguous(trips, cores.count)
     else:
         assignment = interleaved(units, cores.count)
-    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap))
+    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap, pse=pse_bytes > 0))
     if segments > 1:  # a partial O: f32, with the row max and sum for the combine
         costs.out_block = s1 * (D + 2) * F32
     _Program(ctx, lay, costs, assignment, trips, kv_first, blocks, mask_bytes, preload, buffers).run()

@@ -414,12 +414,21 @@ def choose_cv_tiling(bsz: int | None, n: int | None, nkv: int | None, sq: int | 
 
 # --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------
 
+def _mask_and_pse(sig: OpSignature) -> tuple[TensorType | None, TensorType | None]:
+    """The mask's and the pse's types of one flash_attention (None where absent): a pse is the last operand."""
+    extras = list(sig.operands[3:])
+    pse = extras.pop() if sig.attr("has_pse", False) and extras else None
+    return (extras[0] if extras else None), pse
+
+
 def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, TensorType, bool, bool, str, int | None]:
-    """q, k, v types, causal, has a mask, layout and the mask's itemsize of one flash_attention."""
+    """q, k, v types, causal, has a mask, layout and the mask's itemsize of one flash_attention (a pse's tile sits
+    beside the mask's in the UB: its itemsize counts with the mask's)."""
     q, k, v = sig.operands[:3]
-    mask = sig.operands[3] if len(sig.operands) > 3 else None
-    return (q, k, v, bool(sig.attr("causal", False)), mask is not None, sig.attr("layout", "BNSD"),
-            None if mask is None else mask.dtype.itemsize)
+    mask, pse = _mask_and_pse(sig)
+    tiles = [t for t in (mask, pse) if t is not None]
+    return (q, k, v, bool(sig.attr("causal", False)), bool(tiles), sig.attr("layout", "BNSD"),
+            sum(t.dtype.itemsize for t in tiles) if tiles else None)
 
 
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> FlashTiling | Miss:
@@ -559,22 +568,22 @@ def _tiling(template: str, s1: int, s2: int, d: int, buffers: int, segments: int
 def check_instance(sig: OpSignature, tiling: FlashTiling) -> OpSignature:
     """One batch and one K/V head with the query heads that share it: each query row still meets every key
     in the same blocks (and key segments), so its numbers are those of the whole op."""
-    q, k, v, _, has_mask, layout, _ = _problem(sig)
+    q, k, v, _, _, layout, _ = _problem(sig)
     if None in bnsd(q, layout) + bnsd(k, layout) + bnsd(v, layout):
         return sig
     n, nkv = bnsd(q, layout)[1], bnsd(k, layout)[1]
-    mask = sig.operands[3] if has_mask else None
+    extras = [t for t in _mask_and_pse(sig) if t is not None]
     group = n // nkv if nkv and n % nkv == 0 else n
     heads = 1 if layout == "BNSD" else 2
-    # a mask that differs per head keeps every head (its head axis is where BNSD puts it)
-    if mask is not None and mask.rank == 4 and mask.shape[1] not in (1,):
+    # a mask or pse that differs per head keeps every head (its head axis is where BNSD puts it)
+    if any(t.rank == 4 and t.shape[1] not in (1,) for t in extras):
         group, kv_heads = n, nkv
     else:
         kv_heads = 1
     q2, k2, v2 = (resized(resized(t, 0, 1), heads, h) for t, h in ((q, group), (k, kv_heads), (v, kv_heads)))
     operands = [q2, k2, v2]
-    if mask is not None:
-        operands.append(resized(mask, 0, 1) if mask.rank == 4 else mask)
+    for t in extras:
+        operands.append(resized(t, 0, 1) if t.rank == 4 else t)
     out = sig.results[0]
     results = [resized(resized(out, 0, 1), heads, group) if out is not None and out.rank == 4 else out]
     return with_shapes(sig, operands, results)

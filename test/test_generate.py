@@ -34,13 +34,20 @@ def _gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
+def _gptj() -> torch.nn.Module:
+    torch.manual_seed(0)  # interleaved rotary over half the head dim: repeat_interleave of sin and cos over the steps
+    cfg = transformers.GPTJConfig(n_embd=64, n_inner=128, n_layer=LAYERS, n_head=4, rotary_dim=8, n_positions=64,
+                                  vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.GPTJForCausalLM(cfg).eval()
+
+
 def _hf(model, ids, mask, new):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _gptj], ids=["llama", "gpt2", "gptj"])
 def test_greedy_tokens_equal_hugging_faces_generate(make):
     model = make()
     g = torch.Generator().manual_seed(3)

@@ -104,6 +104,26 @@ def test_repeat_interleave_repeats_each_head(path, tmp_path):
     np.testing.assert_array_equal(outs[0], np.repeat(x.numpy(), 3, axis=1) + 1.0)  # numpy's repeat is the oracle
 
 
+class RepeatFeatures(torch.nn.Module):
+    """GPT-J's sin and cos: each of the rotary features repeated twice, over a sequence of run-time length."""
+
+    def forward(self, x):
+        return torch.repeat_interleave(x[:, :, None, :], 2, 3) * 3.0
+
+
+def test_repeat_interleave_beside_a_run_time_dimension():
+    from torch.export import Dim
+
+    module = from_module(RepeatFeatures(), (_randn(1, 5, 4),), dynamic_shapes=({1: Dim("S")},))
+    session = Session(Module([module.graph()], module.file, module.resources))
+    name = session.generic.args[0].name
+    assert session.generic.args[0].type.shape == (1, None, 4)
+    for length in (5, 11):  # one import, two lengths
+        x = _randn(1, length, 4, seed=length).numpy()
+        out = run_program(session.program({name: x.shape}), {name: x}, module.resources).outputs[0]
+        np.testing.assert_array_equal(out, np.repeat(x[:, :, None, :], 2, axis=3) * 3.0)  # numpy's repeat
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_baddbmm_is_the_scaled_bias_plus_the_scaled_product(path, tmp_path):
     bias, q, k = _randn(2, 3, 5, seed=1), _randn(2, 3, 4, seed=2), _randn(2, 4, 5, seed=3)

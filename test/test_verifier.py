@@ -53,9 +53,9 @@ X = "%x: tensor<4xf32>"
         ("%y = ge.add %x, %x, %x", "ge.add expects 2 operands (a, b), got 3"),
         ("%y = ge.neg %x, %x", "ge.neg expects 1 operand (x), got 2"),
         ("%y = ge.select %x, %x", "ge.select expects 3 operands (cond, a, b), got 2"),
-        ("%y = ge.flash_attention %x, %x", "ge.flash_attention expects 3 or 4 operands (q, k, v, mask), got 2"),
-        ("%y = ge.flash_attention %x, %x, %x, %x, %x",
-         "ge.flash_attention expects 3 or 4 operands (q, k, v, mask), got 5"),
+        ("%y = ge.flash_attention %x, %x", "ge.flash_attention expects 3 or 5 operands (q, k, v, mask, pse), got 2"),
+        ("%y = ge.flash_attention %x, %x, %x, %x, %x, %x",
+         "ge.flash_attention expects 3 or 5 operands (q, k, v, mask, pse), got 6"),
         ("%y = ge.concat {axis = 0}", "ge.concat expects at least 1 operand, got 0"),
         ("%y = ge.const %x dense<1.0> : tensor<4xf32>", "ge.const expects 0 operands (), got 1"),
     ],
@@ -559,7 +559,7 @@ LAUNCH = SINGLE_BUFFER.splitlines()[18]
     ("layout = \"BNSD\"", "layout = \"BNSD\", window = 4",
      "rt.launch of ge.flash_attention: unknown attribute 'window' in attrs"),
     ("%q.dev, %k.dev, %v.dev", "%q.dev, %k.dev",
-     "rt.launch of ge.flash_attention: ge.flash_attention expects 3 or 4 operands (q, k, v, mask), got 2"),
+     "rt.launch of ge.flash_attention: ge.flash_attention expects 3 or 5 operands (q, k, v, mask, pse), got 2"),
     ("kernel = \"ge.flash_attention\"", "kernel = \"ge.neg\"", "rt.launch of ge.neg: ge.neg expects 1 operand"),
 ])
 def test_a_launch_that_contradicts_its_kernel_op_is_an_error_at_it(old, new, message):

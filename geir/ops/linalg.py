@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence, TypeVar
 
 import numpy as np
 
@@ -11,6 +12,8 @@ from geir.opdef import Attr, ShapeError, op
 from geir.ops.numerics import broadcast_dims, require_float, same_dtype, softmax, work
 from geir.traits import CubeOp, Fused
 from geir.types import Dim, DType, TensorType
+
+T = TypeVar("T")
 
 
 @op("ge.matmul")
@@ -63,21 +66,37 @@ def bnsd(t: TensorType, layout: str = "BNSD") -> tuple[Dim, Dim, Dim, Dim]:
 
 @op("ge.flash_attention")
 class FlashAttention(Operation):
-    """softmax(cap(scale * q @ k^T) + mask) @ v with grouped-query heads and an optional causal mask; cap(s) is
-    softcap * tanh(s / softcap), the logit soft-capping of Gemma 2 and Grok, where `softcap` > 0 (0: none)."""
+    """softmax(cap(scale * q @ k^T) + pse + mask) @ v with grouped-query heads and an optional causal mask; cap(s)
+    is softcap * tanh(s / softcap), the logit soft-capping of Gemma 2 and Grok, where `softcap` > 0 (0: none).
 
-    OPERAND_NAMES = ("q", "k", "v", "mask?")
+    `has_pse`: the last operand is a position bias (ALiBi's, Bloom's) added to the scaled scores, as
+    ops-transformer's FlashAttentionScore takes its `pse` input with pseType 0 ("multiplication before addition":
+    scale * q k^T + pse; aclnnFlashAttentionScoreV2.md), of a float dtype, in any shape that broadcasts to
+    [B, N, Sq, Skv] ([B, N, 1, Skv] for ALiBi). The mask, when there is one, comes before it."""
+
+    OPERAND_NAMES = ("q", "k", "v", "mask?", "pse?")
     TRAITS = (CubeOp, Fused)
     scale = Attr(float, default=None)  # None: 1/sqrt(head dim)
     causal = Attr(bool, default=False)
     layout = Attr(str, default="BNSD", choices=("BNSD", "BSND"))
     softcap = Attr(float, default=0.0)
+    has_pse = Attr(bool, default=False)
 
     def verify(self) -> str | None:
         cap = self.softcap
         if not (math.isfinite(cap) and cap >= 0):
             return f"softcap must be a finite number >= 0 (0: no capping), not {cap}"
+        if self.has_pse and len(self.operands) < 4:
+            return "has_pse = true names the last operand the pse bias, but there are only q, k and v"
+        if not self.has_pse and len(self.operands) > 4:
+            return "a fifth operand is the pse bias, which needs has_pse = true"
         return None
+
+    def mask_and_pse(self, extras: Sequence[T]) -> tuple[T | None, T | None]:
+        """The mask and the pse among what follows q, k and v (operands, their types or arrays), None where absent."""
+        extras = list(extras)
+        pse = extras.pop() if self.attr("has_pse") and extras else None
+        return (extras[0] if extras else None), pse
 
     # score elements the reference holds at once: rows of q are taken in blocks so that memory stays
     # O(Sq + Skv) for long sequences instead of O(Sq * Skv)
@@ -91,7 +110,7 @@ class FlashAttention(Operation):
         pairs = sq * skv if not self.attr("causal") else sum(min(i + 1, skv) for i in range(sq))
         return 4.0 * b * n * pairs * d
 
-    def infer(self, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None = None) -> TensorType:
+    def infer(self, q: TensorType, k: TensorType, v: TensorType, *extras: TensorType) -> TensorType:
         dtype = same_dtype(self.name, q, k, v)
         require_float(q, "q")
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -104,23 +123,29 @@ class FlashAttention(Operation):
                 raise ShapeError(f"flash_attention {what} differ: {x} vs {y}")
         if n is not None and nk is not None and (nk == 0 or n % nk):
             raise ShapeError(f"query heads {n} are not a multiple of key/value heads {nk}")
-        if mask is not None:
-            if not (mask.dtype == DType.i1 or mask.dtype.is_float):
-                raise ShapeError(f"mask must be i1 or floating-point, not {mask}")
+        mask, pse = self.mask_and_pse(extras)
+        if mask is not None and not (mask.dtype == DType.i1 or mask.dtype.is_float):
+            raise ShapeError(f"mask must be i1 or floating-point, not {mask}")
+        if pse is not None and not pse.dtype.is_float:
+            raise ShapeError(f"pse must be floating-point, not {pse}")
+        for what, t in (("mask", mask), ("pse", pse)):
+            if t is None:
+                continue
             try:
-                full = broadcast_dims(mask.shape, (b, n, sq, skv))
+                full = broadcast_dims(t.shape, (b, n, sq, skv))
             except ShapeError:
                 full = None
             if full is None or len(full) != 4 or any(
                 x is not None and y is not None and x != y for x, y in zip(full, (b, n, sq, skv))
             ):
-                raise ShapeError(f"mask {mask} does not broadcast to [B, N, Sq, Skv] = [{b}, {n}, {sq}, {skv}]")
+                raise ShapeError(f"{what} {t} does not broadcast to [B, N, Sq, Skv] = [{b}, {n}, {sq}, {skv}]")
         return TensorType(bnsd(TensorType((b, n, sq, dv), dtype), self.layout), dtype)
 
     def effective_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 
-    def compute(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    def compute(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, *extras: np.ndarray) -> np.ndarray:
+        mask, pse = self.mask_and_pse(extras)
         if self.layout == "BSND":
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
         q, k, v = work(q), work(k), work(v)
@@ -131,6 +156,8 @@ class FlashAttention(Operation):
         skv = k.shape[2]
         if mask is not None:
             mask = np.broadcast_to(mask if mask.dtype == np.bool_ else work(mask), (b, n, sq, skv))
+        if pse is not None:
+            pse = np.broadcast_to(work(pse), (b, n, sq, skv))
         scale = q.dtype.type(self.effective_scale(d))
         out = np.empty((b, n, sq, v.shape[-1]), dtype=q.dtype)
         cols = np.arange(skv)
@@ -141,6 +168,8 @@ class FlashAttention(Operation):
             if self.softcap:
                 cap = q.dtype.type(self.softcap)
                 s = np.tanh(s / cap) * cap
+            if pse is not None:
+                s = s + pse[:, :, r0:r1]
             if mask is not None:
                 m = mask[:, :, r0:r1]
                 s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m
@@ -148,3 +177,9 @@ class FlashAttention(Operation):
                 s = np.where(cols[None, :] > np.arange(r0, r1)[:, None], -np.inf, s)
             out[:, :, r0:r1] = np.matmul(softmax(s, -1), v)
         return np.swapaxes(out, 1, 2) if self.layout == "BSND" else out
+
+
+# the operand after v is the pse when has_pse says so and there is no mask: the accessors ask mask_and_pse, not the
+# position that OPERAND_NAMES alone would give them
+FlashAttention.mask = property(lambda self: self.mask_and_pse(self.operands[3:])[0], doc="the mask, if present")
+FlashAttention.pse = property(lambda self: self.mask_and_pse(self.operands[3:])[1], doc="the pse bias, if present")

@@ -12,8 +12,15 @@ pass through a guard that zeroes whole rows, `select(rows, 0, P)` with `rows` [.
 zeroes the rows whose keys are all masked); the fused op is then followed by the same select on
 its result, which is what the guard gives whenever v is finite. The dynamo ONNX exporter's SDPA
 guards with `select(isnan(P), 0, P)` instead (NaN comes in whole rows): the fused op's result is then
-zeroed where it is NaN. Every other shape of graph is a
-miss with the reason.
+zeroed where it is NaN. Bloom's spelling merges the heads into the batch around a [B, N, S, L] softmax: the
+matmuls are [B*N, ...] batched matmuls of q, k and v reshaped from [B, N, S, D], the scores reshaped to
+[B, N, S, L] before the softmax and the probabilities back to [B*N, S, L] after it, with its ALiBi bias added
+by baddbmm on the [B*N, S, L] scores; the heads are lifted back to their own axis (the fused op takes the
+[B, N, S, D] tensors, its result is reshaped to the root's [B*N, S, D]). The ONNX exporter's Bloom keeps the
+probabilities [B, N, S, L] to a 4-D second matmul: then only the scores' side is lifted. An additive float term shaped
+[B or 1, N, 1, L] with N > 1 (ALiBi's per-head bias over the key positions) is the fused op's pse
+(ops-transformer's FlashAttentionScore pse input, pseType 0: scale * q k^T + pse); the other additive terms
+add up into its mask. Every other shape of graph is a miss with the reason.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from geir.passes.fusion.guards import flash_attention_guard
 from geir.target_npu.target import DEFAULT_TARGET, Target, load_target
 from geir.passes.fusion.match import const_array, defining, named, scalar_constant, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
-from geir.types import DType
+from geir.types import DType, TensorType
 
 # A mask value at or below this is as good as -inf: exp() of it underflows to 0 in every dtype.
 _MASKED = -1e4
@@ -90,6 +97,19 @@ class FuseFlashAttention(Pattern):
             p_val = guard.operands[2]
         consumer = guard or pv  # the op that takes the probabilities
         takers = [consumer] + ([nan_test] if nan_test is not None else [])
+        heads = None  # (B, N) where the heads are merged into the batch around the softmax (Bloom's spelling)
+        view = defining(p_val, "ge.reshape", "ge.dynamic_reshape")
+        if view is not None and _probabilities(view.operands[0]):
+            heads = _merged_heads(view.operands[0].type, view.result.type)
+            if heads is None:
+                return Miss(f"the probabilities are reshaped by {named(view)} to {view.result.type} before the "
+                            f"second matmul, which does not merge the heads of [B, N, S, L] into [B*N, S, L]")
+            if guard is not None:
+                return Miss(f"the probabilities are reshaped by {named(view)} and guarded by {named(guard)}; the "
+                            f"lift of merged heads takes no guard")
+            if not used_only_by(view.result, *takers):
+                return Miss(f"the reshaped probabilities {named(view)} are also used elsewhere; fusing would drop them")
+            takers, p_val = [view], view.operands[0]
         cast_out = defining(p_val, "ge.cast")
         if cast_out is not None and defining(cast_out.operands[0], "ge.softmax"):
             p_val = cast_out.operands[0]
@@ -98,12 +118,6 @@ class FuseFlashAttention(Pattern):
             d = defining(p_val, "ge.div")
             if d is not None and defining(d.operands[0], "ge.exp"):
                 return Miss("the probabilities are a written-out softmax that did not fuse (see the softmax remark)")
-            view = defining(p_val, "ge.reshape", "ge.dynamic_reshape")
-            if view is not None and _probabilities(view.operands[0]):
-                # Bloom's attention: scores and probabilities as [B*N, S, L] around a [B, N, S, L] softmax
-                return Miss(f"the probabilities are reshaped by {named(view)} to {view.result.type} before the "
-                            f"second matmul; the fused kernel takes attention with its heads as their own axis "
-                            f"[B, N, S, L]")
             return None  # an ordinary matmul
         if pv.transpose_a:
             return Miss("the second matmul transposes the probabilities")
@@ -116,20 +130,26 @@ class FuseFlashAttention(Pattern):
                 cast_out and not used_only_by(cast_out.result, *takers)):
             return Miss("the attention probabilities are also used elsewhere; fusing would drop them")
 
-        found = _walk_scores(sm.operands[0], self.resources)
+        found = _walk_scores(sm.operands[0], self.resources, heads)
         if isinstance(found, Miss):
             return found
         q, k, scale, masks, causal, softcap = found
-        mask_type = None
-        if masks:
-            try:
-                mask_type = masks[0].type
-                for m in masks[1:]:  # several additive masks (T5: a position bias, then the padding mask) add up
-                    mask_type = create_op("ge.add", [], []).infer(mask_type, m.type)
-            except ShapeError as e:
-                return Miss(f"the additive masks do not broadcast together: {e}")
-        k_perm = k_shape = None
         v = pv.operands[1]
+        if heads is not None:
+            v = _split_heads(v, heads)
+            if isinstance(v, Miss):
+                return Miss(f"v {v.reason}")
+            if sum(d is None for d in pv.result.type.shape) > 1:
+                return Miss(f"the second matmul's result {pv.result.type} has more than one run-time dimension; "
+                            f"the fused op's result cannot be reshaped back to it")
+        boolean = len(masks) == 1 and masks[0].value.type.dtype == DType.i1
+        pse_terms = [m for m in masks if not boolean and _is_pse(m.shape)]
+        mask_terms = [m for m in masks if not any(m is t for t in pse_terms)]
+        try:
+            mask_type, pse_type = _sum_type(mask_terms), _sum_type(pse_terms)
+        except ShapeError as e:  # several additive masks (T5: a position bias, then the padding mask) add up
+            return Miss(f"the additive masks do not broadcast together: {e}")
+        k_perm = k_shape = None
         if isinstance(k, tuple):
             k, k_perm = k
         if isinstance(k, _Reshaped):
@@ -160,32 +180,44 @@ class FuseFlashAttention(Pattern):
         attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
         if softcap:
             attrs["softcap"] = softcap
+        if pse_terms:
+            attrs["has_pse"] = True
         operands = [q, k, v]
         try:
-            types = [q.type, k_type, v.type] + ([mask_type] if mask_type is not None else [])
+            types = [q.type, k_type, v.type] + [x for x in (mask_type, pse_type) if x is not None]
             t = create_op("ge.flash_attention", [], [], attrs).infer(*types)
         except ShapeError as e:
             return Miss(f"the fused op would not type-check: {e}")
-        if t.shape != pv.result.type.shape or t.dtype != pv.result.type.dtype:
-            return Miss(f"the fused result {t} differs from the attention's result {pv.result.type}")
-        why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", self.target)
+        want = pv.result.type if heads is None else pv.result.type.with_shape(heads + pv.result.type.shape[1:])
+        if t.shape != want.shape or t.dtype != want.dtype:
+            return Miss(f"the fused result {t} differs from the attention's result {want}")
+        why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", self.target, pse_type)
         if why is not None:
             return Miss(why)
-        return Match(pv, operands=operands, masks=masks, attrs=attrs, k_perm=k_perm, k_shape=k_shape, guard=guard,
-                     nan_guard=nan_test is not None)
+        return Match(pv, operands=operands, masks=mask_terms, pse=pse_terms, attrs=attrs, k_perm=k_perm,
+                     k_shape=k_shape, guard=guard, nan_guard=nan_test is not None, heads=heads)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         operands = list(m.operands)
-        if m.masks:
-            mask = m.masks[0]
-            for more in m.masks[1:]:
-                mask = rw.create("ge.add", [mask, more], before=m.root).result
-            operands.append(mask)
+        for terms in (m.masks, m.pse):
+            if terms:
+                lifted = [_lift(t, rw, m.root) for t in terms]
+                total = lifted[0]
+                for more in lifted[1:]:
+                    total = rw.create("ge.add", [total, more], before=m.root).result
+                operands.append(total)
         if m.k_perm is not None:
             operands[1] = rw.create("ge.transpose", [operands[1]], {"perm": m.k_perm}, before=m.root).result
         if m.k_shape is not None:
             operands[1] = rw.create("ge.reshape", [operands[1]], {"shape": list(m.k_shape)}, before=m.root).result
-        op = rw.create("ge.flash_attention", operands, m.attrs, [m.root.result.type], before=m.root)
+        out = m.root.result.type
+        if m.heads is not None:  # the heads on their own axis, then merged back into the batch as the root had them
+            lifted = out.with_shape(m.heads + out.shape[1:])
+            fa = rw.create("ge.flash_attention", operands, m.attrs, [lifted], before=m.root)
+            shape = [-1 if d is None else d for d in out.shape]
+            rw.replace(m.root, rw.create("ge.reshape", [fa.result], {"shape": shape}, [out], before=m.root))
+            return
+        op = rw.create("ge.flash_attention", operands, m.attrs, [out], before=m.root)
         if m.guard is not None and m.nan_guard:
             # P is NaN only in whole rows (a row whose keys are all masked, or a NaN score): those are the
             # rows of P @ V that are NaN, and the guard's zeros there are zero rows of the result
@@ -217,7 +249,7 @@ class NativeAttentionInputs(Pattern):
 
     def match(self, fa: Operation) -> Match | Miss | None:
         q, k, v = fa.operands[:3]
-        mask = fa.operands[3] if len(fa.operands) > 3 else None
+        mask, pse = fa.mask_and_pse(fa.operands[3:])
         causal = bool(fa.attr("causal"))
         changed = False
         if fa.attr("layout") == "BNSD":
@@ -236,15 +268,90 @@ class NativeAttentionInputs(Pattern):
         if not changed:
             return None  # nothing spelled out that the kernel does itself
         why = flash_attention_guard(q.type, k.type, v.type, None if mask is None else mask.type, causal,
-                                    fa.attr("layout"), self.target)
+                                    fa.attr("layout"), self.target, None if pse is None else pse.type)
         if why is not None:
             return Miss(why)
-        attrs = {"scale": fa.attr("scale"), "causal": causal, "layout": fa.attr("layout")}
-        return Match(fa, operands=[q, k, v] + ([mask] if mask is not None else []), attrs=attrs)
+        attrs = dict(fa.attributes, causal=causal)  # its softcap and pse as they were
+        extras = [x for x in (mask, pse) if x is not None]
+        return Match(fa, operands=[q, k, v] + extras, attrs=attrs)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         op = rw.create("ge.flash_attention", m.operands, m.attrs, [m.root.result.type], before=m.root)
         rw.replace(m.root, op)
+
+
+@attrs.frozen
+class _Term:
+    """An additive term (or a boolean mask) on the scores: the value, its shape lifted to [B, N, Sq, Skv] terms, and
+    whether it was added to [B*N, S, L] scores (Bloom's), so that the rewrite reshapes it to that shape."""
+
+    value: Value
+    shape: tuple
+    flat: bool = False
+
+
+def _merged_heads(split: TensorType, merged: TensorType) -> tuple[int, int] | None:
+    """(B, N) when `merged` is `split` [B, N, X, Y] with its first two axes merged, [B*N, X, Y]; else None.
+
+    B and N must be known; X and Y are the same on both sides (equal sizes, or both run-time)."""
+    if split.rank != 4 or merged.rank != 3:
+        return None
+    b, n = split.shape[:2]
+    if b is None or n is None or merged.shape[0] != b * n:
+        return None
+    if any(x != y for x, y in zip(split.shape[2:], merged.shape[1:])):  # None == None: both run-time
+        return None
+    return b, n
+
+
+def _lifted_shape(shape: tuple, heads: tuple[int, int]) -> tuple | None:
+    """A term added to [B*N, S, L] scores, as the shape that adds it to [B, N, S, L] ones: its first axis B*N split
+    into (B, N), or 1 into (1, 1); None where it is neither or the reshape would need two run-time sizes."""
+    if len(shape) > 3:
+        return None
+    shape = (1,) * (3 - len(shape)) + tuple(shape)
+    b, n = heads
+    if shape[0] == b * n:
+        lifted = (b, n) + shape[1:]
+    elif shape[0] == 1:
+        lifted = (1, 1) + shape[1:]
+    else:
+        return None
+    return lifted if sum(d is None for d in lifted) <= 1 else None
+
+
+def _split_heads(v: Value, heads: tuple[int, int]) -> Value | Miss:
+    """The [B, N, S, D] tensor that `v` [B*N, S, D] reshapes, or a Miss (its reason follows the operand's name)."""
+    op = defining(v, "ge.reshape", "ge.dynamic_reshape")
+    if op is None or _merged_heads(op.operands[0].type, v.type) != heads:
+        source = "a graph argument" if v.owner is None else named(v.owner)
+        return Miss(f"reaches the [B*N, S, D] matmul from {source}, not as a reshape of [{heads[0]}, {heads[1]}, S, D]")
+    return op.operands[0]
+
+
+def _is_pse(shape: tuple) -> bool:
+    """A term shaped [B or 1, N, 1, Skv] with N > 1: ALiBi's per-head bias over the key positions, the shape
+    FlashAttentionScore takes its pse in (ops-transformer aclnnFlashAttentionScoreV2: pse [B, N, 1, Skv])."""
+    return len(shape) == 4 and shape[1] is not None and shape[1] > 1 and shape[2] == 1
+
+
+def _sum_type(terms: list[_Term]) -> TensorType | None:
+    """The type of the terms added up (ShapeError where they do not broadcast), None for no terms."""
+    if not terms:
+        return None
+    t = terms[0].value.type.with_shape(terms[0].shape)
+    for more in terms[1:]:
+        t = create_op("ge.add", [], []).infer(t, more.value.type.with_shape(more.shape))
+    return t
+
+
+def _lift(term: _Term, rw: Rewriter, before: Operation) -> Value:
+    """The term as the fused op takes it: reshaped to [B, N, ...] where it was added to [B*N, S, L] scores."""
+    if not term.flat or term.value.type.shape == term.shape:
+        return term.value
+    shape = [-1 if d is None else d for d in term.shape]
+    return rw.create("ge.reshape", [term.value], {"shape": shape}, [term.value.type.with_shape(term.shape)],
+                     before=before).result
 
 
 @attrs.frozen
@@ -255,12 +362,15 @@ class _Reshaped:
     shape: tuple
 
 
-def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
+def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None, heads: tuple | None = None):
     """From the softmax input up to `q @ k^T`: (q, k, scale, masks, causal, softcap) or a Miss.
 
-    `masks` are the additive masks in the order they were added (T5 adds a position bias, then the
+    `masks` are the additive masks (`_Term`s) in the order they were added (T5 adds a position bias, then the
     padding mask); a boolean `select` mask is the only one. `softcap`: the logit cap c of c * tanh(s / c)
-    between the scale and the masks (Gemma 2), 0.0 where there is none."""
+    between the scale and the masks (Gemma 2), 0.0 where there is none. `heads`: (B, N) when the probabilities
+    were [B*N, S, L] (Bloom's spelling): the scores must come from [B*N, S, L] too. Where a reshape splits the
+    heads out of [B*N, S, L] scores (Bloom's, whether or not the probabilities are merged again), the terms added
+    above it, q and k are lifted to [B, N, ...]."""
     scale = 1.0
     softcap = 0.0
     masks: list[Value] = []
@@ -269,10 +379,22 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
     seen_scale = False  # walking up, a scale seen before the mask was applied after it
     mask_before_scale = False
     chain: list[Operation] = []  # intermediates that must have no other users
+    flat = False  # walking up, the scores are now [B*N, S, L] (the heads merged into the batch)
+    root_heads = heads  # the probabilities' own (B, N) where they reach the second matmul merged
     while True:
         op = x.owner
         if op is None:
             return Miss("the softmax input is a graph argument, not attention scores")
+        if op.name in ("ge.reshape", "ge.dynamic_reshape"):
+            split = _merged_heads(op.result.type, op.operands[0].type)
+            if flat or split is None or (heads is not None and split != heads):
+                return Miss(f"the scores are reshaped by {named(op)} from {op.operands[0].type} to {op.result.type}; "
+                            f"only heads split out of a [B*N, S, L] batch (Bloom's scores) lift")
+            # the probabilities may stay [B, N, S, L] to the second matmul (the ONNX exporter's Bloom)
+            heads, flat = split, True
+            chain.append(op)
+            x = op.operands[0]
+            continue
         if op.name == "ge.cast":
             chain.append(op)
             x = op.operands[0]
@@ -327,7 +449,12 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
             else:
                 if m.type.dtype == DType.i1 or not m.type.dtype.is_float:
                     return Miss(f"the additive mask has dtype {m.type.dtype}, not a float")
-                masks.insert(0, m)  # walking up: the mask added first is found last
+                shape = _lifted_shape(m.type.shape, heads) if flat else m.type.shape
+                if shape is None:
+                    return Miss(f"the term {m.type} added at {named(op)} to the [B*N, S, L] scores does not split "
+                                f"into heads {heads[0]} x {heads[1]} (its first axis is neither B*N nor 1, or it has "
+                                f"more than one run-time dimension)")
+                masks.insert(0, _Term(m, tuple(shape), flat))  # walking up: the mask added first is found last
             chain.append(op)
             continue
         if op.name == "ge.select":
@@ -345,13 +472,20 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
             if arr is not None and causal_pattern(arr, boolean=True):
                 causal = True
             else:
-                masks, boolean_mask = [cond], True
+                shape = _lifted_shape(cond.type.shape, heads) if flat else cond.type.shape
+                if shape is None:
+                    return Miss(f"the mask {cond.type} of {named(op)} on the [B*N, S, L] scores does not split into "
+                                f"heads {heads[0]} x {heads[1]}")
+                masks, boolean_mask = [_Term(cond, tuple(shape), flat)], True
             chain.append(op)
             x = keep
             continue
         if op.name == "ge.matmul":
             break
         return Miss(f"the scores come from {op.name}, not from q @ k^T")
+    if root_heads is not None and not flat:
+        return Miss(f"the probabilities are [B*N, S, L] but the scores are not reshaped from [B*N, S, L] to "
+                    f"{x.type} before the softmax")
     if masks and mask_before_scale and not boolean_mask:
         return Miss("the additive mask is added before the scale; the fused kernel adds it after scaling")
     for inner in chain:
@@ -367,6 +501,20 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None):
     q, q_scale = _peel_scale(q)
     kt, k_scale = _peel_scale(kt)
     scale *= q_scale * k_scale
+    if heads is not None:  # [B*N, S, D] q and k^T: each a reshape of [B, N, S, D] (k transposed after it)
+        if not qk.transpose_b:
+            t = defining(kt, "ge.transpose")
+            if t is None or list(t.perm) != [0, 2, 1]:
+                source = "a graph argument" if kt.owner is None else named(kt.owner)
+                return Miss(f"the [B*N, S, L] scores' right operand comes from {source}, not from k transposed (a "
+                            f"transpose of its last two axes, or transpose_b = true)")
+            kt, k_scale = _peel_scale(t.operands[0])
+            scale *= k_scale
+        q4, k4 = _split_heads(q, heads), _split_heads(kt, heads)
+        for what, found in (("q", q4), ("k", k4)):
+            if isinstance(found, Miss):
+                return Miss(f"{what} {found.reason}")
+        return q4, k4, float(scale), masks, causal, softcap
     if qk.transpose_b:
         k = kt
     else:
@@ -537,8 +685,12 @@ def _from_scores(v: Value) -> bool:
             stack.pop()
             continue
         op = u.owner
-        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast", "ge.tanh"):  # tanh: a logit softcap
+        # tanh: a logit softcap; a reshape: Bloom's scores with the heads split out of the batch
+        while op is not None and op.name in ("ge.mul", "ge.div", "ge.cast", "ge.tanh", "ge.reshape",
+                                             "ge.dynamic_reshape"):
             inner = [o for o in op.operands if scalar_constant(o) is None]
+            if op.name in ("ge.reshape", "ge.dynamic_reshape"):
+                inner = op.operands[:1]  # the data; a dynamic reshape's sizes are not on the scores' path
             op = inner[0].owner if len(inner) == 1 else None
         if op is not None and op.name == "ge.add":
             a, b = op.operands

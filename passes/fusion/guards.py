@@ -24,10 +24,11 @@ from geir.types import DType, TensorType
 
 
 def flash_attention_guard(q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None, causal: bool,
-                          layout: str, chip: Target) -> str | None:
+                          layout: str, chip: Target, pse: TensorType | None = None) -> str | None:
     """Why the fused FlashAttention kernel cannot take these shapes on `chip`; None when it can.
 
-    Unknown (`?`) dimensions pass: the check is made again once they are known.
+    Unknown (`?`) dimensions pass: the check is made again once they are known. A pse's tile sits beside the
+    mask's in the UB, so its itemsize counts with the mask's.
     """
     b, n, sq, d = bnsd(q, layout)
     skv = bnsd(k, layout)[2]
@@ -38,8 +39,9 @@ def flash_attention_guard(q: TensorType, k: TensorType, v: TensorType, mask: Ten
     if None in (b, n, sq, d, skv) or None in v.shape:
         return None
     try:
-        tiling = choose_flash_tiling(q, k, v, causal, mask is not None, chip, layout=layout,
-                                     mask_itemsize=None if mask is None else mask.dtype.itemsize)
+        tiles = [t for t in (mask, pse) if t is not None]
+        tiling = choose_flash_tiling(q, k, v, causal, bool(tiles), chip, layout=layout,
+                                     mask_itemsize=sum(t.dtype.itemsize for t in tiles) if tiles else None)
     except TilingError as e:
         return f"no tiling of the fused kernel fits: {e}"
     except Untiled:
@@ -70,8 +72,9 @@ def _decode_guard(sq: int, skv: int, units: int, chip: Target) -> str | None:
 def flash_attention_op_guard(op: Operation, chip: Target) -> str | None:
     """flash_attention_guard for a `ge.flash_attention` op."""
     types = [x.type for x in op.operands]
-    return flash_attention_guard(types[0], types[1], types[2], types[3] if len(types) > 3 else None,
-                                 bool(op.attr("causal")), op.attr("layout"), chip)
+    mask, pse = op.mask_and_pse(types[3:])
+    return flash_attention_guard(types[0], types[1], types[2], mask, bool(op.attr("causal")), op.attr("layout"),
+                                 chip, pse)
 
 
 def _const(rw: Rewriter, array: np.ndarray, dtype: DType, before: Operation) -> Value:
@@ -98,7 +101,7 @@ def decompose_flash_attention(op: Operation, rw: Rewriter) -> None:
         return rw.create(name, operands, attributes, before=op).result
 
     q, k, v = op.operands[:3]
-    mask = op.operands[3] if len(op.operands) > 3 else None
+    mask, pse = op.mask_and_pse(op.operands[3:])
     layout = op.attr("layout")
     _, n, sq, d = bnsd(q.type, layout)
     _, nkv, skv, _ = bnsd(k.type, layout)
@@ -118,6 +121,8 @@ def decompose_flash_attention(op: Operation, rw: Rewriter) -> None:
     if op.attr("softcap"):
         cap = _const(rw, np.array(op.attr("softcap")), DType.f32, op)
         s = make("ge.mul", [make("ge.tanh", [make("ge.div", [s, cap])]), cap])
+    if pse is not None:
+        s = make("ge.add", [s, pse if pse.type.dtype == DType.f32 else make("ge.cast", [pse], {"to": DType.f32})])
     minus_inf = None
     if mask is not None and mask.type.dtype == DType.i1:
         minus_inf = _const(rw, np.array(-np.inf), DType.f32, op)
