@@ -1,0 +1,131 @@
+"""Mixture of experts (issue 28 item 4): Qwen2-MoE and Mixtral from input_ids on the simulated NPU.
+
+Oracles: Hugging Face's `generate(do_sample=False)` for the tokens; torch for each op's semantics (torch.sort,
+torch.histc, transformers' grouped_mm fallback); torch in float64 for the accuracy rule (GEIR's error no worse
+than torch eager's in the model's dtype).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from geir.builder import Builder  # noqa: E402
+from geir.frontends.torch import compile as geir_compile, generate  # noqa: E402
+from geir.ir import Module  # noqa: E402
+from geir.session import Session, run_program  # noqa: E402
+from geir.types import DType, TensorType  # noqa: E402
+
+EXPERTS, TOP_K = 4, 2
+
+
+def qwen2_moe() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_experts=EXPERTS,
+                                      num_experts_per_tok=TOP_K, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, decoder_sparse_step=1, mlp_only_layers=[])
+    return transformers.Qwen2MoeForCausalLM(cfg).eval()
+
+
+def mixtral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=EXPERTS,
+                                     num_experts_per_tok=TOP_K, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=100)
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+MODELS = {"qwen2_moe": qwen2_moe, "mixtral": mixtral}
+
+
+def _hf(model, ids, new):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_equal_hugging_faces_generate(name):
+    model = MODELS[name]()
+    assert model.config._experts_implementation == "grouped_mm"  # what transformers runs by default
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(7))
+    run = generate(model, ids, 5, buckets="pow2")
+    assert torch.equal(run.tokens, _hf(model, ids, 5))
+
+
+class _MoeBlock(torch.nn.Module):
+    """One model's sparse MoE block alone (router, experts, combine) on [B, S, H] hidden states."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.block = model.model.layers[0].mlp
+
+    def forward(self, h):
+        out = self.block(h)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_moe_block_is_as_accurate_as_torch_eager(name, dtype):
+    block = _MoeBlock(MODELS[name]()).eval()
+    h = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(1))
+    reference = MODELS[name]().double()
+    reference.config._experts_implementation = "eager"  # torch's grouped_mm takes no float64: the loop over experts
+    with torch.no_grad():
+        exact = _MoeBlock(reference).eval()(h.double())
+        eager = block.to(dtype)(h.to(dtype)).double()
+    fast = geir_compile(block, (h.to(dtype),), dynamic_shapes=({1: torch.export.Dim("s", min=2, max=64)},))
+    got = fast(h.to(dtype)).double()
+    eager_err = (eager - exact).abs().max().item()
+    assert (got - exact).abs().max().item() <= max(eager_err, 1e-6) * 1.0001
+    assert "ge.grouped_matmul" in {op.name for op in fast.graph.ops}
+
+
+def _run(graph, feed):
+    session = Session(Module([graph], "<test>", {}))
+    program = session.program({k: v.shape for k, v in feed.items()})
+    return run_program(program, feed).outputs
+
+
+def test_sort_along_a_run_time_length_is_torchs_stable_sort():
+    b = Builder()
+    x = b.argument(TensorType((None,), DType.i64), "x")
+    values, indices = b.create("ge.sort", [x], {"axis": 0}).results
+    graph = b.finish([values, indices])
+    ids = torch.randint(0, EXPERTS, (15,), generator=torch.Generator().manual_seed(2))
+    want = torch.sort(ids, stable=True)
+    got = _run(graph, {"x": ids.numpy()})
+    assert np.array_equal(got[0], want.values.numpy()) and np.array_equal(got[1], want.indices.numpy())
+
+
+def test_histc_counts_as_torch_does():
+    b = Builder()
+    x = b.argument(TensorType((None,), DType.f32), "x")
+    graph = b.finish([b.create("ge.histc", [x], {"bins": 5, "min": 0.0, "max": 4.0}).result])
+    # every expert id, the maximum (the last bin is closed) and ids outside the range, which torch ignores
+    v = torch.tensor([0, 4, 4, 2, 3, 3, 3, -1, 5, 1.5], dtype=torch.float32)
+    assert np.array_equal(_run(graph, {"x": v.numpy()})[0], torch.histc(v, bins=5, min=0, max=4).numpy())
+
+
+def test_grouped_matmul_is_transformers_grouped_mm():
+    from transformers.integrations.moe import _grouped_mm_fallback
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 16, generator=g), torch.randn(EXPERTS, 8, 16, generator=g)
+    offs = torch.tensor([2, 2, 7, 8], dtype=torch.int32)  # an empty group, and a row after the last group
+    b = Builder()
+    args = [b.argument(TensorType(tuple(a.shape), d), n) for a, d, n in
+            ((x, DType.f32, "x"), (w, DType.f32, "w"), (offs, DType.i32, "offs"))]
+    out = b.create("ge.grouped_matmul", args, {"transpose_b": True}).result
+    got = _run(b.finish([out]), {"x": x.numpy(), "w": w.numpy(), "offs": offs.numpy()})[0]
+    want = _grouped_mm_fallback(x, w.transpose(-2, -1), offs)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    assert not got[8:].any()  # rows after the last group are zero
