@@ -86,7 +86,12 @@ def test_the_moe_block_is_as_accurate_as_torch_eager(name, dtype):
     got = fast(h.to(dtype)).double()
     eager_err = (eager - exact).abs().max().item()
     assert (got - exact).abs().max().item() <= max(eager_err, 1e-6) * 1.0001
-    assert "ge.grouped_matmul" in {op.name for op in fast.graph.ops}
+    # GE runs the block as ops-transformer's moe family: nothing of the router's and the dispatch's pieces is left
+    ops = [op.name for op in fast.graph.ops]
+    assert ops.count("ge.grouped_matmul") == 2
+    for name in ("ge.moe_gating_topk_softmax", "ge.moe_init_routing", "ge.moe_finalize_routing"):
+        assert ops.count(name) == 1, name
+    assert not {"ge.topk", "ge.sort", "ge.histc", "ge.index_put", "ge.softmax"} & set(ops)
 
 
 def _run(graph, feed):
@@ -129,3 +134,57 @@ def test_grouped_matmul_is_transformers_grouped_mm():
     want = _grouped_mm_fallback(x, w.transpose(-2, -1), offs)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
     assert not got[8:].any()  # rows after the last group are zero
+
+
+def _one_op(name, operands, attributes, feed):
+    b = Builder()
+    args = [b.argument(TensorType(tuple(a.shape), d), n) for (n, a), d in zip(feed.items(), operands)]
+    op = b.create(name, args, attributes)
+    return _run(b.finish(list(op.results)), {n: a.numpy() for n, a in feed.items()})
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_gating_is_softmax_then_topk_then_renormalised_as_transformers_routes(renorm):
+    logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(4))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, experts = torch.topk(probs, 3, dim=-1)
+    if renorm:  # Mixtral; Qwen2-MoE with norm_topk_prob
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    got = _one_op("ge.moe_gating_topk_softmax", [DType.f32], {"k": 3, "renorm": renorm}, {"x": logits})
+    np.testing.assert_allclose(got[0], weights.numpy(), rtol=1e-6)
+    assert np.array_equal(got[1], experts.numpy())
+
+
+def _transformers_dispatch(x, top_k_index, num_experts):
+    """transformers' grouped_mm experts before the matmuls: rows by expert, the inverse order, running ends."""
+    k = top_k_index.shape[1]
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    tokens = torch.histc(expert_ids_g.float(), bins=num_experts, min=0, max=num_experts - 1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0))
+    return x[perm // k], inv_perm, torch.cumsum(tokens, dim=0, dtype=torch.int32)
+
+
+def test_init_routing_orders_the_pairs_as_transformers_grouped_mm_experts_do():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 16, generator=g)
+    experts = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(7)])
+    got = _one_op("ge.moe_init_routing", [DType.f32, DType.i64], {"num_experts": EXPERTS},
+                  {"x": x, "expert_idx": experts})
+    for a, b in zip(got, _transformers_dispatch(x, experts, EXPERTS)):
+        assert np.array_equal(a, b.numpy())
+
+
+def test_finalize_routing_combines_as_transformers_grouped_mm_experts_do():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, 16, generator=g)
+    experts = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(7)])
+    scales = torch.rand(7, TOP_K, generator=g)
+    expanded, inv_perm, _ = _transformers_dispatch(x, experts, EXPERTS)
+    y = expanded * 3.0 - 1.0  # stands in for the experts' output rows, in expert order
+    _, perm = torch.sort(experts.reshape(-1))
+    weighted = y * scales.reshape(-1)[perm].unsqueeze(-1)  # transformers' combine
+    want = weighted[inv_perm].view(7, TOP_K, 16).sum(dim=1)
+    got = _one_op("ge.moe_finalize_routing", [DType.f32, DType.f32, DType.i64], {},
+                  {"expanded": y, "scales": scales, "expanded_row_idx": inv_perm})
+    np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-6, atol=1e-7)

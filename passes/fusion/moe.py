@@ -166,6 +166,8 @@ class FuseMoeInitRouting(Pattern):
         flat = defining(sort.operands[0], "ge.reshape")
         if flat is None or flat.operands[0].type.rank != 2 or sort.results[0].type.rank != 1:
             return None  # not a sort of the token-expert pairs
+        if not sort.results[0].uses:
+            return None  # nothing reads the sorted experts (what a fused routing leaves until it is erased)
         expert_idx = flat.operands[0]
         k = expert_idx.type.shape[1]
         if sort.attr("descending"):
@@ -173,7 +175,7 @@ class FuseMoeInitRouting(Pattern):
         counted = _counts(sort.results[0])
         if isinstance(counted, Miss):
             return counted
-        chain, tokens, experts = counted
+        cumsum, tokens, experts, counting = counted
         order = sort.results[1]
         token = _pair_token(order, k)
         if isinstance(token, Miss):
@@ -188,13 +190,13 @@ class FuseMoeInitRouting(Pattern):
         inverse = next((u for u in order.users() if u.name == "ge.index_put"), None)
         if inverse is None or isinstance(_inverse_order(inverse.results[0]), Miss):
             return Miss(f"the inverse of the order of {named(sort)} is not computed (index_put of an arange)")
-        # a ge.shape_of reads only how many pairs there are (the inverse's base, sized like the order)
-        shapes = tuple(u for u in order.users() if u.name == "ge.shape_of")
+        # ge.shape_of and ge.dim read only how many pairs there are (the inverse's base and arange, sized like it)
+        shapes = tuple(u for u in order.users() if u.name in ("ge.shape_of", "ge.dim"))
         other = _reader(order, tuple(token_ops) + (inverse,) + shapes)
         if other is not None:
             return Miss(f"the order of {named(sort)} is also read by {named(other)}")
         return Match(sort, x=gather.operands[0], expert_idx=expert_idx, experts=experts, gather=gather,
-                     inverse=inverse, tokens=tokens, cumsum=chain)
+                     inverse=inverse, tokens=tokens, cumsum=cumsum, replaced=counting + token_ops)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         list_type = "cumsum" if m.cumsum else "count"
@@ -206,14 +208,20 @@ class FuseMoeInitRouting(Pattern):
         rw.replace(m.gather, [expanded_x])
         rw.replace(m.inverse, [expanded_row_idx])
         rw.replace(m.tokens, [tokens])
+        # the sort and what computed from it go now, so that the sort is never a candidate again
+        for op in [*reversed(m.replaced), m.root]:
+            if not op.erased and not any(r.uses for r in op.results):
+                rw.erase(op)
 
 
-def _counts(sorted_experts: Value) -> tuple[bool, Operation, int] | Miss:
-    """(whether they are running ends, the op giving the tokens per expert, the number of experts) when the
+def _counts(sorted_experts: Value) -> tuple[bool, Operation, int, list[Operation]] | Miss:
+    """(whether they are running ends, the op giving the tokens per expert, the number of experts, the ops) when the
     sorted experts are only counted per expert: [cast] -> histc over [0, E-1] with E bins -> [cast] -> [cumsum]."""
     op = _only_reader(sorted_experts)
+    chain = [op]
     if op is not None and op.name == "ge.cast":
         op = _only_reader(op.results[0])
+        chain.append(op)
     if op is None or op.name != "ge.histc":
         return Miss(f"the sorted experts are not only counted per expert (ge.histc): read by "
                     f"{', '.join(named(u) for u in sorted_experts.users()) or 'nothing'}")
@@ -225,11 +233,13 @@ def _counts(sorted_experts: Value) -> tuple[bool, Operation, int] | Miss:
     nxt = _only_reader(last.results[0])
     if nxt is not None and nxt.name == "ge.cast" and not nxt.results[0].type.dtype.is_float:
         last, nxt = nxt, _only_reader(nxt.results[0])
+        chain.append(last)
     if nxt is not None and nxt.name == "ge.cumsum" and not nxt.attr("exclusive") and not nxt.attr("reverse"):
         last, cumsum = nxt, True
+        chain.append(last)
     if last.results[0].type.dtype.is_float or last.results[0].type.dtype is DType.i1:
         return Miss(f"the tokens per expert stay {last.results[0].type.dtype} numbers ({named(last)}), not integers")
-    return cumsum, last, bins
+    return cumsum, last, bins, chain
 
 
 def _only_reader(v: Value) -> Operation | None:
