@@ -188,3 +188,42 @@ def test_finalize_routing_combines_as_transformers_grouped_mm_experts_do():
     got = _one_op("ge.moe_finalize_routing", [DType.f32, DType.f32, DType.i64], {},
                   {"expanded": y, "scales": scales, "expanded_row_idx": inv_perm})
     np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def _grouped_matmul_run(x, w, ends):
+    b = Builder()
+    args = [b.argument(TensorType(tuple(a.shape), DType.from_numpy(a.dtype)), n)
+            for a, n in ((x, "x"), (w, "w"), (ends, "ends"))]
+    out = b.create("ge.grouped_matmul", args, {"transpose_b": True}).result
+    session = Session(Module([b.finish([out])], "<test>", {}))
+    feed = {"x": x, "w": w, "ends": ends}
+    result = run_program(session.program({k: v.shape for k, v in feed.items()}), feed)
+    (stats,) = [k for k in result.kernels if k.name == "ge.grouped_matmul"]
+    return result.outputs[0], stats
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_grouped_matmul_kernel_runs_on_the_cube_as_transformers_grouped_mm_computes(dtype):
+    from transformers.integrations.moe import _grouped_mm_fallback
+
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(40, 32, generator=g), torch.randn(EXPERTS, 48, 32, generator=g)
+    ends = torch.tensor([7, 7, 30, 38], dtype=torch.int32)  # an expert no token chose; rows 38, 39 in no group
+    got, stats = _grouped_matmul_run(x.numpy().astype(dtype), w.numpy().astype(dtype), ends.numpy())
+    assert stats.engine == "aicore" and stats.tiling.base_m > 0
+    x32, w32 = (torch.from_numpy(t.numpy().astype(dtype).astype(np.float32)) for t in (x, w))
+    want = _grouped_mm_fallback(x32, w32.transpose(-2, -1), ends).numpy()
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol * 10)
+    assert not got[38:].any()
+
+
+def test_each_expert_a_token_chose_costs_its_weights_once():
+    # the same rows in one group, then spread over all four experts: three more experts' weights come from HBM
+    # (one expert's weight is read from HBM once, its later row blocks find it in L2)
+    g = np.random.default_rng(9)
+    x, w = g.standard_normal((64, 32)).astype(np.float32), g.standard_normal((EXPERTS, 48, 32)).astype(np.float32)
+    _, one = _grouped_matmul_run(x, w, np.array([0, 0, 0, 64], dtype=np.int32))
+    _, four = _grouped_matmul_run(x, w, np.array([16, 32, 48, 64], dtype=np.int32))
+    assert four.hbm_read_bytes - one.hbm_read_bytes == 3 * 48 * 32 * 4
+    assert four.flops == one.flops == 2 * 64 * 48 * 32  # the same rows multiplied either way
