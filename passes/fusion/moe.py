@@ -26,6 +26,17 @@ def _is_last_axis(axis: int, rank: int) -> bool:
     return rank > 0 and axis % rank == rank - 1
 
 
+def _sorts_ascending(op: Operation | None) -> bool:
+    """A stable ascending sort of a 1-D tensor: ge.sort, or ge.topk of every element, smallest first (the importer's
+    spelling of a sort whose length is known at export)."""
+    if op is None or op.operands[0].type.rank != 1:
+        return False
+    if op.name == "ge.sort":
+        return not op.attr("descending")
+    return (op.name == "ge.topk" and not op.attr("largest") and op.attr("sorted")
+            and op.attr("k") == op.operands[0].type.shape[0])
+
+
 def _reader(v: Value, other_than: tuple[Operation, ...]) -> Operation | None:
     """An op reading `v` that is none of `other_than` (the first such), else None."""
     return next((u for u in v.users() if all(u is not o for o in other_than)), None)
@@ -125,8 +136,8 @@ def _inverse_order(v: Value) -> Value | Miss:
     if put is None or len(put.operands) != 3 or put.attr("axis") != 0 or put.attr("accumulate"):
         return Miss(f"the rows are put back by indices {_by(v)}, not the inverse of the sort's order")
     order = put.operands[2]
-    if defining(order, "ge.sort") is None or order.owner.results[1] is not order:
-        return Miss(f"the order inverted by {named(put)} is not a ge.sort's")
+    if not _sorts_ascending(order.owner) or order.owner.results[1] is not order:
+        return Miss(f"the order inverted by {named(put)} is not an ascending sort's")
     if not _is_arange(put.operands[1]):
         return Miss(f"{named(put)} writes {_by(put.operands[1])}, not 0, 1, 2, ... (the inverse of the order)")
     return order
@@ -160,12 +171,14 @@ class FuseMoeInitRouting(Pattern):
     """sort(flatten(expert_idx)) with x[order // k], the inverse order and histc(+cumsum) of the sorted experts
     -> ge.moe_init_routing."""
 
-    NAME, ROOT, BENEFIT, EXPLAIN = "moe_init_routing", "ge.sort", 26, True
+    NAME, ROOT, BENEFIT, EXPLAIN = "moe_init_routing", ("ge.sort", "ge.topk"), 26, True
 
     def match(self, sort: Operation) -> Match | Miss | None:
         flat = defining(sort.operands[0], "ge.reshape")
         if flat is None or flat.operands[0].type.rank != 2 or sort.results[0].type.rank != 1:
             return None  # not a sort of the token-expert pairs
+        if sort.name == "ge.topk" and not _sorts_ascending(sort):
+            return None  # the k largest or smallest of the pairs, not all of them in order
         if not sort.results[0].uses:
             return None  # nothing reads the sorted experts (what a fused routing leaves until it is erased)
         expert_idx = flat.operands[0]
