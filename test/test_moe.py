@@ -255,3 +255,15 @@ def test_torch_compile_runs_the_model_from_input_ids_on_the_npu(name, monkeypatc
     moe = {"ge.moe_gating_topk_softmax", "ge.moe_init_routing", "ge.grouped_matmul", "ge.moe_finalize_routing"}
     assert ran and any(moe <= {op.name for op in c.graph.ops} for c in ran)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_floor_divide_rounds_down_as_torch_does():
+    class FloorDivide(torch.nn.Module):
+        def forward(self, x):
+            return x // 3
+
+    from geir.frontends.torch import compile as compile_module
+
+    x = torch.tensor([-7, -6, -5, -1, 0, 1, 5, 6, 7], dtype=torch.int64)  # negatives round down, not to zero
+    got = compile_module(FloorDivide(), (x,))(x)
+    assert torch.equal(got, torch.floor_divide(x, 3))
