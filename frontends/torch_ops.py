@@ -512,10 +512,12 @@ def _sort(b: GraphBuilder, node: Any, a: dict) -> Any:
     so stable or not the result is a stable sort's): an MoE layer's tokens ordered by expert."""
     x = tensor(b, _input(a), "the input")
     axis = _axis(b, a.get("dim", -1), x.type.rank)
-    if x.type.shape[axis] is None:
-        raise b.error("sorting along a run-time dimension is not supported (ge.topk takes a k known at export)")
-    values, indices = b.emit("ge.topk", [x], {"k": x.type.shape[axis], "axis": axis,
-                                              "largest": bool(a.get("descending", False))}, hint=node.name).results
+    if x.type.shape[axis] is None:  # ge.topk takes a k known at export; ge.sort takes any length
+        values, indices = b.emit("ge.sort", [x], {"axis": axis, "descending": bool(a.get("descending", False))},
+                                 hint=node.name).results
+    else:
+        values, indices = b.emit("ge.topk", [x], {"k": x.type.shape[axis], "axis": axis,
+                                                  "largest": bool(a.get("descending", False))}, hint=node.name).results
     return indices if str(node.target.overloadpacket) == "aten.argsort" else (values, indices)
 
 
@@ -1146,3 +1148,60 @@ def _sdpa(b: GraphBuilder, node: Any, a: dict) -> Any:
     if str(node.target.overloadpacket) != "aten.scaled_dot_product_attention":
         return (out,) + tuple(Unavailable("the attention's logsumexp") for _ in range(len(result_meta(node)) - 1))
     return out
+
+
+# --- mixture of experts: transformers' grouped_mm experts (sort by expert, count, grouped matmul) -------------
+
+@converts("aten.histc")
+def _histc(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """torch.histc over a given range: ge.histc (an MoE layer counting its tokens per expert)."""
+    x = tensor(b, _input(a), "the input")
+    lo, hi = float(a.get("min", 0)), float(a.get("max", 0))
+    if not lo < hi:
+        raise b.error(f"histc over the data's own range (min {lo}, max {hi}) is not supported: give min < max")
+    return b.value("ge.histc", [x], {"bins": int(a.get("bins", 100)), "min": lo, "max": hi}, hint=node.name)
+
+
+@converts("aten.floor_divide")
+def _floor_divide(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """Integer division rounding down by a positive number: ge.div truncates, so a negative remainder steps the
+    quotient down by one (an MoE layer's token of each sorted token-expert pair: pair // top_k)."""
+    dtype = result_dtype(b, node)
+    divisor = a["other"]
+    if dtype.is_float or not isinstance(divisor, int) or isinstance(divisor, bool) or divisor <= 0:
+        raise b.error("floor_divide is supported for integers divided by a positive number known at export")
+    x = operand(b, tensor(b, _input(a), "the input"), dtype)
+    d = b.scalar(divisor, dtype, "divisor")
+    q = b.value("ge.div", [x, d], hint=f"{node.name}_trunc")
+    rest = b.value("ge.sub", [x, b.value("ge.mul", [q, d])], hint=f"{node.name}_rest")
+    below = b.cast(b.value("ge.less", [rest, b.scalar(0, dtype, "zero")]), dtype)
+    return b.value("ge.sub", [q, below], hint=node.name)
+
+
+@converts("aten.empty_like")
+def _empty_like(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """An uninitialised tensor like the input: zeros, one of the values it may hold."""
+    t = result_type(b, node)
+    if t.is_static:
+        return _splat(b, 0, t, node.name)
+    x = tensor(b, _input(a), "the input")
+    return _filled(b, 0, t, b.value("ge.shape_of", [x], hint=f"{node.name}_shape"))
+
+
+@converts("transformers.grouped_mm_fallback", "aten._grouped_mm")
+def _grouped_mm(b: GraphBuilder, node: Any, a: dict) -> Value:
+    """x [M, K] by weight [G, K, N] in groups of rows ending at `offs`: ge.grouped_matmul (the group sizes are
+    run-time values); a transposed weight constant is read as transpose_b instead of copied."""
+    x = tensor(b, a.get("input", a.get("self")), "the input")
+    weight = tensor(b, a.get("weight", a.get("mat2")), "the weight")
+    offs = a.get("offs")
+    if offs is None or a.get("bias") is not None or a.get("out_dtype") is not None:
+        raise b.error("grouped_mm is supported with offs, without bias or out_dtype")
+    if x.type.rank != 2 or weight.type.rank != 3:
+        raise b.error(f"grouped_mm takes a 2-D input and a 3-D weight (one per group), got {x.type} and {weight.type}")
+    transpose_b = False
+    owner = weight.owner
+    if owner is not None and owner.name == "ge.transpose" and list(owner.attr("perm")) == [0, 2, 1]:
+        weight, transpose_b = owner.operands[0], True
+    return b.value("ge.grouped_matmul", [x, weight, tensor(b, offs, "offs")],
+                   {"transpose_b": transpose_b, "group_list_type": "cumsum"}, hint=node.name)

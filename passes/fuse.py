@@ -23,6 +23,7 @@ from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
 from geir.passes.fusion.glu import FuseGlu
+from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
@@ -37,6 +38,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes,
+        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting,
     )
 }
 

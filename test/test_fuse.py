@@ -34,7 +34,7 @@ def _inputs(graph, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out = {}
     for a in graph.args:
-        shape = a.type.shape
+        shape = tuple(6 if d is None else d for d in a.type.shape)  # a run-time size (MoE's tokens): 6
         if a.type.dtype.name == "i1":
             out[a.name] = rng.random(shape) > 0.3
         else:
@@ -64,6 +64,9 @@ def test_fusion_keeps_values(name: str, text: str) -> None:
     # in the graph's own dtypes the fused graph meets the spec's tolerances against the float64 truth
     native_after = run_graph(after, inputs)
     for exact, b, r in zip(ref_before, native_after, after.result_types):
+        if not r.dtype.is_float:  # indices and counts (MoE routing) are exact
+            assert np.array_equal(b, exact)
+            continue
         rtol, atol = TOLERANCE[r.dtype.value]
         np.testing.assert_allclose(b.astype(np.float64), exact, rtol=rtol, atol=atol, equal_nan=True)
 

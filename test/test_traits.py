@@ -39,8 +39,9 @@ EXPECTED = {
     # a float test's i1 result is never the size of its float operand
     traits.InPlaceCapable: ELEMENTWISE - {"ge.isinf", "ge.isnan"} | {"ge.fused_elementwise", "ge.glu"},
     traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention", "ge.glu", "ge.rotary_embedding",
-                   "ge.add_rms_norm", "ge.add_layer_norm"},
-    traits.CubeOp: {"ge.matmul", "ge.fused_matmul", "ge.flash_attention"},
+                   "ge.add_rms_norm", "ge.add_layer_norm", "ge.moe_gating_topk_softmax", "ge.moe_init_routing",
+                   "ge.moe_finalize_routing"},
+    traits.CubeOp: {"ge.matmul", "ge.fused_matmul", "ge.flash_attention", "ge.grouped_matmul"},
     traits.RowWise: {"ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm"},
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
     traits.ShapeView: {"ge.reshape"},
@@ -112,7 +113,9 @@ ATTRS: dict[str, list[dict[str, Any]]] = {
 UNJUDGED = {"ge.const", "ge.return", "ge.trans_data", "ge.arange", "ge.gather", "ge.index", "ge.gather_elements",
             "ge.index_put", "ge.scatter_elements",
             "ge.dim", "ge.shape_of",
-            "ge.range", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast"}
+            "ge.range", "ge.dynamic_reshape", "ge.dynamic_slice", "ge.dynamic_broadcast",
+            # MoE routing takes integer expert ids and group sizes (test_moe judges them against torch)
+            "ge.grouped_matmul", "ge.moe_init_routing", "ge.moe_finalize_routing"}
 # the ops that compute across elements, with operands (4x4 float32 unless given) and attributes
 ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.matmul": (2, {}),
@@ -131,6 +134,9 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.slice": (1, {"axes": [0], "starts": [1], "ends": [3]}),
     "ge.cumsum": (1, {"axis": 1}),
     "ge.topk": (1, {"k": 4}),  # every element, sorted: the shape kept, the values moved across the row
+    "ge.sort": (1, {"axis": 1}),
+    "ge.histc": (1, {"bins": 4, "min": -1.0, "max": 1.0}),
+    "ge.moe_gating_topk_softmax": (1, {"k": 4}),
     "ge.conv2d": (2, {"pads": [1, 1, 2, 2]}),  # a 4x4 kernel over a 4x4 image, padded to keep its shape
     "ge.rotary_embedding": (3, {"rotary_dim": 4}),  # each element with its rotation partner
     "ge.add_rms_norm": (3, {}),  # the sum's rows normalised (and the sum)
@@ -247,12 +253,20 @@ def _spec_attention(q, k, v):
     return softmax(_spec_matmul(q, np.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1]), -1) @ v.astype(np.float64)
 
 
+def _spec_grouped_matmul(x, w, ends):
+    """Rows 0-1 times weight 0, rows 2-5 times weight 1 (the groups GROUP_ENDS gives)."""
+    return np.concatenate([_spec_matmul(x[:2], w[0]), _spec_matmul(x[2:6], w[1])])
+
+
 # GEIR.md: matmul is np.matmul; flash_attention is softmax(scale * q @ k^T + mask) @ v, scale 1/sqrt(D)
 SPEC_MATMULS = {
     "ge.matmul": (_spec_matmul, [(2, 3, 4), (2, 4, 5)]),
     "ge.fused_matmul": (_spec_matmul, [(3, 4), (4, 5)]),
     "ge.flash_attention": (_spec_attention, [(1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)]),
+    "ge.grouped_matmul": (_spec_grouped_matmul, [(6, 4), (2, 4, 5)]),
 }
+# the grouped matmul's groups end at these rows (integers: its third operand)
+GROUP_ENDS = np.array([2, 6], dtype=np.int64)
 
 
 @pytest.mark.parametrize("name", ops_with_trait(CubeOp))
@@ -260,6 +274,8 @@ def test_every_cube_op_is_a_matrix_product_of_the_spec(name):
     formula, shapes = SPEC_MATMULS[name]
     rng = np.random.default_rng(5)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    if name == "ge.grouped_matmul":
+        arrays.append(GROUP_ENDS)
     (got,) = run(name, {}, arrays)
     np.testing.assert_allclose(got, formula(*arrays), rtol=1e-5, atol=1e-5)
 

@@ -338,14 +338,65 @@ class TopK(Operation):
 
     def compute(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         axis = normalize_axis(self.axis, x.ndim)
-        if self.largest:
-            # descending without negating (no overflow at an integer's minimum, NaN above every number as in
-            # torch): a stable ascending sort of the reversed axis, read backwards, keeps equals in index order
-            n = x.shape[axis]
-            order = (n - 1) - np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
-        else:  # ascending, NaN last, equals in index order
-            order = np.argsort(x, axis=axis, kind="stable")
+        order = stable_order(x, axis, descending=self.largest)  # NaN first when largest, last otherwise
         index = np.take(order, np.arange(self.k), axis=axis)
         if not self.sorted:  # any order is allowed: the index order, as torch's CPU kernel leaves it
             index = np.sort(index, axis=axis)
         return np.take_along_axis(x, index, axis=axis), index.astype(np.int64)
+
+
+def stable_order(x: np.ndarray, axis: int, descending: bool) -> np.ndarray:
+    """The indices that sort `x` along `axis`, equals in index order (NaN above every number, as torch orders it)."""
+    if descending:  # a stable ascending sort of the reversed axis, read backwards: no negation, no overflow
+        n = x.shape[axis]
+        return (n - 1) - np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+    return np.argsort(x, axis=axis, kind="stable")
+
+
+@op("ge.sort")
+class Sort(Operation):
+    """Every element along `axis` in order and where it came from (i64), equals in index order (a stable sort),
+    as torch.sort: unlike ge.topk it takes a run-time dimension (an MoE layer's token-expert pairs by expert)."""
+
+    OPERAND_NAMES = ("x",)
+    NUM_RESULTS = 2
+    axis = Attr(int, default=-1)
+    descending = Attr(bool, default=False)
+
+    def infer(self, x: TensorType) -> tuple[TensorType, TensorType]:
+        normalize_axis(self.axis, x.rank)
+        return TensorType(x.shape, x.dtype), TensorType(x.shape, DType.i64)
+
+    def compute(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = stable_order(x, normalize_axis(self.axis, x.ndim), self.descending)
+        return np.take_along_axis(x, order, axis=normalize_axis(self.axis, x.ndim)), order.astype(np.int64)
+
+
+@op("ge.histc")
+class Histc(Operation):
+    """torch.histc: counts of the elements in `bins` equal-width bins over [min, max] (the last bin closed,
+    elements outside ignored), in the input's dtype: an MoE layer's tokens per expert."""
+
+    OPERAND_NAMES = ("x",)
+    bins = Attr(int)
+    min = Attr(float)
+    max = Attr(float)
+
+    def verify(self) -> str | None:
+        if self.bins < 1:
+            return f"histc needs at least one bin, got {self.bins}"
+        if not (math.isfinite(self.min) and math.isfinite(self.max) and self.min < self.max):
+            return f"histc needs finite min < max, got [{self.min}, {self.max}]"
+        return None
+
+    def infer(self, x: TensorType) -> TensorType:
+        if not x.dtype.is_float:
+            raise ShapeError(f"histc counts floating-point elements (torch's CPU kernel), not {x}")
+        return TensorType((self.bins,), x.dtype)
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        v = x.astype(np.float64).ravel()
+        inside = v[(v >= self.min) & (v <= self.max)]
+        # torch's bin: floor((v - min) * bins / (max - min)), the maximum itself in the last bin
+        pos = np.minimum(((inside - self.min) * self.bins / (self.max - self.min)).astype(np.int64), self.bins - 1)
+        return np.bincount(pos, minlength=self.bins).astype(x.dtype)
