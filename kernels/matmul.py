@@ -52,7 +52,8 @@ from geir.kernels.data_movement import (
     result_dtype,
     share_pieces,
 )
-from geir.kernels.matmul_tiling import MIX_EPILOGUE, N_FIRST, MatmulTiling, core_split, l0c_slots, tiling_budget
+from geir.kernels.matmul_tiling import (MIX_EPILOGUE, N_FIRST, MatmulTiling, core_split, folds_batch, l0c_slots,
+                                        tiling_budget)
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.kernels.vector import elementwise_passes
 from geir.ops.numerics import round_to
@@ -150,7 +151,15 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     bg = gm_tensor(gm, bn, b.shape, isz)
     og = gm_tensor(gm, on, batch + (M, N), np.dtype(out_dt).itemsize)
     biasg = None if bias is None else gm_tensor(gm, ctx.operand_names[2], bias.shape, bias.dtype.itemsize)
-    g = _grid(tiling, target, M, N, K, a_of, b_of, transpose_a, transpose_b, a.shape[-2], b.shape[-2], ctx.cores.count)
+    if folds_batch(a.shape, b.shape, transpose_a):
+        # The cube runs one [batch * M, K] problem (B read once, rows of several batch items in a base block);
+        # the arithmetic below stays per batch item: every element's k blocks and their order are the same.
+        one = np.zeros(1, dtype=np.int64)
+        g = _grid(tiling, target, nbat * M, N, K, one, one, False, transpose_b, nbat * M, b.shape[-2],
+                  ctx.cores.count)
+    else:
+        g = _grid(tiling, target, M, N, K, a_of, b_of, transpose_a, transpose_b, a.shape[-2], b.shape[-2],
+                  ctx.cores.count)
     _time(ctx, g, tiling, ag, bg, og, biasg, None if bias is None else bias.shape, isz, dname, activation)
 
     if not ctx.compute:

@@ -158,6 +158,22 @@ def _dims(a: TensorType, b: TensorType, transpose_a: bool, transpose_b: bool) ->
     return M, N, K
 
 
+def folds_batch(a_shape: tuple, b_shape: tuple, transpose_a: bool) -> bool:
+    """Whether A's batch is folded into its rows: B is one matrix for every batch item and A's rows are
+    contiguous, so [batch.., M, K] @ [K, N] is one [batch * M, K] @ [K, N] problem that reads B once, not once
+    per batch item (ATen's `_matmul_impl` folds so, `should_fold`; a batched decode step's projections, whose
+    M is 1 per sequence, stop wasting the cube's rows and re-reading the weight for every sequence)."""
+    return len(b_shape) == 2 and len(a_shape) > 2 and not transpose_a
+
+
+def fold_batch(a: TensorType, b: TensorType, transpose_a: bool) -> TensorType:
+    """A as the kernel sees it: its batch folded into its rows where `folds_batch` says so (a `?` batch or row
+    count folds to `?`), else A itself."""
+    if not folds_batch(a.shape, b.shape, transpose_a):
+        return a
+    return TensorType((product(a.shape[:-1]), a.shape[-1]), a.dtype)
+
+
 @attrs.frozen
 class CoreSplit:
     """How C's base blocks are dealt to the cube cores: a grid of gm x gn blocks of C per batch item, each
@@ -257,6 +273,7 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target, buffers: in
     """
     check_buffers(buffers)
     fm, fk, fn = fractal(chip, a.dtype)
+    a = fold_batch(a, b, transpose_a)
     M, N, K = _dims(a, b, transpose_a, transpose_b)
     nb = a.dtype.itemsize
     half = L0_HALF if buffers == 2 else 2 * L0_HALF
@@ -398,6 +415,7 @@ def candidates(sig: OpSignature, chip: Target, buffers: int = 2) -> list[MatmulT
         fm, fk, fn = fractal(chip, a.dtype)
     except Untiled:
         return []
+    a = fold_batch(a, b, ta)
     M, N, K = _dims(a, b, ta, tb)
     if None in (M, N, K):
         return []
@@ -433,6 +451,11 @@ def check_instance(sig: OpSignature, tiling: MatmulTiling) -> OpSignature:
     """One batch, and at most two base blocks of output rows and columns: each output element still sums its
     whole K in the tiling's base_k blocks, so its numbers are those of the whole op."""
     a, b, ta, tb, _, bias = _problem(sig)
+    out = sig.results[0]
+    folded = folds_batch(a.shape, b.shape, ta)
+    if folded:  # the instance of the folded problem the kernel runs
+        a = fold_batch(a, b, ta)
+        out = None if out is None else TensorType((product(out.shape[:-1]), out.shape[-1]), out.dtype)
     M, N, _ = _dims(a, b, ta, tb)
     if None in (M, N) or a.rank < 2 or b.rank < 2:
         return sig
@@ -446,12 +469,13 @@ def check_instance(sig: OpSignature, tiling: MatmulTiling) -> OpSignature:
     operands = [a2, b2]
     if bias:
         c = sig.operands[2]
+        if folded and c.rank >= 2 and any(d != 1 for d in c.shape[:-1]):  # a bias of rows: the folded rows'
+            c = TensorType((M, c.shape[-1]), c.dtype)
         c2 = TensorType((1,) * max(c.rank - 2, 0) + tuple(c.shape[-2:]), c.dtype) if c.rank > 2 else c
         if c2.rank >= 1 and c2.shape[-1] == N:
             c2 = resized(c2, -1, n2)
         if c2.rank >= 2 and c2.shape[-2] == M:
             c2 = resized(c2, -2, m2)
         operands.append(c2)
-    out = sig.results[0]
     results = [None if out is None else resized(resized(one_batch(out), -2, m2), -1, n2)]
     return with_shapes(sig, operands, results)

@@ -158,6 +158,23 @@ def test_matmul_gm_bytes_are_the_analytic_count():
     assert ctx.gm.hbm_read_bytes == B * (M * K + K * N) * 2
 
 
+def test_a_batched_a_against_one_weight_reads_the_weight_once():
+    # A decode step's projection: 8 sequences of one row each against one [K, N] weight. As ATen folds it
+    # (matmul's should_fold), the cube runs one [8, K] @ [K, N] problem: B is read once (not once per
+    # sequence), A once per column tile, and the numbers are the per-item product's own.
+    K, N = 512, 768
+    op = one_op(f"%c = ge.matmul %a, %b : tensor<8x1x{N}xf16>", f"%a: tensor<8x1x{K}xf16>, %b: tensor<{K}x{N}xf16>")
+    t = op.attributes["tiling"]
+    inputs = random_inputs(op)
+    (out,), ctx = launch(op, inputs)
+    tn = -(-N // t["base_n"])
+    assert -(-8 // t["base_m"]) == 1  # the 8 rows share one row block
+    assert ctx.gm.gm_read_bytes == (tn * 8 * K + K * N) * 2
+    assert ctx.gm.hbm_read_bytes == (8 * K + K * N) * 2
+    ref = (inputs[0].astype(np.float64) @ inputs[1].astype(np.float64))
+    assert np.allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_a2_activation_epilogue_runs_on_the_aivs_through_a_gm_workspace():
     # Atlas A2: the AIC's FIXP writes each f32 block to a workspace, its AIVs read it back (AIV_MTE2), run the
     # activation and store C. Traffic beyond the plain matmul: M x N f32 written and read once; the same numbers

@@ -277,9 +277,10 @@ def test_a_decode_gemv_spreads_its_columns_over_every_core():
 
 
 def test_matmul_small_and_f32_and_epilogue():
-    # f32: base_k 32; 8 batch items of one 64 x 48 block each would keep 8 of the 24 cores busy. On a chip
-    # without a launch head (this 910B with the [overhead] head at 0) smaller blocks spread C over more of them
-    a, b = TensorType((8, 64, 32), F32), TensorType((32, 48), F32)
+    # f32: base_k 32; 8 batch items (each its own B: a 2-D B would fold the batch into M) of one 64 x 48 block
+    # each would keep 8 of the 24 cores busy. On a chip without a launch head (this 910B with the [overhead]
+    # head at 0) smaller blocks spread C over more of them
+    a, b = TensorType((8, 64, 32), F32), TensorType((8, 32, 48), F32)
     headless = "ascend910b[overhead.head_full_chip_us=0]"
     t = choose_matmul_tiling(a, b, as_target(headless), transpose_b=False)
     units = 8 * -(-64 // t.base_m) * -(-48 // t.base_n)
@@ -292,7 +293,7 @@ def test_matmul_small_and_f32_and_epilogue():
     assert few.cores == 8 and few.work_units == 8
     chip = load_target("ascend910b")
     assert launch_us(sig, few, chip) < launch_us(sig, attrs.evolve(t, rule=""), chip)
-    big = choose_matmul_tiling(TensorType((64, 2048, 32), F32), TensorType((32, 48), F32), load_target("ascend910b"))
+    big = choose_matmul_tiling(TensorType((64, 2048, 32), F32), TensorType((64, 32, 48), F32), load_target("ascend910b"))
     assert big.blocks == {"m": 128, "n": 48, "k": 32}  # enough blocks for every core: the shape's own
     for target, template in (("ascend910b", "MatmulMixEpilogue"), ("ascend910a", "MatmulEpilogue")):
         e = choose_matmul_tiling(TensorType((512, 512), F16), TensorType((512, 512), F16), as_target(target),
