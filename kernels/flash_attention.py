@@ -18,6 +18,8 @@ combined by log-sum-exp.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from geir.ir import Operation
@@ -205,6 +207,9 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     R = group * Sq
     # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]
     qg = q.astype(_F32).reshape(B, Nkv, R, D)
+    if _scale_folds(q.dtype, scale):
+        qg *= _F32(scale)  # once over Q instead of once over every score tile, bit for bit (see _scale_folds)
+        scale = 1.0
     kf, vf = k.astype(_F32), v.astype(_F32)  # O(S): converted once, not per block
     mg = None if mask is None else mask.reshape(B, Nkv, R, Skv)
     pg = None if pse is None else pse.reshape(B, Nkv, R, Skv)
@@ -229,6 +234,16 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 
+def _scale_folds(dt: np.dtype, scale: float) -> bool:
+    """Whether f32 scores of `dt` queries scaled after the matmul equal those of queries scaled before it, bit for bit.
+
+    A power of two in [2^-60, 1] scales every f32 product and partial sum exactly unless one leaves the normal
+    range: products of f16 values are multiples of 2^-48 below 2^33, so scaled by it they and their sums stay
+    normal (or zero) and never overflow, and the rounding of each sum commutes with the scaling.
+    """
+    return np.dtype(dt) == np.float16 and 2.0 ** -60 <= scale <= 1.0 and math.frexp(scale)[0] == 0.5
+
+
 # score elements per step of the arithmetic: a 2 MiB f32 tile stays in a host core's L2 cache
 _CACHE_SCORES = 1 << 19
 
@@ -243,11 +258,22 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
     nk = -(-Skv // s2)
     per_seg = -(-nk // segments)
     scale32, cap32 = _F32(scale), _F32(softcap)
+    Dv = vf.shape[-1]
+    # one set of tile-sized buffers for every key block: a fresh 2 MiB temporary per step costs more in page faults
+    # than its arithmetic (the values are the same: each op writes where its result would have gone)
+    tile = B * Nkv * R * min(s2, Skv)
+    scores = np.empty(tile, dtype=_F32)
+    rounded, spare = (np.empty(tile, dtype=_F32), np.empty(tile, dtype=_F32)) if half else (None, None)
+    pv_out = np.empty(B * Nkv * R * Dv, dtype=_F32)
+
+    def buffer(flat: np.ndarray, *shape: int) -> np.ndarray:
+        return flat[:math.prod(shape)].reshape(shape)
+
     partials = []
     for seg in range(segments):
         m = np.full((B, Nkv, R), -np.inf, dtype=_F32)
         l = np.zeros((B, Nkv, R), dtype=_F32)
-        acc = np.zeros((B, Nkv, R, vf.shape[-1]), dtype=_F32)
+        acc = np.zeros((B, Nkv, R, Dv), dtype=_F32)
         for t in range(seg * per_seg, min((seg + 1) * per_seg, nk)):
             k0, k1 = t * s2, min((t + 1) * s2, Skv)
             # causal: query row blocks that lie wholly above this key block skip it (as their units do)
@@ -257,8 +283,10 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
             kb = kf[:, :, k0:k1]
             vb = vf[:, :, k0:k1]
             qs = qg[:, :, sel] if causal else qg
-            sc = np.matmul(qs, np.swapaxes(kb, -1, -2))
-            sc *= scale32
+            shape = (B, Nkv, qs.shape[2], k1 - k0)
+            sc = np.matmul(qs, np.swapaxes(kb, -1, -2), out=buffer(scores, *shape))
+            if scale32 != 1:
+                sc *= scale32
             if softcap:  # the logit cap, in f32 on the score tile as the scale is
                 sc /= cap32
                 np.tanh(sc, out=sc)
@@ -277,23 +305,26 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
                 else:
                     sc += mt.astype(_F32)
             if keep is not None:
-                sc = np.where(keep, sc, -np.inf)
+                np.copyto(sc, _F32(-np.inf), where=~np.broadcast_to(keep, sc.shape))
             m_old = m[:, :, sel]
             m_new = np.maximum(m_old, sc.max(axis=-1))
             m_safe = np.where(np.isneginf(m_new), _F32(0), m_new)
             sc -= m_safe[..., None]
             p = np.exp(sc, out=sc)  # in place: the score tile becomes P
             alpha = np.exp(m_old - m_safe)
-            p_in = round_in_f32(p, dt, probabilities=True) if half else p  # the cube takes P in the inputs' dtype
+            # the cube takes P in the inputs' dtype
+            p_in = round_in_f32(p, dt, probabilities=True, out=buffer(rounded, *shape),
+                                scratch=buffer(spare, *shape)) if half else p
+            pv = np.matmul(p_in, vb, out=buffer(pv_out, *shape[:3], Dv))
             if causal:
                 l[:, :, sel] = l[:, :, sel] * alpha + p.sum(axis=-1)
-                acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + np.matmul(p_in, vb)
+                acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + pv
                 m[:, :, sel] = m_new
             else:
                 l *= alpha
                 l += p.sum(axis=-1)
                 acc *= alpha[..., None]
-                acc += np.matmul(p_in, vb)
+                acc += pv
                 m = m_new
         partials.append((acc, m, l))
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -5,6 +5,7 @@ here until `python bench/doc_figures.py --write` restates it."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,21 @@ TOOL = _tool()
 BLOCKS = [b for path in TOOL.doc_files() for b in TOOL.blocks_of(path)]
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
-def test_the_figure_is_what_its_command_prints(block):
-    assert TOOL.same(block, TOOL.render(block)), f"{block.where} is stale: python bench/doc_figures.py --write"
+class _Figure:
+    """The check of one figure block (`block`, set by each subclass below)."""
+
+    block = None
+
+    def test_the_figure_is_what_its_command_prints(self):
+        block = self.block
+        assert TOOL.same(block, TOOL.render(block)), f"{block.where} is stale: python bench/doc_figures.py --write"
+
+
+# one class per figure: pytest-xdist's `--dist loadscope` (pyproject) sends each class to a worker as a unit, so the
+# figures, which share nothing and each run a bench, spread over the workers instead of ending the run on one
+for _block in BLOCKS:
+    _name = "TestFigure_" + re.sub(r"\W", "_", _block.where)
+    globals()[_name] = type(_name, (_Figure,), {"block": _block, "__doc__": f"The figure at {_block.where}."})
 
 
 def test_a_changed_figure_is_caught_and_host_noise_is_bounded(tmp_path):

@@ -175,3 +175,23 @@ def test_one_tensor_as_q_and_k_is_cut_into_the_blocks_of_each_role() -> None:
         *(x.astype(np.float64) for x in (q, q, v)))
     assert np.allclose(out, ref, rtol=1e-2, atol=1e-3)
     assert shared.gm.gm_read_bytes == apart.gm.gm_read_bytes  # the same bytes move, whoever holds them
+
+
+def test_a_power_of_two_scale_folded_into_the_queries_gives_the_same_bits(monkeypatch) -> None:
+    # extreme f16 values (the largest, subnormals, mixed signs): the folded scale must not move a single bit
+    from geir.kernels import flash_attention as fa
+    rng = np.random.default_rng(11)
+    specials = np.array([65504, -65504, 2.0 ** -24, -(2.0 ** -24), 2.0 ** -14, 0.0, -0.0, 1.0], np.float16)
+    with np.errstate(over="ignore"):  # some products overflow to inf, which the kernel must carry alike
+        q, k, v = (rng.choice(specials, (1, 2, 96, 16)) * rng.standard_normal((1, 2, 96, 16)).astype(np.float16)
+                   for _ in range(3))
+    q[0, 1, :8] = rng.choice(specials, (8, 16))
+    scales = (0.125, 2.0 ** -60, 1.0, 0.5)
+    assert all(fa._scale_folds(np.float16, s) for s in scales)
+    assert not any(fa._scale_folds(np.float16, s) for s in (0.088, 2.0, 2.0 ** -61))
+    assert not fa._scale_folds(np.float32, 0.125)  # f32 products can be subnormal: scaled first they would round
+    with np.errstate(all="ignore"):
+        folded = [fa._compute(q, k, v, None, causal, s, 32, 32, 1) for s in scales for causal in (False, True)]
+        monkeypatch.setattr(fa, "_scale_folds", lambda dt, scale: False)
+        plain = [fa._compute(q, k, v, None, causal, s, 32, 32, 1) for s in scales for causal in (False, True)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(folded, plain))

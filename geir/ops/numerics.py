@@ -124,7 +124,8 @@ _F16_TINY = np.float32(2.0 ** -14)  # the smallest normal f16
 _F16_INF_FROM = np.float32(65520)  # the halfway point past 65504, f16's largest finite: from here on inf
 
 
-def round_in_f32(a: np.ndarray, dt: np.dtype, *, probabilities: bool = False) -> np.ndarray:
+def round_in_f32(a: np.ndarray, dt: np.dtype, *, probabilities: bool = False, out: np.ndarray | None = None,
+                 scratch: np.ndarray | None = None) -> np.ndarray:
     """float32 values rounded to `dt` (f16 or bf16) but kept as float32: `a.astype(dt).astype(f32)`, bit for bit.
 
     For operands the cube takes in half precision but numpy multiplies in f32; this runs on every
@@ -134,17 +135,19 @@ def round_in_f32(a: np.ndarray, dt: np.dtype, *, probabilities: bool = False) ->
     f32s, test_numerics.py samples it); below 2^-14 an f16 is a multiple of 2^-24, which adding and
     removing 0.75 (whose ulp is 2^-24) rounds to. bf16 rounds the mantissa on the f32 bits.
     `probabilities` promises values in [0, 1] or NaN (FlashAttention's P): no overflow or sign to mind.
+    `out` and `scratch` (f32 arrays of a's shape, optional) take the result and the temporary, so a caller that
+    rounds a tile per step reuses two buffers instead of faulting in fresh pages each time.
     """
     a = np.asarray(a, dtype=np.float32)
     if not a.flags.c_contiguous:
         a = a.copy(order="C")  # the subnormals are patched through a flat view
     name = np.dtype(dt).name
     if name == "float16":
-        return _round_f16_in_f32(a, probabilities)
+        return _round_f16_in_f32(a, probabilities, out, scratch)
     if name != "bfloat16":
         return a.astype(dt).astype(np.float32)
     bits = a.view(np.uint32)
-    r = bits >> 16
+    r = np.right_shift(bits, np.uint32(16), out=None if out is None else out.view(np.uint32))
     r &= np.uint32(1)
     r += np.uint32((1 << 15) - 1)
     r += bits  # round half to even at the kept mantissa's last bit
@@ -157,14 +160,19 @@ def round_in_f32(a: np.ndarray, dt: np.dtype, *, probabilities: bool = False) ->
     return out
 
 
-def _round_f16_in_f32(a: np.ndarray, probabilities: bool) -> np.ndarray:
+def _round_f16_in_f32(a: np.ndarray, probabilities: bool, out: np.ndarray | None = None,
+                      scratch: np.ndarray | None = None) -> np.ndarray:
     """`a.astype(float16).astype(float32)` in f32 arithmetic (see round_in_f32)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        out = np.multiply(a, _F16_SPLITTER)
-        t = np.subtract(out, a)
+        out = np.multiply(a, _F16_SPLITTER, out=out)
+        t = np.subtract(out, a, out=scratch)
         out -= t  # a NaN stays NaN; an overflow or inf turns into NaN, put right below
-        small = np.less(a, _F16_TINY) if probabilities else (np.abs(a) < _F16_TINY)
-        if small.any():
+        if probabilities:
+            # one reduction (NaN-blind, as the comparison is) decides whether any subnormal needs the patch
+            small = np.less(a, _F16_TINY) if a.size and np.fmin.reduce(a, axis=None) < _F16_TINY else None
+        else:
+            small = np.abs(a) < _F16_TINY
+        if small is not None and small.any():
             at = np.flatnonzero(small)
             # a gather of the few subnormals is cheaper than a masked copy over the whole tile
             flat = a.reshape(-1)
