@@ -415,6 +415,16 @@ def _decode_inputs(rows: list[_Sequence], tables: list[list[int]], blocks: int,
     return ids, mask, torch.tensor([slots - 1]), torch.tensor([[n] for n in at]), write, table
 
 
+def _donate_pools(graph: Any, first: int) -> None:
+    """The pool arguments (from `first` on) are donated to the step: each one's update at the step's slots writes in
+    place (ge.index_put's in_place: only the slots written move, as vllm-ascend's cache write does), since serve
+    passes each pool to one step and keeps only what the step returns."""
+    for pool in graph.args[first:]:
+        users = pool.users()
+        if len(users) == 1 and users[0].name == "ge.index_put" and users[0].operands[0] is pool:
+            users[0].attributes["in_place"] = True
+
+
 # --- serving --------------------------------------------------------------------------------------------------
 
 def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "continuous", block_size: int = 128,
@@ -528,6 +538,8 @@ class _Server:
                    tuple(None for _ in pools))
         decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
                                                                     *pools), dynamic), source="<decode>")
+        for program in (prefill, decode):
+            _donate_pools(program.module.graph(), 6)
         return prefill, decode
 
     # --- the slots rule ---

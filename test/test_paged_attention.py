@@ -213,3 +213,36 @@ def test_a_tile_moves_the_bytes_of_its_blocks():
     # the log-sum-exp combine reads each part's partial rows back: O, running max and sum in f32
     partials = b * nkv * tiling.segments * tiling.s1 * (d + 2) * 4 if tiling.segments > 1 else 0
     assert ctx.gm.gm_read_bytes == kv + q_bytes + partials
+
+
+# --- the pool's update in place -----------------------------------------------------------------------------
+
+def test_an_in_place_pool_update_moves_only_the_slots_written():
+    """ge.index_put with in_place: the same numbers as the copy (numpy's index assignment on a copy is the oracle),
+    and the bytes moved are the slots written only (read once, written once), whatever the pool's size; without
+    it, the whole pool is copied too."""
+    from geir.kernels.data_movement import ScatterUpdateKernel
+
+    slots, nkv, d = 4096, 2, 64
+    pool = np.random.default_rng(5).standard_normal((slots, nkv, d)).astype(np.float16)
+    values = np.random.default_rng(6).standard_normal((3, nkv, d)).astype(np.float16)
+    where = np.array([7, 900, 4000])
+    moved = {}
+    for in_place in (False, True):
+        b = Builder()
+        args = [b.argument(TensorType(x.shape, DType.from_numpy(x.dtype)), n)
+                for x, n in ((pool, "pool"), (values, "values"), (where, "where"))]
+        op = b.create("ge.index_put", args, {"axis": 0, "in_place": in_place})
+        b.finish([op.result])
+        t = load_target("ascend910b")
+        kernel = ScatterUpdateKernel()
+        tiling = kernel.choose(OpSignature.of(op), t)
+        ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), ["pool", "values", "where"], ["out"])
+        out = kernel.run(op, [pool, values, where], tiling, ctx)[0]
+        expected = pool.copy()
+        expected[where] = values
+        assert np.array_equal(out, expected)
+        moved[in_place] = (ctx.gm.gm_read_bytes, ctx.gm.gm_write_bytes)
+    slab = 3 * nkv * d * 2
+    assert moved[True][1] == slab  # the three slots written, nothing else
+    assert moved[False][1] == slab + pool.nbytes  # the pool copied into the result, then the slots
