@@ -1,20 +1,22 @@
 """Serving many requests at once on the simulated NPU: continuous or static batching over a KV block pool, one clock.
 
 `serve` takes requests `(input_ids, max_new_tokens, arrival_us)` and runs them greedily as a server would. The
-step programs are built from generate()'s (geir.frontends.generate): a prefill per admitted request (batch 1,
-its cache made on the device) and a decode step over the whole running batch. The decode step writes each row's new key
-and value at that row's own slot with a one-hot select (`torch.where(write, new, cache)`, GEIR's `ge.select`),
-because the rows are at different lengths and index_copy writes one slot for all rows; the select reads and
-writes each row's whole cache once per layer, which is what it costs over index_copy's one-slot write.
+step programs are exported from the model over the KV *pools* (one [pool slots, kv heads, head dim] tensor per
+layer for keys and one for values, resident on the device from the start): a prefill per admitted request (batch
+1) writes its tokens' keys and values into its blocks, and a decode step over the whole running batch writes each
+row's new key and value at that row's own pool slot (`index_copy` at the slots the block tables give) and reads
+each row's keys back through its block table (`pool.view(blocks, block_size, ...)[table]`). GE's fuse pass turns
+that read and the attention into one `ge.paged_attention` (FusedInferAttentionScore with a block table:
+passes/fusion/paged_attention.py, kernels/paged_attention.py), so the kernel reads the blocks in place; serve
+donates the pools to each step, so their update writes only the step's slots (ge.index_put's `in_place`).
 
 What is modelled, and what is not:
-- The KV *pool* is bookkeeping (geir.runtime.kv_pool): every sequence holds blocks of `block_size` tokens,
-  allocated as it grows and freed when it finishes or is preempted; admission and preemption follow it, and
-  the run reports its bytes, peak and waste. Attention does NOT read the pool's blocks (no paged attention):
-  the running batch's cache is a dense device tensor [batch, kv heads, slots, head dim] per layer, slots a
-  whole number of blocks (or `buckets`' gear). When rows join or leave, or the batch needs more slots, a
-  regroup program (a device gather of rows, padded or cut to the new length) builds the new dense cache on
-  the device, on the timeline; a paged cache would not need it.
+- The pool (geir.runtime.kv_pool): every sequence holds blocks of `block_size` tokens, allocated as it grows and
+  freed when it finishes or is preempted; admission and preemption follow it, and the run reports its bytes,
+  peak and waste. Rows joining or leaving the batch, or growing a block, move no cache: the block tables change.
+  A decode step's table width is the longest row's blocks (`buckets`' gear, in blocks); each row's keys past its
+  length are masked, and the kernel reads every block of the width (skipping a shorter row's tail is not
+  modelled). A prefill's pads past its own blocks (a `buckets` gear) write into scratch slots past the pool's.
 - GE's gears: a prefill is padded to its cache's slots (pads after the tokens, masked), so a plan serves every
   prompt of that many blocks; a decode step's batch is padded to a power of two (rows repeated, their
   results dropped). GE re-plans only on a new (batch, slots) bucket; the pads cost compute.

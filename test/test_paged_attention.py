@@ -246,3 +246,61 @@ def test_an_in_place_pool_update_moves_only_the_slots_written():
     slab = 3 * nkv * d * 2
     assert moved[True][1] == slab  # the three slots written, nothing else
     assert moved[False][1] == slab + pool.nbytes  # the pool copied into the result, then the slots
+
+
+# --- serve() over the pool ---------------------------------------------------------------------------------
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _two_requests():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(1, 100, (5,), generator=g), 4, 0.0), (torch.randint(1, 100, (11,), generator=g), 3, 0.0)]
+
+
+def test_serve_attends_over_the_pool_with_no_regroup_and_no_gather_of_blocks():
+    """Every decode step launches ge.paged_attention once per layer and no flash_attention; no gather reads the
+    pool's blocks ([num_blocks, block_size, Nkv, D]); no device run rebuilds a dense cache."""
+    from geir.frontends.torch import serve
+    from geir.runtime.interpreter import RuntimeListener
+
+    class Kernels(RuntimeListener):
+        def __init__(self):
+            self.runs: list[list[str]] = []
+
+        def run_started(self, program):
+            self.runs.append([])
+
+        def launched(self, task, stats):
+            self.runs[-1].append((task.name, tuple(t.shape for t in task.inputs)))
+
+    seen = Kernels()
+    run = serve(_tiny_llama(), _two_requests(), block_size=4, listeners=[seen])
+    kinds = [s.kind for s in run.steps]
+    assert "regroup" not in kinds and run.regroups == 0
+    assert len(seen.runs) == len(run.steps)
+    blocks = run.pool_blocks, run.block_size
+    for kind, launches in zip(kinds, seen.runs):
+        names = [name for name, _ in launches]
+        assert not any(name == "ge.gather" and shapes[0][:2] == blocks for name, shapes in launches)
+        assert names.count("ge.index_put") == 4  # the K and V pools of 2 layers, written at the step's slots
+        if kind == "decode":
+            assert names.count("ge.paged_attention") == 2 and "ge.flash_attention" not in names
+
+
+def test_a_decode_step_costs_the_same_whatever_the_pools_size():
+    """The pool is read through the tables and written at the step's slots only: 8 blocks or 4096, the same
+    device times, step by step (timing only: the schedule does not depend on the tokens)."""
+    from geir.frontends.serve import kv_bytes_per_token
+    from geir.frontends.torch import serve
+
+    model = _tiny_llama()
+    runs = [serve(model, _two_requests(), block_size=4, pool_bytes=blocks * 4 * kv_bytes_per_token(model),
+                  timing_only=True) for blocks in (8, 4096)]
+    assert [s.kind for s in runs[0].steps] == [s.kind for s in runs[1].steps]
+    assert [s.kernel_time_us for s in runs[0].steps] == [s.kernel_time_us for s in runs[1].steps]
