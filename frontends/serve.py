@@ -1,20 +1,22 @@
 """Serving many requests at once on the simulated NPU: continuous or static batching over a KV block pool, one clock.
 
 `serve` takes requests `(input_ids, max_new_tokens, arrival_us)` and runs them greedily as a server would. The
-step programs are built from generate()'s (geir.frontends.generate): a prefill per admitted request (batch 1,
-its cache made on the device) and a decode step over the whole running batch. The decode step writes each row's new key
-and value at that row's own slot with a one-hot select (`torch.where(write, new, cache)`, GEIR's `ge.select`),
-because the rows are at different lengths and index_copy writes one slot for all rows; the select reads and
-writes each row's whole cache once per layer, which is what it costs over index_copy's one-slot write.
+step programs are exported from the model over the KV *pools* (one [pool slots, kv heads, head dim] tensor per
+layer for keys and one for values, resident on the device from the start): a prefill per admitted request (batch
+1) writes its tokens' keys and values into its blocks, and a decode step over the whole running batch writes each
+row's new key and value at that row's own pool slot (`index_copy` at the slots the block tables give) and reads
+each row's keys back through its block table (`pool.view(blocks, block_size, ...)[table]`). GE's fuse pass turns
+that read and the attention into one `ge.paged_attention` (FusedInferAttentionScore with a block table:
+passes/fusion/paged_attention.py, kernels/paged_attention.py), so the kernel reads the blocks in place; serve
+donates the pools to each step, so their update writes only the step's slots (ge.index_put's `in_place`).
 
 What is modelled, and what is not:
-- The KV *pool* is bookkeeping (geir.runtime.kv_pool): every sequence holds blocks of `block_size` tokens,
-  allocated as it grows and freed when it finishes or is preempted; admission and preemption follow it, and
-  the run reports its bytes, peak and waste. Attention does NOT read the pool's blocks (no paged attention):
-  the running batch's cache is a dense device tensor [batch, kv heads, slots, head dim] per layer, slots a
-  whole number of blocks (or `buckets`' gear). When rows join or leave, or the batch needs more slots, a
-  regroup program (a device gather of rows, padded or cut to the new length) builds the new dense cache on
-  the device, on the timeline; a paged cache would not need it.
+- The pool (geir.runtime.kv_pool): every sequence holds blocks of `block_size` tokens, allocated as it grows and
+  freed when it finishes or is preempted; admission and preemption follow it, and the run reports its bytes,
+  peak and waste. Rows joining or leaving the batch, or growing a block, move no cache: the block tables change.
+  A decode step's table width is the longest row's blocks (`buckets`' gear, in blocks); each row's keys past its
+  length are masked, and the kernel reads every block of the width (skipping a shorter row's tail is not
+  modelled). A prefill's pads past its own blocks (a `buckets` gear) write into scratch slots past the pool's.
 - GE's gears: a prefill is padded to its cache's slots (pads after the tokens, masked), so a plan serves every
   prompt of that many blocks; a decode step's batch is padded to a power of two (rows repeated, their
   results dropped). GE re-plans only on a new (batch, slots) bucket; the pads cost compute.
@@ -32,14 +34,12 @@ What is modelled, and what is not:
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
 import torch
 
-from geir.builder import Builder
 from geir.frontends.generate import (
     DEVICE_STEPS,
     GE_HOST,
@@ -49,17 +49,16 @@ from geir.frontends.generate import (
     _StepModule,
     bucket_length,
 )
-from geir.frontends.torch_builder import to_numpy
+from geir.frontends.torch_builder import geir_dtype, to_numpy
 from geir.frontends.torch_import import import_program
-from geir.ir import Module
 from geir.runtime.device import DeviceTensor
 from geir.runtime.interpreter import LAUNCH_MODES, RuntimeListener
 from geir.runtime.kv_pool import KVBlockPool
 from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
-from geir.session import DEFAULT_PIPELINE, run_program
+from geir.session import DEFAULT_PIPELINE
 from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
-from geir.types import DType, TensorType
+from geir.types import TensorType
 
 POLICIES = ("continuous", "static")
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
@@ -304,103 +303,128 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 # --- the step programs ----------------------------------------------------------------------------------------
 
-class _RowDecode(_StepModule):
-    """The decode step for a batch of sequences at different lengths: each row writes its key and value at its
-    own slot (`write`, a one-hot [batch, slots] mask), attends over its own slots (`attention_mask`)."""
+def _paged_layer_class():
+    """transformers' cache layer over a layer's KV pool: the step's keys and values written at their pool slots
+    (`write`), the keys attended read back through the block table (a decode), or the step's own (a prefill)."""
+    bound = _cache_layer_class()
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model, False)
-        bound = _cache_layer_class()
+    class PagedLayer(bound):
+        def __init__(self, keys, values, slots, write, table, block_size, length):
+            # a stand-in of the attended length: transformers sizes the masks from it; nothing reads its values
+            shape = keys.new_zeros(1, keys.shape[1], length, keys.shape[2])
+            super().__init__(shape, shape, slots)
+            self.pool_keys, self.pool_values = keys, values
+            self.write, self.table, self.block_size = write, table, block_size
 
-        class RowLayer(bound):
-            def __init__(self, keys, values, slots, write):
-                super().__init__(keys, values, slots)
-                self.write = write
+        def _read(self, pool):
+            """[B, Nkv, blocks x block_size, D]: each row's blocks in its table's order (FIA's block table)."""
+            n, heads, dim = pool.shape
+            batch, blocks = self.table.shape
+            rows = pool.reshape(n // self.block_size, self.block_size, heads, dim)[self.table]
+            return rows.reshape(batch, blocks * self.block_size, heads, dim).transpose(1, 2)
 
-            def update(self, key_states, value_states, *args, **kwargs):
-                self.keys = torch.where(self.write, key_states, self.keys)
-                self.values = torch.where(self.write, value_states, self.values)
-                return self.keys, self.values
+        def update(self, key_states, value_states, *args, **kwargs):
+            def flat(x):  # [B, Nkv, S, D] -> [B x S, Nkv, D]: one row per slot written
+                return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
-        self.row_layer = RowLayer
+            self.pool_keys = self.pool_keys.index_copy(0, self.write, flat(key_states))
+            self.pool_values = self.pool_values.index_copy(0, self.write, flat(value_states))
+            if self.table is None:  # a prefill attends over its own tokens
+                return key_states, value_states
+            return self._read(self.pool_keys), self._read(self.pool_values)
 
-    def forward(self, input_ids, attention_mask, slots, position_ids, write, *past):
+    return PagedLayer
+
+
+class _PagedStep(_StepModule):
+    """A step over the KV pools (one [pool slots, Nkv, D] tensor per layer for keys and one for values): the step's
+    keys and values written at `write` (pool slots: block x block_size + offset), the decode's attention read
+    through `table` (each row's blocks, in order); returns the next-token logits and the pools."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, prefill: bool):
+        super().__init__(model, prefill)
+        self.block_size = block_size
+        self.paged_layer = _paged_layer_class()
+
+    def run(self, input_ids, attention_mask, slots, position_ids, write, table, pools):
         from transformers.cache_utils import Cache
 
-        w = write[:, None, :, None]  # [batch, 1, slots, 1]: broadcast over heads and head dim
-        # `slots` holds the last slot: the causal bound lets every slot in, the mask keeps each row to its own
-        cache = Cache(layers=[self.row_layer(past[2 * i], past[2 * i + 1], slots, w) for i in range(self.layers)])
+        length = attention_mask.shape[1]
+        cache = Cache(layers=[self.paged_layer(pools[2 * i], pools[2 * i + 1], slots, write, table, self.block_size,
+                                               length) for i in range(self.layers)])
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
-        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return (out.logits[:, -1, :], *kv)
+        return out.logits, [t for layer in cache.layers for t in (layer.pool_keys, layer.pool_values)]
 
 
-class _PaddedPrefill(_StepModule):
-    """The prefill of one sequence padded to its cache's slots (GE's gears: a plan per slot count, not per prompt
-    length): the pads come after the tokens, so causality keeps them out of the tokens' attention, and the mask
-    keeps their keys out of every later step's (the decode overwrites their slots); the next token's logits are
-    read at the last real token (`last`)."""
+class _PagedDecode(_PagedStep):
+    """The decode step for a batch of sequences at different lengths: each row writes its key and value at its own
+    pool slot and attends over its own blocks (the table) up to its own length (`attention_mask`)."""
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model, True)
+    def __init__(self, model: torch.nn.Module, block_size: int):
+        super().__init__(model, block_size, False)
 
-    def forward(self, input_ids, attention_mask, slots, position_ids, last):
-        self.last = last
-        return super().forward(input_ids, attention_mask, slots, position_ids)
-
-    def next_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.index_select(1, self.last)[:, 0, :]
+    def forward(self, input_ids, attention_mask, slots, position_ids, write, table, *pools):
+        logits, pools = self.run(input_ids, attention_mask, slots, position_ids, write, table, pools)
+        return (logits[:, -1, :], *pools)
 
 
-def _prefill_inputs(tokens: list[int], slots: int) -> tuple[torch.Tensor, ...]:
+class _PagedPrefill(_PagedStep):
+    """The prefill of one sequence padded to its slots (GE's gears: a plan per slot count, not per prompt length):
+    the pads come after the tokens, so causality keeps them out of the tokens' attention, and their keys land in
+    slots no later step reads before overwriting them; the next token's logits are read at the last real token."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int):
+        super().__init__(model, block_size, False)
+
+    def forward(self, input_ids, attention_mask, slots, position_ids, last, write, *pools):
+        logits, pools = self.run(input_ids, attention_mask, slots, position_ids, write, None, pools)
+        return (logits.index_select(1, last)[:, 0, :], *pools)
+
+
+def _prefill_inputs(tokens: list[int], slots: int, write: list[int]) -> tuple[torch.Tensor, ...]:
     """A prefill's inputs for one sequence padded to `slots`: ids (pads 0), the mask over the slots, the slots
     written, the positions (the pads' held at the last token's, inside any model's position table), the last
-    token's index."""
+    token's index, and the pool slot each position's key and value go to."""
     n = len(tokens)
     mask = torch.zeros(1, slots, dtype=torch.long)
     mask[0, :n] = 1
     ids = torch.zeros(1, slots, dtype=torch.long)
     ids[0, :n] = torch.tensor([max(t, 0) for t in tokens])  # timing only: an unknown token (-1) fed as 0
     positions = torch.arange(slots).clamp(max=n - 1)[None]
-    return ids, mask, torch.arange(slots), positions, torch.tensor([n - 1])
+    return ids, mask, torch.arange(slots), positions, torch.tensor([n - 1]), torch.tensor(write)
 
 
-def _decode_inputs(rows: list[_Sequence], slots: int) -> tuple[torch.Tensor, ...]:
-    """A decode step's inputs: each row feeds its last token at its own slot (its cached tokens' count)."""
-    batch = len(rows)
+def _slot_of(table: list[int], position: int, block_size: int) -> int:
+    """The pool slot of a sequence's token at `position`: its block's first slot plus the offset in the block."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+def _decode_inputs(rows: list[_Sequence], tables: list[list[int]], blocks: int,
+                   block_size: int) -> tuple[torch.Tensor, ...]:
+    """A decode step's inputs: each row feeds its last token, writes it at its pool slot and attends over its
+    blocks (its table, cut or padded with block 0 to `blocks`: the mask keeps those slots out) up to its own
+    length."""
+    batch, slots = len(rows), blocks * block_size
     ids = torch.tensor([[max(r.tokens[-1], 0)] for r in rows])  # timing only: an unknown token (-1) fed as 0
     at = [len(r.tokens) - 1 for r in rows]
     mask = torch.zeros(batch, slots, dtype=torch.long)
-    write = torch.zeros(batch, slots, dtype=torch.bool)
     for i, n in enumerate(at):
         mask[i, :n + 1] = 1
-        write[i, n] = True
-    return ids, mask, torch.tensor([slots - 1]), torch.tensor([[n] for n in at]), write
+    write = torch.tensor([_slot_of(t, n, block_size) for t, n in zip(tables, at)])
+    # a table reserved ahead of its tokens (static batching) is cut to the blocks the step reads
+    table = torch.tensor([t[:blocks] + [0] * (blocks - len(t)) for t in tables])
+    return ids, mask, torch.tensor([slots - 1]), torch.tensor([[n] for n in at]), write, table
 
 
-def _regroup_graph(parts: list[list[TensorType]], slots: int, batch: int) -> Module:
-    """The running batch's new dense cache: the rows of the given caches (concatenated in order) that `rows`
-    names, each cut or zero-padded to `slots` slots."""
-    b = Builder()
-    args = [[b.argument(t, f"part{i}_{j}") for j, t in enumerate(types)] for i, types in enumerate(parts)]
-    rows = b.argument(TensorType((batch,), DType.i64), "rows")
-    out = []
-    for j in range(len(parts[0])):
-        pieces = []
-        for part in args:
-            a = part[j]
-            bsz, heads, length, dim = a.type.shape
-            if length > slots:
-                a = b.create("ge.slice", [a], {"axes": [2], "starts": [0], "ends": [slots]}).result
-            elif length < slots:
-                zeros = b.constant(np.array(0, dtype=a.type.dtype.np),
-                                   TensorType((bsz, heads, slots - length, dim), a.type.dtype))
-                a = b.create("ge.concat", [a, zeros], {"axis": 2}).result
-            pieces.append(a)
-        whole = pieces[0] if len(pieces) == 1 else b.create("ge.concat", pieces, {"axis": 0}).result
-        out.append(b.create("ge.gather", [whole, rows], {"axis": 0}).result)
-    return Module([b.finish(out)], "<regroup cache>")
+def _donate_pools(graph: Any, first: int) -> None:
+    """The pool arguments (from `first` on) are donated to the step: each one's update at the step's slots writes in
+    place (ge.index_put's in_place: only the slots written move, as vllm-ascend's cache write does), since serve
+    passes each pool to one step and keeps only what the step returns."""
+    for pool in graph.args[first:]:
+        users = pool.users()
+        if len(users) == 1 and users[0].name == "ge.index_put" and users[0].operands[0] is pool:
+            users[0].attributes["in_place"] = True
 
 
 # --- serving --------------------------------------------------------------------------------------------------
@@ -475,34 +499,49 @@ class _Server:
         self.loop = _Loop(*self._programs(model, seqs[0].prompt), target, pipeline, listeners, launch)
         self.names = {phase: [a.name for a in session.generic.args]
                       for phase, (session, _) in self.loop.sessions.items()}
-        self.regroup_programs: dict[tuple, Any] = {}
-        self.regroups = 0
+        self.regroups = 0  # none: attention reads the pool's blocks in place (ge.paged_attention)
         self.steps: list[ServeStep] = []
         self.host_free = 0.0
         self.device_free = 0.0
-        self.rows: list[_Sequence] = []  # the dense batch cache's rows (a padded row repeats the first)
-        self.cache: list[DeviceTensor] = []
-        self.pending: dict[int, list[DeviceTensor]] = {}  # prefilled caches not yet in the batch's
+        self.pools = self._empty_pools()
         self.admissions = 0
 
+    def _pool_shape(self) -> tuple[int, int, int]:
+        """One layer's key (or value) pool: [pool slots + scratch slots, Nkv, D]. The scratch slots, past the
+        pool's blocks, take the keys of a prefill's pads that lie past its own blocks (a `buckets` gear longer
+        than its blocks): no sequence's block holds them."""
+        scratch = max((self._slots(s.most_slots) for s in self.seqs), default=0) if self.buckets is not None else 0
+        return (self.pool.num_blocks * self.pool.block_size + scratch, self.kv_heads, self.head_dim)
+
+    def _empty_pools(self) -> list[DeviceTensor]:
+        """Every layer's key and value pool, resident on the device from the start (zeros; timing only: stand-ins)."""
+        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
+        storage = (lambda: np.empty(0, np.uint8)) if self.timing_only else (lambda: np.zeros(t.shape, t.dtype.np))
+        return [DeviceTensor(t, storage()) for _ in range(2 * self.layers)]
+
     def _programs(self, model: torch.nn.Module, prompt: list[int]) -> tuple[Any, Any]:
-        """The prefill (one sequence, its length dynamic) and the row-wise decode step (batch and slots
-        dynamic), exported from the model and imported by GEIR's frontend."""
-        args = _prefill_inputs(prompt, len(prompt))
-        l_dim = torch.export.Dim("cache", min=2, max=1 << 16)
-        prefill = import_program(_export(_PaddedPrefill(model), args, ({1: l_dim}, {1: l_dim}, {0: l_dim},
-                                                                        {1: l_dim}, None)), source="<prefill>")
-        rows = [_Sequence(0, prompt, 2, 0.0, list(prompt) + [0]), _Sequence(1, prompt, 2, 0.0, list(prompt) + [0])]
-        slots = len(prompt) + 1
-        # the cache's shape from the config, not from an eager prefill: on a timing-only stand-in model (zero-stride
-        # weights) an eager LLaMA-7B forward takes minutes of host time
+        """The prefill (one sequence, its length dynamic) and the decode step (batch and blocks dynamic) over the
+        KV pools, exported from the model and imported by GEIR's frontend (its attention over the pools' blocks
+        becomes ge.paged_attention in GE's fuse pass: passes/fusion/paged_attention.py)."""
         step = _StepModule(model, False)
-        past = [torch.zeros(2, step.kv_heads, slots, step.head_dim, dtype=model.dtype) for _ in range(2 * step.layers)]
+        self.layers, self.kv_heads, self.head_dim, self.dtype = step.layers, step.kv_heads, step.head_dim, model.dtype
+        bs = self.pool.block_size
+        # stand-ins of the pools' shape for tracing (broadcast views: no memory, whatever the pool's size)
+        pools = tuple(torch.zeros(1, 1, 1, dtype=model.dtype).expand(self._pool_shape()) for _ in range(2 * step.layers))
+        args = _prefill_inputs(prompt, len(prompt), list(range(len(prompt))))
+        l_dim = torch.export.Dim("cache", min=2, max=1 << 16)
+        prefill = import_program(_export(_PagedPrefill(model, bs), (*args, *pools),
+                                         ({1: l_dim}, {1: l_dim}, {0: l_dim}, {1: l_dim}, None, {0: l_dim},
+                                          tuple(None for _ in pools))), source="<prefill>")
+        rows = [_Sequence(0, prompt, 2, 0.0, [1, 2]), _Sequence(1, prompt, 2, 0.0, [1, 2])]
         b_dim = torch.export.Dim("batch", min=1, max=1 << 12)
-        dynamic = ({0: b_dim}, {0: b_dim, 1: l_dim}, None, {0: b_dim}, {0: b_dim, 1: l_dim},
-                   tuple({0: b_dim, 2: l_dim} for _ in past))
-        decode = import_program(_export(_RowDecode(model), (*_decode_inputs(rows, slots), *past), dynamic),
-                                source="<decode>")
+        n_dim = torch.export.Dim("blocks", min=1, max=1 << 16)
+        dynamic = ({0: b_dim}, {0: b_dim, 1: bs * n_dim}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim},
+                   tuple(None for _ in pools))
+        decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
+                                                                    *pools), dynamic), source="<decode>")
+        for program in (prefill, decode):
+            _donate_pools(program.module.graph(), 6)
         return prefill, decode
 
     # --- the slots rule ---
@@ -533,15 +572,19 @@ class _Server:
         return step
 
     def _prefill(self, seq: _Sequence) -> None:
-        """Prefill one sequence over all its tokens (its prompt, and what it had before a preemption)."""
+        """Prefill one sequence over all its tokens (its prompt, and what it had before a preemption), its keys and
+        values written into its blocks of the pools."""
         n = len(seq.tokens)
-        self.pool.allocate(seq.index, n)
+        table = self.pool.allocate(seq.index, n)
         slots = self._slots(n)
         names = self.names["prefill"]
-        feed = {k: to_numpy(t) for k, t in zip(names, _prefill_inputs(seq.tokens, slots))}
+        own, scratch = len(table) * self.pool.block_size, self.pool.num_blocks * self.pool.block_size
+        write = [_slot_of(table, j, self.pool.block_size) if j < own else scratch + j - own for j in range(slots)]
+        feed = {k: to_numpy(t) for k, t in zip(names, _prefill_inputs(seq.tokens, slots, write))}
+        feed.update(zip(names[6:], self.pools))
         run = self.loop.plan_and_run("prefill", feed, self.timing_only)
         self.pool.store(seq.index, n)
-        self.pending[seq.index] = self._results(run.program, run.result)[1:]
+        self.pools = self._results(run.program, run.result)[1:]
         split = time_split(run.result)
         step = self._record("prefill", [seq], 1, slots, run.ge_us, run.replanned, split, seq.arrival_us)
         self._emit(seq, None if self.timing_only else np.asarray(run.result.outputs[0])[0], step.end_us)
@@ -557,65 +600,20 @@ class _Server:
         seq.tokens.append(-1 if logits is None else int(np.asarray(logits, dtype=np.float64).argmax(-1)))
         seq.token_us.append(at_us)
 
-    def _regroup(self, rows: list[_Sequence], slots: int) -> None:
-        """The batch's dense cache rebuilt on the device for `rows` (padded to the batch gear) at `slots` slots:
-        rows kept from the current cache, rows just prefilled, rows leaving dropped."""
-        parts: list[list[DeviceTensor]] = []
-        where: dict[int, int] = {}
-        offset = 0
-        if self.cache and any(r.index not in self.pending and r.index in {x.index for x in self.rows} for r in rows):
-            parts.append(self.cache)
-            for i, r in enumerate(self.rows):
-                where.setdefault(r.index, i)
-            offset = self.cache[0].shape[0]
-        for index, cache in self.pending.items():
-            parts.append(cache)
-            where[index] = offset
-            offset += cache[0].shape[0]
-        batch = _batch_gear(len(rows))
-        padded = rows + [rows[0]] * (batch - len(rows))
-        order = np.array([where[r.index] for r in padded], dtype=np.int64)
-        types = [[c.type for c in part] for part in parts]
-        key = (tuple(tuple(tuple(t.shape) for t in p) for p in types), slots, batch)
-        ge_us = 0.0
-        miss = key not in self.regroup_programs
-        if miss:
-            from geir.session import compile_module
-
-            start = time.perf_counter()
-            self.regroup_programs[key] = compile_module(_regroup_graph(types, slots, batch), self.pipeline,
-                                                        self.target)[0].graphs[0]
-            ge_us = (time.perf_counter() - start) * 1e6
-        program = self.regroup_programs[key]
-        names = [a.name for a in program.args]
-        feed = dict(zip(names, [c for part in parts for c in part] + [order]))
-        n = len(parts[0])
-        result = run_program(program, feed, target=self.target, keep=range(n), listeners=self.listeners,
-                             timing_only=self.timing_only, launch_mode=self.loop.launch, graphs=self.loop.graphs,
-                             memo=self.loop.memo)
-        self.cache = self._results(program, result)
-        self.rows = padded
-        self.pending = {}
-        self.regroups += 1
-        self._record("regroup", rows, batch, slots, ge_us + result.capture_us, miss, time_split(result))
-
     def _decode(self, rows: list[_Sequence], live: set[int]) -> None:
         """One decode step over the running rows (`live`: the rows whose tokens count; static batching keeps
-        finished rows in the batch, their results dropped)."""
-        slots_needed = max(len(r.tokens) for r in rows)
+        finished rows in the batch, their results dropped), each attending over its own blocks of the pools."""
         batch = _batch_gear(len(rows))
-        current = [r.index for r in self.rows[:len(rows)]]
-        same_rows = (current == [r.index for r in rows] and len(self.rows) == batch and not self.pending)
-        if not same_rows or not self.cache or self.cache[0].shape[2] < slots_needed:
-            self._regroup(rows, self._slots(slots_needed))
-        slots = self.cache[0].shape[2]
+        blocks = -(-self._slots(max(len(r.tokens) for r in rows)) // self.pool.block_size)
+        slots = blocks * self.pool.block_size
         names = self.names["decode"]
-        # the padded rows (whatever the cache holds there) repeat the first row's inputs; their results are dropped
+        # the padded rows repeat the first row (its slot written twice with the same values); their results dropped
         padded = rows + [rows[0]] * (batch - len(rows))
-        feed = {k: to_numpy(t) for k, t in zip(names, _decode_inputs(padded, slots))}
-        feed.update(zip(names[5:], self.cache))
+        tables = [self.pool.tables[r.index] for r in padded]
+        feed = {k: to_numpy(t) for k, t in zip(names, _decode_inputs(padded, tables, blocks, self.pool.block_size))}
+        feed.update(zip(names[6:], self.pools))
         run = self.loop.plan_and_run("decode", feed, self.timing_only)
-        self.cache = self._results(run.program, run.result)[1:]
+        self.pools = self._results(run.program, run.result)[1:]
         for r in rows:
             self.pool.store(r.index, min(len(r.tokens), r.most_slots))
         step = self._record("decode", [r for r in rows if r.index in live], batch, slots, run.ge_us, run.replanned,
@@ -677,7 +675,6 @@ class _Server:
                 self._prefill(seq)
                 admitted.append(seq)
                 if seq.done:
-                    self.pending.pop(seq.index, None)
                     self._finish(seq)
                 else:
                     running.append(seq)
@@ -704,7 +701,6 @@ class _Server:
         """Preemption by recompute: its blocks freed, its cache dropped; it waits to be prefilled again."""
         running.remove(seq)
         self.pool.free(seq.index)
-        self.pending.pop(seq.index, None)
         seq.preempted += 1
         waiting.append(seq)
 

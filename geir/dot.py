@@ -28,6 +28,7 @@ FUSED_KINDS: dict[str, str] = {
     "ge.fused_elementwise": "elementwise",
     "ge.rotary_embedding": "rotary_embedding",
     "ge.glu": "glu",
+    "ge.paged_attention": "paged_attention",
 }
 # Rules of `fuse` that rewrite an op into one of the same kind (attention_native gives an imported
 # ge.flash_attention its native operands): they make no kind of their own, so they have no colour.
@@ -49,6 +50,7 @@ RULE_COLOURS: dict[str, str] = {
     "elementwise": "#ffffb3",
     "rotary_embedding": "#fb8072",
     "glu": "#ffed6f",
+    "paged_attention": "#d9d9d9",
 }
 ARG_COLOUR, RESULT_COLOUR = "#e0ecf4", "#fee0d2"
 MAX_ATTR_CHARS = 48  # an attribute longer than this is cut, so a tiling dictionary does not make a node wide

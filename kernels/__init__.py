@@ -11,7 +11,8 @@ import importlib
 from geir.kernels.base import KERNELS, Kernel, KernelStats, LaunchContext, register_kernel
 
 # the modules that declare the built-in kernels (each registers its kernels with register_kernel when imported)
-KERNEL_MODULES = ("flash_attention", "data_movement", "matmul", "vector", "glu", "rotary", "add_norm", "grouped_matmul")
+KERNEL_MODULES = ("flash_attention", "data_movement", "matmul", "vector", "glu", "rotary", "add_norm", "grouped_matmul",
+                  "paged_attention")
 
 
 def load_all() -> None:

@@ -593,7 +593,8 @@ class ScatterUpdateKernel(_CopyKernel):
     """ge.index_put with one index tensor and no accumulation (the KV cache's update, torch's index_copy), as
     ops-transformer's ScatterUpdate: the operand copied to the result, then each indexed slab of values written
     over its place (an update whose result does not share the operand's memory moves the operand once; the
-    indexed slabs are the only other bytes). Several index tensors or accumulation stay on the AI CPU."""
+    indexed slabs are the only other bytes; `in_place`, the result is the operand's memory and only the slabs
+    move). Several index tensors or accumulation stay on the AI CPU."""
 
     OPS = ("ge.index_put",)
     TEMPLATE = "ScatterUpdate"
@@ -638,7 +639,10 @@ class ScatterUpdateKernel(_CopyKernel):
             if not ctx.compute:
                 index = np.arange(index.size, dtype=np.int64).reshape(index.shape)
             index = np.mod(index, x.shape[axis])
-        return super().run(op, [x, values, index], tiling, ctx)
+        outs = super().run(op, [x, values, index], tiling, ctx)
+        if op.attr("in_place") and ctx.compute:  # the operand's bytes stay where they are: the numbers, untimed
+            outs = [op.compute(x, values, index)]
+        return outs
 
     def pairs(self, op, inputs, outs):
         x, values, index = inputs
@@ -646,7 +650,8 @@ class ScatterUpdateKernel(_CopyKernel):
         where = np.asarray(index).reshape(-1).astype(np.int64)  # in range, from the end made positive (run)
         slabs = np.broadcast_to(values, x.shape[:axis] + index.shape + x.shape[axis + 1:])
         slabs = slabs.reshape(x.shape[:axis] + (where.size,) + x.shape[axis + 1:])
-        pairs = [(x, outs[0], 0, 0)]
+        # in place, the result is the operand's memory: only the slabs move
+        pairs = [] if op.attr("in_place") else [(x, outs[0], 0, 0)]
         # one slab per index, in order (a duplicate keeps the last value written, as the op's semantics says);
         # a run of consecutive positions (a step's new tokens) is one slab
         start = 0

@@ -26,6 +26,7 @@ from geir.passes.fusion.glu import FuseGlu
 from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
+from geir.passes.fusion.paged_attention import PagedAttentionRead
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
 from geir.passes.fusion.softmax import DecomposedSoftmax
 from geir.passes.pass_manager import Pass, PassContext, register_pass
@@ -37,7 +38,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
-        FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes,
+        FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
         FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting,
     )
 }

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 
 # the modules that declare the ops, each registering its op kinds with geir.opdef.op when imported
-DIALECT_MODULES = ("conv", "core", "elementwise", "fused", "glu", "indexing", "linalg", "moe", "reductions", "rotary",
-                   "rt", "shape_ops", "sizes")
+DIALECT_MODULES = ("conv", "core", "elementwise", "fused", "glu", "indexing", "linalg", "moe", "paged", "reductions",
+                   "rotary", "rt", "shape_ops", "sizes")
 
 
 def load_all() -> None:

@@ -129,6 +129,9 @@ class IndexPut(Operation):
     TRAITS = (DataMovement,)
     axis = Attr(int, default=0)
     accumulate = Attr(bool, default=False)
+    # the result takes x's memory (x is donated: a KV pool written at a step's slots, as torch's index_copy_ and
+    # ScatterUpdate's in-place form): the values are the same, only the indexed slabs move
+    in_place = Attr(bool, default=False)
 
     def infer(self, x: TensorType, values: TensorType, *indices: TensorType) -> TensorType:
         indexed = indexed_type(x, indices, self.axis)

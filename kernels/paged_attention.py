@@ -1,0 +1,74 @@
+"""Paged attention on the simulated NPU: FlashAttention over the keys and values a block table names in the pool.
+
+A work unit's key tile is `blocks_per_tile` whole blocks of the pool (kernels/paged_attention_tiling.py): MTE2 reads
+each block's rows of its K/V head, block_size x D elements, from wherever the table puts the block, so a tile moves
+the bytes of its blocks and nothing else, the same bytes the dense kernel moves for a tile of that many keys. The
+tile order, the online softmax and the flash-decoding combine are FlashAttention's (kernels/flash_attention.py),
+over the same s1, s2 and key parts, so a paged call's numbers equal the dense kernel's on the gathered blocks bit
+for bit. Keys past a row's `actual_seq_lengths_kv` are masked on chip from the lengths (no mask tensor is read).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from geir.ir import Operation
+from geir.kernels import paged_attention_tiling as rules
+from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.flash_attention import flash_attention_forward, schedule_problem
+from geir.kernels.flash_attention_tiling import workspace_bytes
+from geir.kernels.paged_attention_tiling import PagedTiling
+from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
+from geir.target_npu.target import Target
+
+
+@register_kernel
+class PagedAttentionKernel(Kernel):
+    """FIA with a block table: FlashAttention's templates over whole blocks of the KV pool."""
+
+    OPS = ("ge.paged_attention",)
+    TILING = PagedTiling
+
+    def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> PagedTiling | Miss:
+        return rules.choose(sig, target, buffers)
+
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        return cube_refuses(sig.operands[:3], target)
+
+    def budget(self, tiling: PagedTiling, sig: OpSignature, target: Target) -> Budget:
+        return rules.budget(tiling, sig, target)
+
+    def schedule_problem(self, tiling: PagedTiling, target: Target) -> str | None:
+        return schedule_problem(tiling.as_flash(), target)
+
+    def workspace_bytes(self, tiling: PagedTiling, sig: OpSignature) -> int:
+        return workspace_bytes(tiling.as_flash(), sig)
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: PagedTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        q = inputs[0]
+        if ctx.compute:
+            # the blocks the table names, in its order: what MTE2 reads block by block (a view of the pool's bytes)
+            k, v, mask = op.dense(*inputs)
+        else:  # timing only: the table's values are stand-ins, never read; the shapes are what is timed
+            k, v, mask = _shapes_only(op, inputs)
+        names = ctx.operand_names
+        mask_name = names[len(inputs) - 1] if op.mask is not None and len(names) == len(inputs) else None
+        flash_ctx = attrs.evolve(ctx, operand_names=[*names[:3], mask_name])
+        out = flash_attention_forward(q, k, v, mask, op.causal, op.as_flash_attention().effective_scale(q.shape[-1]),
+                                      tiling.as_flash(), flash_ctx)
+        return [out]
+
+
+def _shapes_only(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Uninitialised dense keys and values, and a mask, of the shapes a paged call attends over (timing only)."""
+    q, kc, vc, table = inputs[:4]
+    nkv, length = op.num_key_value_heads, table.shape[1] * kc.shape[1]
+    k = np.empty((q.shape[0], nkv, length, kc.shape[2] // nkv), dtype=kc.dtype)
+    v = np.empty((q.shape[0], nkv, length, vc.shape[2] // nkv), dtype=vc.dtype)
+    masks = [x for x in inputs[4:] if not np.issubdtype(x.dtype, np.integer)]
+    shape = (q.shape[0], q.shape[1], q.shape[2], length)
+    if masks:
+        return k, v, np.broadcast_to(np.empty((), masks[0].dtype), shape)
+    return k, v, (np.broadcast_to(np.bool_(True), shape) if len(inputs) > 4 else None)

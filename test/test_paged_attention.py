@@ -1,0 +1,306 @@
+"""ge.paged_attention (FusedInferAttentionScore with a block table): its semantics, tiling rules and kernel.
+
+Oracles: torch's scaled_dot_product_attention over keys and values gathered from the pool by hand (a loop over the
+table written here); the dense FlashAttention kernel run on those gathered keys with the same blocks and key parts
+(bit for bit); the rules' documented conditions (Sq == 1 is the IFA branch, whole blocks per key tile, block_size x
+head dim <= 128 x 128, FlashAttention-2's split heuristic counted out); the K/V bytes a tile moves counted from the
+block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+import pytest
+
+from geir.builder import Builder
+from geir.kernels.base import LaunchContext
+from geir.kernels.flash_attention import flash_attention_forward
+from geir.kernels.flash_attention_tiling import FLASH_DECODE, kv_parts
+from geir.kernels.paged_attention import PagedAttentionKernel
+from geir.kernels.paged_attention_tiling import INCRE, PROMPT, PagedTiling, choose
+from geir.kernels.tiling import Miss, OpSignature
+from geir.target_npu import load_target
+from geir.target_npu.sim import Cores, GlobalMemory
+from geir.types import DType, TensorType
+
+torch = pytest.importorskip("torch")
+
+
+def pool_and_table(b, nkv, d, bs, lengths, num_blocks, dtype=np.float32, seed=0):
+    """A random pool [num_blocks, bs, nkv * d] for keys and for values, and a table giving each row its own
+    blocks in a scrambled order (ceil(length / bs) each, the rest of a row's entries pointing at block 0)."""
+    rng = np.random.default_rng(seed)
+    kc = (0.5 * rng.standard_normal((num_blocks, bs, nkv * d))).astype(dtype)
+    vc = rng.standard_normal((num_blocks, bs, nkv * d)).astype(dtype)
+    width = max(-(-n // bs) for n in lengths)
+    free = list(rng.permutation(num_blocks))
+    table = np.zeros((b, width), dtype=np.int64)
+    for i, n in enumerate(lengths):
+        for j in range(-(-n // bs)):
+            table[i, j] = free.pop()
+    return kc, vc, table
+
+
+def gathered_by_hand(cache, table, nkv, d, bs):
+    """[B, Nkv, width * bs, D]: key j of row b is slot j % bs of block table[b, j // bs], head h its h-th D slice."""
+    b, width = table.shape
+    out = np.zeros((b, nkv, width * bs, d), dtype=cache.dtype)
+    for i in range(b):
+        for j in range(width * bs):
+            for h in range(nkv):
+                out[i, h, j] = cache[table[i, j // bs], j % bs, h * d:(h + 1) * d]
+    return out
+
+
+def torch_attention(q, k, v, lengths, causal=False):
+    """torch's SDPA in float64 with each row's keys cut at its length (GQA heads repeated)."""
+    group = q.shape[1] // k.shape[1]
+    qt, kt, vt = (torch.from_numpy(x.astype(np.float64)) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    keep = torch.arange(k.shape[2])[None, :] < torch.tensor(lengths)[:, None]
+    mask = keep[:, None, None, :].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if causal:  # bottom-right: the queries are the last Sq tokens of each row's keys (here: equal lengths)
+        sq, skv = q.shape[2], k.shape[2]
+        mask = mask & torch.ones(sq, skv, dtype=torch.bool).tril(skv - sq)
+    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).numpy()
+
+
+def paged_op(q, kc, vc, table, lengths, nkv, mask=None, causal=False):
+    """A ge.paged_attention on arguments of these arrays' types (the op the kernel reads its attributes from)."""
+    b = Builder()
+    args = [b.argument(TensorType(x.shape, DType.from_numpy(x.dtype)), name)
+            for x, name in ((q, "q"), (kc, "key_cache"), (vc, "value_cache"), (table, "block_table"),
+                            (np.asarray(lengths, dtype=np.int64), "lengths"))]
+    if mask is not None:
+        args.append(b.argument(TensorType(mask.shape, DType.from_numpy(mask.dtype)), "mask"))
+    op = b.create("ge.paged_attention", args, {"num_key_value_heads": nkv, "causal": causal})
+    b.finish([op.result])
+    return op
+
+
+def run_kernel(op, inputs, tiling=None, target="ascend910b"):
+    t = load_target(target)
+    sig = OpSignature.of(op)
+    tiling = tiling or choose(sig, t)
+    assert isinstance(tiling, PagedTiling), tiling
+    ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), [a.name for a in op.operands], ["o"])
+    return PagedAttentionKernel().run(op, inputs, tiling, ctx)[0], tiling, ctx
+
+
+CASES = {  # b, n, nkv, sq, d, bs, lengths
+    "decode, GQA, ragged rows": (3, 8, 2, 1, 64, 16, [37, 5, 64]),
+    "decode, long context split": (1, 4, 1, 1, 64, 128, [3000]),
+    "prefill, MHA": (2, 2, 2, 24, 32, 8, [24, 24]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_semantics_equal_torch_attention_over_the_blocks_gathered_by_hand(case):
+    b, n, nkv, sq, d, bs, lengths = CASES[case]
+    kc, vc, table = pool_and_table(b, nkv, d, bs, lengths, num_blocks=sum(-(-x // bs) for x in lengths) + 3)
+    q = (0.5 * np.random.default_rng(1).standard_normal((b, n, sq, d))).astype(np.float32)
+    k, v = gathered_by_hand(kc, table, nkv, d, bs), gathered_by_hand(vc, table, nkv, d, bs)
+    op = paged_op(q, kc, vc, table, lengths, nkv)
+    out = op.compute(q, kc, vc, table, np.asarray(lengths))
+    np.testing.assert_allclose(out, torch_attention(q, k, v, lengths), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_kernel_equals_the_dense_kernel_on_the_gathered_blocks_bit_for_bit(case, dtype):
+    b, n, nkv, sq, d, bs, lengths = CASES[case]
+    kc, vc, table = pool_and_table(b, nkv, d, bs, lengths, sum(-(-x // bs) for x in lengths) + 3, dtype)
+    q = (0.5 * np.random.default_rng(2).standard_normal((b, n, sq, d))).astype(dtype)
+    op = paged_op(q, kc, vc, table, lengths, nkv)
+    out, tiling, _ = run_kernel(op, [q, kc, vc, table, np.asarray(lengths)])
+    k, v = gathered_by_hand(kc, table, nkv, d, bs), gathered_by_hand(vc, table, nkv, d, bs)
+    keep = np.arange(k.shape[2])[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
+    t = load_target("ascend910b")
+    ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), ["q", "k", "v", None], ["o"])
+    dense = flash_attention_forward(q, k, v, np.broadcast_to(keep, (b, n, sq, k.shape[2])), False,
+                                    1 / math.sqrt(d), tiling.as_flash(), ctx)
+    assert out.dtype == dense.dtype and np.array_equal(out, dense)
+    tol = 2e-5 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(out.astype(np.float64), torch_attention(q, k, v, lengths), rtol=tol, atol=tol)
+
+
+def test_a_mask_is_applied_on_top_of_the_lengths():
+    b, n, nkv, d, bs, lengths = 2, 4, 2, 32, 8, [20, 11]
+    kc, vc, table = pool_and_table(b, nkv, d, bs, lengths, 8)
+    q = np.random.default_rng(3).standard_normal((b, n, 1, d)).astype(np.float32)
+    mask = np.ones((b, 1, 1, table.shape[1] * bs), dtype=bool)
+    mask[0, ..., 3] = mask[1, ..., 0] = False
+    op = paged_op(q, kc, vc, table, lengths, nkv, mask=mask)
+    assert op.mask is not None and op.actual_seq_lengths_kv is not None
+    out = op.compute(q, kc, vc, table, np.asarray(lengths), mask)
+    k, v = gathered_by_hand(kc, table, nkv, d, bs), gathered_by_hand(vc, table, nkv, d, bs)
+    keep = (np.arange(k.shape[2]) < np.asarray(lengths)[:, None])[:, None, None, :] & mask
+    group = n // nkv
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x.astype(np.float64)) for x in (q, np.repeat(k, group, 1), np.repeat(v, group, 1))),
+        attn_mask=torch.from_numpy(np.broadcast_to(keep, (b, n, 1, k.shape[2])).copy())).numpy()
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    kernel_out, _, _ = run_kernel(op, [q, kc, vc, table, np.asarray(lengths), mask])
+    np.testing.assert_allclose(kernel_out, ref, rtol=2e-5, atol=2e-6)
+
+
+# --- the rules ----------------------------------------------------------------------------------------
+
+def signature(b, n, nkv, sq, d, bs, width, num_blocks=64, dtype=DType.f16):
+    q = TensorType((b, n, sq, d), dtype)
+    kc = TensorType((num_blocks, bs, nkv * d), dtype)
+    table = TensorType((b, width), DType.i64)
+    lengths = TensorType((b,), DType.i64)
+    out = TensorType((b, n, sq, d), dtype)
+    return OpSignature("ge.paged_attention", (q, kc, kc, table, lengths), (out,), {"num_key_value_heads": nkv})
+
+
+def test_the_branch_is_ifa_for_one_query_row_and_pfa_otherwise():
+    t = load_target("ascend910b")
+    incre = choose(signature(4, 32, 8, 1, 128, 128, 8), t)
+    prompt = choose(signature(1, 32, 8, 256, 128, 128, 2), t)
+    assert incre.rule.startswith(INCRE) and prompt.rule.startswith(PROMPT)
+
+
+@pytest.mark.parametrize("bs", [16, 64, 128])
+def test_a_key_tile_is_whole_blocks(bs):
+    tiling = choose(signature(2, 32, 8, 1, 128, bs, 4096 // bs), load_target("ascend910b"))
+    assert tiling.s2 == tiling.blocks_per_tile * bs and tiling.block_size == bs and tiling.blocks_per_tile >= 1
+
+
+def test_a_block_larger_than_one_cube_tile_is_refused_with_atbs_limit():
+    miss = choose(signature(1, 8, 8, 1, 128, 256, 4), load_target("ascend910b"))
+    assert isinstance(miss, Miss) and "128 x 128" in miss.reason
+
+
+def test_long_contexts_split_the_keys_as_flash_attention_2s_heuristic_counts():
+    t = load_target("ascend910b")
+    tiling = choose(signature(1, 8, 1, 1, 128, 128, 64), t)  # 8192 keys, one K/V head: one unit before splitting
+    assert tiling.template == FLASH_DECODE
+    units = 1  # batch 1 x 1 K/V head x one row block of the 8 stacked query heads
+    blocks = 64  # key tiles of one 128-key block each
+    effs = {}
+    for p in range(1, min(blocks, t.cube_cores) + 1):
+        if p > 1 and math.ceil(blocks / p) == math.ceil(blocks / (p - 1)):
+            continue
+        waves = units * p / t.cube_cores
+        effs[p] = waves / math.ceil(waves)
+    expected = min(p for p, e in effs.items() if e >= 0.85 * max(effs.values()))
+    assert tiling.segments == expected == kv_parts(8192, units, t.cube_cores, tiling.s2)
+    assert tiling.segments > 1
+
+
+def test_the_tiling_round_trips_through_its_attribute():
+    tiling = choose(signature(2, 8, 2, 1, 64, 16, 10), load_target("ascend910b"))
+    assert PagedTiling.from_attr(tiling.to_attr()) == attrs.evolve(tiling, rule="", design=None)
+
+
+def test_a_tile_moves_the_bytes_of_its_blocks():
+    """The K and V bytes read are whole blocks: B x Nkv x table width x block_size x D x itemsize each (flash-
+    decoding stacks a group's query heads, so each K/V head's blocks are read once)."""
+    b, n, nkv, d, bs, lengths = 2, 8, 2, 64, 16, [256, 200]
+    kc, vc, table = pool_and_table(b, nkv, d, bs, lengths, 40, np.float16)
+    q = np.random.default_rng(4).standard_normal((b, n, 1, d)).astype(np.float16)
+    op = paged_op(q, kc, vc, table, lengths, nkv)
+    # on a chip whose cube and vector share a core (no S and P through a GM workspace), the reads are K, V and q
+    _, tiling, ctx = run_kernel(op, [q, kc, vc, table, np.asarray(lengths)], target="ascend910a")
+    assert tiling.template == FLASH_DECODE and tiling.s1 == n // nkv
+    kv = 2 * b * nkv * table.shape[1] * bs * d * 2  # K and V: every block of the table once, f16
+    q_bytes = b * n * d * 2 * tiling.segments  # each unit's stacked query rows, once per key part
+    # the log-sum-exp combine reads each part's partial rows back: O, running max and sum in f32
+    partials = b * nkv * tiling.segments * tiling.s1 * (d + 2) * 4 if tiling.segments > 1 else 0
+    assert ctx.gm.gm_read_bytes == kv + q_bytes + partials
+
+
+# --- the pool's update in place -----------------------------------------------------------------------------
+
+def test_an_in_place_pool_update_moves_only_the_slots_written():
+    """ge.index_put with in_place: the same numbers as the copy (numpy's index assignment on a copy is the oracle),
+    and the bytes moved are the slots written only (read once, written once), whatever the pool's size; without
+    it, the whole pool is copied too."""
+    from geir.kernels.data_movement import ScatterUpdateKernel
+
+    slots, nkv, d = 4096, 2, 64
+    pool = np.random.default_rng(5).standard_normal((slots, nkv, d)).astype(np.float16)
+    values = np.random.default_rng(6).standard_normal((3, nkv, d)).astype(np.float16)
+    where = np.array([7, 900, 4000])
+    moved = {}
+    for in_place in (False, True):
+        b = Builder()
+        args = [b.argument(TensorType(x.shape, DType.from_numpy(x.dtype)), n)
+                for x, n in ((pool, "pool"), (values, "values"), (where, "where"))]
+        op = b.create("ge.index_put", args, {"axis": 0, "in_place": in_place})
+        b.finish([op.result])
+        t = load_target("ascend910b")
+        kernel = ScatterUpdateKernel()
+        tiling = kernel.choose(OpSignature.of(op), t)
+        ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), ["pool", "values", "where"], ["out"])
+        out = kernel.run(op, [pool, values, where], tiling, ctx)[0]
+        expected = pool.copy()
+        expected[where] = values
+        assert np.array_equal(out, expected)
+        moved[in_place] = (ctx.gm.gm_read_bytes, ctx.gm.gm_write_bytes)
+    slab = 3 * nkv * d * 2
+    assert moved[True][1] == slab  # the three slots written, nothing else
+    assert moved[False][1] == slab + pool.nbytes  # the pool copied into the result, then the slots
+
+
+# --- serve() over the pool ---------------------------------------------------------------------------------
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _two_requests():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(1, 100, (5,), generator=g), 4, 0.0), (torch.randint(1, 100, (11,), generator=g), 3, 0.0)]
+
+
+def test_serve_attends_over_the_pool_with_no_regroup_and_no_gather_of_blocks():
+    """Every decode step launches ge.paged_attention once per layer and no flash_attention; no gather reads the
+    pool's blocks ([num_blocks, block_size, Nkv, D]); no device run rebuilds a dense cache."""
+    from geir.frontends.torch import serve
+    from geir.runtime.interpreter import RuntimeListener
+
+    class Kernels(RuntimeListener):
+        def __init__(self):
+            self.runs: list[list[str]] = []
+
+        def run_started(self, program):
+            self.runs.append([])
+
+        def launched(self, task, stats):
+            self.runs[-1].append((task.name, tuple(t.shape for t in task.inputs)))
+
+    seen = Kernels()
+    run = serve(_tiny_llama(), _two_requests(), block_size=4, listeners=[seen])
+    kinds = [s.kind for s in run.steps]
+    assert "regroup" not in kinds and run.regroups == 0
+    assert len(seen.runs) == len(run.steps)
+    blocks = run.pool_blocks, run.block_size
+    for kind, launches in zip(kinds, seen.runs):
+        names = [name for name, _ in launches]
+        assert not any(name == "ge.gather" and shapes[0][:2] == blocks for name, shapes in launches)
+        assert names.count("ge.index_put") == 4  # the K and V pools of 2 layers, written at the step's slots
+        if kind == "decode":
+            assert names.count("ge.paged_attention") == 2 and "ge.flash_attention" not in names
+
+
+def test_a_decode_step_costs_the_same_whatever_the_pools_size():
+    """The pool is read through the tables and written at the step's slots only: 8 blocks or 4096, the same
+    device times, step by step (timing only: the schedule does not depend on the tokens)."""
+    from geir.frontends.serve import kv_bytes_per_token
+    from geir.frontends.torch import serve
+
+    model = _tiny_llama()
+    runs = [serve(model, _two_requests(), block_size=4, pool_bytes=blocks * 4 * kv_bytes_per_token(model),
+                  timing_only=True) for blocks in (8, 4096)]
+    assert [s.kind for s in runs[0].steps] == [s.kind for s in runs[1].steps]
+    assert [s.kernel_time_us for s in runs[0].steps] == [s.kernel_time_us for s in runs[1].steps]
