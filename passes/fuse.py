@@ -22,7 +22,7 @@ from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInpu
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
-from geir.passes.fusion.glu import FuseGlu
+from geir.passes.fusion.glu import FuseGlu, GluFromMergedMatmul
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
@@ -34,6 +34,7 @@ from geir.target_npu.target import Target
 # Every fusion rule by name (the names `rules=` and `disable=` take).
 FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
+        GluFromMergedMatmul,
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes,

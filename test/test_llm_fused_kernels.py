@@ -185,3 +185,36 @@ def test_glu_tiling_budgets_what_it_streams():
     assert tiling.elems * ((2 + 2 + 2) * 2 + 4 * 2) * 2 > target.buffer_bytes("ub")  # as many as fit
     for cand in kernel.candidates(sig, target):
         assert kernel.budget(cand, sig, target).overflow(target) is None
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("shape", [(1, 1, 256), (3, 77, 2000)])
+def test_glu_of_a_merged_gate_up_is_torch_swiglu_and_the_split_form_bit_for_bit(shape, dtype):
+    """One operand [..., 2h]: silu of its first half times its second, as torch_npu's npu_swiglu(x, dim=-1)
+    (torch's silu(chunk 0) * chunk 1 in float64 the oracle), and bit for bit what glu(gate, up) gives from the split
+    halves; the kernel reads each half's bytes once."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) * 3).astype(NP[dtype])
+    t = f"tensor<{'x'.join(map(str, shape))}x{dtype}>"
+    h = shape[-1] // 2
+    half_t = f"tensor<{'x'.join(map(str, shape[:-1] + (h,)))}x{dtype}>"
+    op = _op(f"ge.graph @main(%x: {t}) -> {half_t} {{\n  %y = ge.glu %x\n  ge.return %y\n}}")
+    out, ctx = _launch(op, [x])
+    gate, up = torch.from_numpy(x.astype(np.float64)).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).numpy()
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+    split = _op(f"ge.graph @main(%g: {half_t}, %u: {half_t}) -> {half_t} {{\n"
+                f"  %y = ge.glu %g, %u\n  ge.return %y\n}}")
+    two, _ = _launch(split, [np.ascontiguousarray(x[..., :h]), np.ascontiguousarray(x[..., h:])])
+    assert _bits_equal(out, two)
+    assert ctx.gm.gm_read_bytes == x.nbytes and ctx.gm.gm_write_bytes == out.nbytes
+
+
+def test_glu_of_an_odd_merged_axis_is_a_shape_error():
+    from geir.verifier import verify_module
+
+    with pytest.raises(Exception, match="even last axis"):
+        module = parse("ge.graph @main(%x: tensor<2x7xf32>) -> tensor<2x3xf32> {\n  %y = ge.glu %x\n  ge.return %y\n}")
+        verify_module(module)
