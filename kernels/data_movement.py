@@ -627,26 +627,37 @@ class ScatterUpdateKernel(_CopyKernel):
             ctx: LaunchContext) -> list[np.ndarray]:
         x, values, index = inputs
         axis = op.axis % x.ndim
+        return super().run(op, [x, values, self.positions(index, x.shape[axis], axis, ctx)], tiling, ctx)
+
+    @staticmethod
+    def positions(index: np.ndarray, dim: int, axis: int, ctx: LaunchContext) -> np.ndarray:
+        """The indices as positions along a dimension of `dim`: checked (a device fault outside it), counted from
+        the end made positive; timing only, the indices are stand-ins whose values are unknown: costed as one run
+        of consecutive positions, a step's new tokens (what a KV cache writes)."""
         if ctx.compute:
-            problem = index_problem(index, x.shape[axis], axis, "index_put")
+            problem = index_problem(index, dim, axis, "index_put")
             if problem is not None:  # a write outside the tensor is an access the device faults on
                 raise DeviceFault(problem)
-        # positions counted from the end made positive; timing only, the indices are stand-ins whose values are
-        # unknown: costed as one run of consecutive positions, a step's new tokens (what a KV cache writes)
-        if x.shape[axis]:
+        if dim:
             index = np.asarray(index, dtype=np.int64)
             if not ctx.compute:
                 index = np.arange(index.size, dtype=np.int64).reshape(index.shape)
-            index = np.mod(index, x.shape[axis])
-        return super().run(op, [x, values, index], tiling, ctx)
+            index = np.mod(index, dim)
+        return index
 
     def pairs(self, op, inputs, outs):
         x, values, index = inputs
-        axis = op.axis % x.ndim
+        return self.slab_pairs(x, values, index, op.axis % x.ndim, outs[0], (0, 1), 0)
+
+    @staticmethod
+    def slab_pairs(x: np.ndarray, values: np.ndarray, index: np.ndarray, axis: int, out: np.ndarray,
+                   operands: tuple[int, int], result: int) -> list:
+        """The copies of one update into result `result`: x (operand operands[0]) whole, then the slabs of the
+        values (operand operands[1])."""
         where = np.asarray(index).reshape(-1).astype(np.int64)  # in range, from the end made positive (run)
         slabs = np.broadcast_to(values, x.shape[:axis] + index.shape + x.shape[axis + 1:])
         slabs = slabs.reshape(x.shape[:axis] + (where.size,) + x.shape[axis + 1:])
-        pairs = [(x, outs[0], 0, 0)]
+        pairs = [(x, out, operands[0], result)]
         # one slab per index, in order (a duplicate keeps the last value written, as the op's semantics says);
         # a run of consecutive positions (a step's new tokens) is one slab
         start = 0
@@ -655,9 +666,42 @@ class ScatterUpdateKernel(_CopyKernel):
                 lo, hi = int(where[start]), int(where[i - 1]) + 1
                 dst = (slice(None),) * axis + (slice(lo, hi),)
                 src = (slice(None),) * axis + (slice(start, i),)
-                pairs.append((slabs[src], outs[0][dst], 1, 0))
+                pairs.append((slabs[src], out[dst], operands[1], result))
                 start = i
         return pairs
+
+
+@register_kernel
+class ScatterPairKernel(ScatterUpdateKernel):
+    """ge.index_put_pair: two ScatterUpdates at the same positions in one launch (ATB's ReshapeAndCache writing K
+    and V): both operands copied to their results and both tensors' slabs written, through the same flat tiles;
+    one launch head instead of two."""
+
+    OPS = ("ge.index_put_pair",)
+
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        return _CopyKernel.refuses(self, sig, target)
+
+    @staticmethod
+    def _copied(sig: OpSignature) -> OpSignature:
+        """The copies the tiles are chosen for: both operands into their results."""
+        return OpSignature(sig.name, sig.operands[:2], sig.results, sig.attributes)
+
+    def out_shapes(self, op, inputs):
+        return [inputs[0].shape, inputs[1].shape]
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        x, y, xv, yv, index = inputs
+        axis = op.axis % x.ndim
+        index = self.positions(index, x.shape[axis], axis, ctx)  # y is as long along axis (the op's shape rule)
+        return _CopyKernel.run(self, op, [x, y, xv, yv, index], tiling, ctx)
+
+    def pairs(self, op, inputs, outs):
+        x, y, xv, yv, index = inputs
+        axis = op.axis % x.ndim
+        return (self.slab_pairs(x, xv, index, axis, outs[0], (0, 2), 0)
+                + self.slab_pairs(y, yv, index, axis, outs[1], (1, 3), 1))
 
 
 @register_kernel

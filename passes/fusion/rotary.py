@@ -8,11 +8,9 @@ q and k on the same tables:  rope(q), rope(k) -> one rope(q, k) launch (ops-tran
 
 from __future__ import annotations
 
-import heapq
-
 from geir.builder import create_op
-from geir.ir import Graph, Operation, Value
-from geir.passes.fusion.match import defining, named, used_only_by
+from geir.ir import Operation, Value
+from geir.passes.fusion.match import defining, named, reaches, restore_order, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 
@@ -188,45 +186,6 @@ def _same_table_ropes(v: Value) -> list[Operation]:
     return found
 
 
-def _reaches(start: Operation, target: Operation) -> bool:
-    """Whether `target` is among the ops `start` is computed from."""
-    seen, todo = set(), [start]
-    while todo:
-        op = todo.pop()
-        for v in op.operands:
-            p = v.owner
-            if p is target:
-                return True
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                todo.append(p)
-    return False
-
-
-def _restore_order(graph: Graph) -> None:
-    """Reorder the ops (stably) so that each comes after what it reads: the merged launch sits where the later of
-    the pair was, and users of the earlier one's result that sat between move after it."""
-    ops = graph.ops
-    index = {id(op): i for i, op in enumerate(ops)}
-    waiting = [sum(1 for v in {id(v): v for v in op.operands}.values() if v.owner is not None and id(v.owner) in index)
-               for op in ops]
-    ready = [i for i, n in enumerate(waiting) if n == 0]
-    heapq.heapify(ready)
-    order: list[Operation] = []
-    while ready:
-        op = ops[heapq.heappop(ready)]
-        order.append(op)
-        for user in {id(u): u for r in op.results for u in r.users()}.values():
-            j = index.get(id(user))
-            if j is None:
-                continue
-            waiting[j] -= sum(1 for v in {id(v): v for v in user.operands}.values() if v.owner is op)
-            if waiting[j] == 0:
-                heapq.heappush(ready, j)
-    if len(order) == len(ops) and any(a is not b for a, b in zip(order, ops)):
-        graph.ops = order
-
-
 class MergeRotaryPair(Pattern):
     """rope(q, cos, sin), rope(k, cos, sin) -> one rope(q, cos, sin, k) launch with both results, as
     ops-transformer's ApplyRotaryPosEmb rotates q and k together (torch_npu's npu_apply_rotary_pos_emb): one launch
@@ -250,7 +209,7 @@ class MergeRotaryPair(Pattern):
                        f"{other.rotary_dim}, this one {rope.mode} and {rope.rotary_dim}")
             elif k.dtype != x.dtype or k.shape[-1] != x.shape[-1]:
                 why = f"the other rotation on these tables ({named(other)}) turns {k}, this one {x}"
-            elif _reaches(rope, other) or _reaches(other, rope):
+            elif reaches(rope, other) or reaches(other, rope):
                 why = f"the other rotation on these tables ({named(other)}) is computed from this one or feeds it"
             else:
                 return Match(rope, other=other)
@@ -263,4 +222,4 @@ class MergeRotaryPair(Pattern):
                          [rope.result.type, other.result.type], before=other)
         rw.replace(rope, pair.results[:1])
         rw.replace(other, pair.results[1:])
-        _restore_order(rw.graph)
+        restore_order(rw.graph)
