@@ -26,7 +26,8 @@ output. Which table rows a tile reads depends on the index values, and the timin
 are exact and their fractal ids the tile's proportional position in the table (as for strided copies).
 
 **Views and constants.** `ge.reshape` of ND data is a view: no cost; the result shares the
-operand's residency (`alias`). `ge.const` has no kernel: `lower` turns each constant into an
+operand's residency (`alias`). So is a `ge.split` whose pieces are runs of the operand's bytes (only
+axes of size 1 before the cut axis). `ge.const` has no kernel: `lower` turns each constant into an
 `rt.const` that the Runtime copies into device memory once, when the program is loaded (host link
 time counted in the load, not per run); kernels then read it like any other GM tensor, cold in L2
 the first time.
@@ -563,9 +564,26 @@ class ConcatKernel(_CopyKernel):
 
 @register_kernel
 class SplitKernel(_CopyKernel):
-    """Each result is copied out of its region of the operand."""
+    """Each result is copied out of its region of the operand; where every piece is one run of the operand's bytes
+    (nothing but axes of size 1 before the cut axis: a decode step's q/k/v out of the merged projection), the
+    pieces are views, as torch's split returns them: no launch cost, each sharing the operand's residency."""
 
     OPS = ("ge.split",)
+
+    def needs_tiling(self, sig: OpSignature) -> bool:
+        x = sig.operands[0]
+        if x is None or not x.is_static or x.format != "ND" or not x.rank:
+            return True
+        axis = sig.attr("axis", 0) % x.rank
+        return math.prod(x.shape[:axis]) != 1
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling | None,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        if tiling is not None:
+            return super().run(op, inputs, tiling, ctx)
+        for name in ctx.result_names if ctx.operand_names else ():
+            alias(ctx.gm, ctx.operand_names[0], name)
+        return [np.ascontiguousarray(piece) for piece in op.compute(inputs[0])]
 
     def pairs(self, op, inputs, outs):
         x = inputs[0]
