@@ -26,7 +26,8 @@ output. Which table rows a tile reads depends on the index values, and the timin
 are exact and their fractal ids the tile's proportional position in the table (as for strided copies).
 
 **Views and constants.** `ge.reshape` of ND data is a view: no cost; the result shares the
-operand's residency (`alias`). `ge.const` has no kernel: `lower` turns each constant into an
+operand's residency (`alias`). So is a `ge.split` whose pieces are runs of the operand's bytes (only
+axes of size 1 before the cut axis). `ge.const` has no kernel: `lower` turns each constant into an
 `rt.const` that the Runtime copies into device memory once, when the program is loaded (host link
 time counted in the load, not per run); kernels then read it like any other GM tensor, cold in L2
 the first time.
@@ -563,9 +564,26 @@ class ConcatKernel(_CopyKernel):
 
 @register_kernel
 class SplitKernel(_CopyKernel):
-    """Each result is copied out of its region of the operand."""
+    """Each result is copied out of its region of the operand; where every piece is one run of the operand's bytes
+    (nothing but axes of size 1 before the cut axis: a decode step's q/k/v out of the merged projection), the
+    pieces are views, as torch's split returns them: no launch cost, each sharing the operand's residency."""
 
     OPS = ("ge.split",)
+
+    def needs_tiling(self, sig: OpSignature) -> bool:
+        x = sig.operands[0]
+        if x is None or not x.is_static or x.format != "ND" or not x.rank:
+            return True
+        axis = sig.attr("axis", 0) % x.rank
+        return math.prod(x.shape[:axis]) != 1
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling | None,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        if tiling is not None:
+            return super().run(op, inputs, tiling, ctx)
+        for name in ctx.result_names if ctx.operand_names else ():
+            alias(ctx.gm, ctx.operand_names[0], name)
+        return [np.ascontiguousarray(piece) for piece in op.compute(inputs[0])]
 
     def pairs(self, op, inputs, outs):
         x = inputs[0]
@@ -628,30 +646,41 @@ class ScatterUpdateKernel(_CopyKernel):
             ctx: LaunchContext) -> list[np.ndarray]:
         x, values, index = inputs
         axis = op.axis % x.ndim
-        if ctx.compute:
-            problem = index_problem(index, x.shape[axis], axis, "index_put")
-            if problem is not None:  # a write outside the tensor is an access the device faults on
-                raise DeviceFault(problem)
-        # positions counted from the end made positive; timing only, the indices are stand-ins whose values are
-        # unknown: costed as one run of consecutive positions, a step's new tokens (what a KV cache writes)
-        if x.shape[axis]:
-            index = np.asarray(index, dtype=np.int64)
-            if not ctx.compute:
-                index = np.arange(index.size, dtype=np.int64).reshape(index.shape)
-            index = np.mod(index, x.shape[axis])
+        index = self.positions(index, x.shape[axis], axis, ctx)
         outs = super().run(op, [x, values, index], tiling, ctx)
         if op.attr("in_place") and ctx.compute:  # the operand's bytes stay where they are: the numbers, untimed
             outs = [op.compute(x, values, index)]
         return outs
 
+    @staticmethod
+    def positions(index: np.ndarray, dim: int, axis: int, ctx: LaunchContext) -> np.ndarray:
+        """The indices as positions along a dimension of `dim`: checked (a device fault outside it), counted from
+        the end made positive; timing only, the indices are stand-ins whose values are unknown: costed as one run
+        of consecutive positions, a step's new tokens (what a KV cache writes)."""
+        if ctx.compute:
+            problem = index_problem(index, dim, axis, "index_put")
+            if problem is not None:  # a write outside the tensor is an access the device faults on
+                raise DeviceFault(problem)
+        if dim:
+            index = np.asarray(index, dtype=np.int64)
+            if not ctx.compute:
+                index = np.arange(index.size, dtype=np.int64).reshape(index.shape)
+            index = np.mod(index, dim)
+        return index
+
     def pairs(self, op, inputs, outs):
         x, values, index = inputs
-        axis = op.axis % x.ndim
+        return self.slab_pairs(x, values, index, op.axis % x.ndim, outs[0], (0, 1), 0, op.attr("in_place"))
+
+    @staticmethod
+    def slab_pairs(x: np.ndarray, values: np.ndarray, index: np.ndarray, axis: int, out: np.ndarray,
+                   operands: tuple[int, int], result: int, in_place: bool = False) -> list:
+        """The copies of one update into result `result`: x (operand operands[0]) whole, then the slabs of the
+        values (operand operands[1]); `in_place`, the result is x's memory and only the slabs move."""
         where = np.asarray(index).reshape(-1).astype(np.int64)  # in range, from the end made positive (run)
         slabs = np.broadcast_to(values, x.shape[:axis] + index.shape + x.shape[axis + 1:])
         slabs = slabs.reshape(x.shape[:axis] + (where.size,) + x.shape[axis + 1:])
-        # in place, the result is the operand's memory: only the slabs move
-        pairs = [] if op.attr("in_place") else [(x, outs[0], 0, 0)]
+        pairs = [] if in_place else [(x, out, operands[0], result)]
         # one slab per index, in order (a duplicate keeps the last value written, as the op's semantics says);
         # a run of consecutive positions (a step's new tokens) is one slab
         start = 0
@@ -660,9 +689,46 @@ class ScatterUpdateKernel(_CopyKernel):
                 lo, hi = int(where[start]), int(where[i - 1]) + 1
                 dst = (slice(None),) * axis + (slice(lo, hi),)
                 src = (slice(None),) * axis + (slice(start, i),)
-                pairs.append((slabs[src], outs[0][dst], 1, 0))
+                pairs.append((slabs[src], out[dst], operands[1], result))
                 start = i
         return pairs
+
+
+@register_kernel
+class ScatterPairKernel(ScatterUpdateKernel):
+    """ge.index_put_pair: two ScatterUpdates at the same positions in one launch (ATB's ReshapeAndCache writing K
+    and V): both operands copied to their results and both tensors' slabs written, through the same flat tiles;
+    one launch head instead of two."""
+
+    OPS = ("ge.index_put_pair",)
+
+    def refuses(self, sig: OpSignature, target: Target) -> str | None:
+        return _CopyKernel.refuses(self, sig, target)
+
+    @staticmethod
+    def _copied(sig: OpSignature) -> OpSignature:
+        """The copies the tiles are chosen for: both operands into their results."""
+        return OpSignature(sig.name, sig.operands[:2], sig.results, sig.attributes)
+
+    def out_shapes(self, op, inputs):
+        return [inputs[0].shape, inputs[1].shape]
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        x, y, xv, yv, index = inputs
+        axis = op.axis % x.ndim
+        index = self.positions(index, x.shape[axis], axis, ctx)  # y is as long along axis (the op's shape rule)
+        outs = _CopyKernel.run(self, op, [x, y, xv, yv, index], tiling, ctx)
+        if op.attr("in_place") and ctx.compute:  # the operands' bytes stay where they are: the numbers, untimed
+            outs = list(op.compute(x, y, xv, yv, index))
+        return outs
+
+    def pairs(self, op, inputs, outs):
+        x, y, xv, yv, index = inputs
+        axis = op.axis % x.ndim
+        in_place = op.attr("in_place")
+        return (self.slab_pairs(x, xv, index, axis, outs[0], (0, 2), 0, in_place)
+                + self.slab_pairs(y, yv, index, axis, outs[1], (1, 3), 1, in_place))
 
 
 @register_kernel

@@ -1,7 +1,7 @@
 """The gated linear unit kernel (`ge.glu`: act(gate) * up), as ops-transformer's SwiGlu runs it: flat tiles of
 the gate and up streamed through UB together, `elems` a tile per vector unit.
 
-    per tile   MTE2 the gate and up tiles, VECTOR the activation's sequence on the gate (the same instruction
+    per tile   MTE2 the gate and up tiles (from one merged tensor: its two halves, each a strided read), VECTOR the activation's sequence on the gate (the same instruction
                count the activation's own kernel issues) and one Mul, MTE3 the product; 2 UB slots overlap.
 
 The numbers are the op's own `compute` on each wave's tiles, rounded once to the result dtype.
@@ -35,7 +35,7 @@ from geir.kernels.tiling import (
 )
 from geir.kernels.vector import CAST_PASSES, elementwise_passes
 from geir.kernels.vector_tiling import ELEMENTWISE, VectorTiling
-from geir.ops.glu import GATE_ACTIVATIONS
+from geir.ops.glu import GATE_ACTIVATIONS, halves
 from geir.ops.numerics import round_to
 from geir.target_npu.target import Target
 from geir.types import DType
@@ -55,6 +55,8 @@ def _per_elem(sig: OpSignature, buffers: int) -> int:
         raise Untiled("its types are unknown")
     half = any(t.dtype in (DType.f16, DType.bf16) for t in sig.operands)
     streamed = sum(t.dtype.itemsize for t in (*sig.operands, *sig.results))
+    if len(sig.operands) == 1:  # one merged operand: its gate and up tiles both stream
+        streamed += sig.operands[0].dtype.itemsize
     return streamed * buffers + F32_BYTES * (2 if half else 1)
 
 
@@ -121,7 +123,8 @@ class GluKernel(FlatTiledKernel):
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
         check_fault(ctx)
-        gate, up = inputs
+        merged = len(inputs) == 1  # gate and up are the halves of the last axis of one tensor
+        gate, up = halves(inputs[0]) if merged else inputs
         shape = np.broadcast_shapes(gate.shape, up.shape)
         total = math.prod(shape)
         out_dt = result_dtype(op, 0, gate.dtype)
@@ -132,7 +135,7 @@ class GluKernel(FlatTiledKernel):
         if total == 0:
             return [out.reshape(shape)]
         if ctx.compute:  # a broadcast operand is laid out once as the tiles read it
-            flats = [np.broadcast_to(a, shape).reshape(-1) for a in inputs]
+            flats = [np.broadcast_to(a, shape).reshape(-1) for a in (gate, up)]
         gm = ctx.gm
         in_gm = [gm_tensor(gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.operand_names, inputs)]
         out_gm = gm_tensor(gm, ctx.result_names[0], shape, out.dtype.itemsize)
@@ -148,7 +151,10 @@ class GluKernel(FlatTiledKernel):
                 out[a0:a1] = round_to(op.compute(*[f[a0:a1] for f in flats]), out_dt)
             count = hi - lo
             load = np.zeros(len(wave))
-            for a, g in zip(inputs, in_gm):
+            if merged:  # each half's rows are every other run of the tensor: bytes exact, fractals proportional
+                for side in (0, 1):
+                    load = load + gm_read(gm, in_gm[0], share_pieces(in_gm[0], 2 * wave + side, 2 * nt, count))
+            for a, g in zip(inputs if not merged else (), in_gm):
                 pieces = flat_pieces(g, lo, hi) if a.shape == shape else share_pieces(g, wave, nt, count)
                 load = load + gm_read(gm, g, pieces)
             store = gm_write(gm, out_gm, flat_pieces(out_gm, lo, hi))

@@ -9,6 +9,9 @@ runs it: whole rows of the head dim in UB, `rows` a tile per vector unit.
                part is one copy. 16-bit floats are cast to f32 on the way in and back on the way out.
 
 The numbers are the op's own `compute` on each wave's rows, rounded once to the result dtype.
+
+q and k in one launch (the op's fourth operand): k's rows follow q's in one row space that the tiles cut, each
+row read from and written to its own tensor, so one launch costs what the two would less one launch head.
 """
 
 from __future__ import annotations
@@ -89,21 +92,24 @@ def _layout(sig: OpSignature, chip: Target, buffers: int) -> _Layout:
     computed; cos/sin tables smaller than x that fit an eighth of UB stay resident."""
     if any(t is None for t in sig.operands + sig.results):
         raise Untiled("its types are unknown")
-    x, cos, sin = sig.operands
+    x, cos, sin = sig.operands[:3]
+    rotated = sig.operands[:1] + sig.operands[3:]  # q, and k where one launch turns both
     out = sig.results[0]
     d = x.shape[-1] if x.rank else None
     if d is None:
         raise Untiled("the head dim is dynamic, and a row must fit in UB")
     r = sig.attr("rotary_dim", d)
     block, ub = chip.memory.ub_block_bytes, chip.buffer_bytes("ub")
-    x_size = product(x.shape)
+    sizes = [product(t.shape) for t in rotated]
+    x_size = None if None in sizes else sum(sizes)
     resident = [x_size is not None and product(t.shape) is not None and product(t.shape) < x_size
                 and t.nbytes * 8 <= ub for t in (cos, sin)]
     fixed = sum(align(t.nbytes, block) for t, res in zip((cos, sin), resident) if res)
     streamed = (x.dtype.itemsize + out.dtype.itemsize) * d + sum(
         t.dtype.itemsize * r for t, res in zip((cos, sin), resident) if not res)
     working = F32_BYTES * (2 * r + (d if _is_half(x.dtype) else 0))
-    return _Layout(fixed, align(streamed * buffers + working, block), product(x.shape[:-1]),
+    rows = [product(t.shape[:-1]) for t in rotated]
+    return _Layout(fixed, align(streamed * buffers + working, block), None if None in rows else sum(rows),
                    (not resident[0], not resident[1]))
 
 
@@ -177,27 +183,31 @@ class RotaryEmbeddingKernel(Kernel):
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: RotaryTiling,
             ctx: LaunchContext) -> list[np.ndarray]:
         check_fault(ctx)
-        x, cos, sin = inputs
+        x, cos, sin = inputs[:3]
+        xs = inputs[:1] + inputs[3:]  # q, and k where one launch turns both: their rows one after the other
         sig = OpSignature.of_arrays(op, inputs)
         lay = _layout(sig, ctx.target, tiling.buffers)
         self.allocate(tiling, sig, ctx.target, f"{tiling.buffers} x {tiling.rows} rows and their f32 working rows")
         out_dt = result_dtype(op, 0, x.dtype)
         d, r = x.shape[-1], op.rotary_dim
-        R = math.prod(x.shape[:-1])
+        counts = [math.prod(t.shape[:-1]) for t in xs]
+        starts = np.cumsum([0] + counts)  # each tensor's first row in the joint row space
+        R = int(starts[-1])
         out = np.empty((R, d), dtype=out_dt)
         if R == 0 or d == 0:
-            return [out.reshape(x.shape)]
+            return self._results(out, xs, starts)
         rows = tiling.rows
         gm, cores = ctx.gm, ctx.cores
         lanes = VectorLanes(ctx)
-        x_gm = gm_tensor(gm, ctx.operand_names[0], x.shape, x.dtype.itemsize)
-        tables = [gm_tensor(gm, n, t.shape, t.dtype.itemsize) for n, t in zip(ctx.operand_names[1:], (cos, sin))]
-        out_gm = gm_tensor(gm, ctx.result_names[0], x.shape, out.dtype.itemsize)
+        names = ctx.operand_names[:1] + ctx.operand_names[3:]
+        x_gms = [gm_tensor(gm, n, t.shape, t.dtype.itemsize) for n, t in zip(names, xs)]
+        tables = [gm_tensor(gm, n, t.shape, t.dtype.itemsize) for n, t in zip(ctx.operand_names[1:3], (cos, sin))]
+        out_gms = [gm_tensor(gm, n, t.shape, out.dtype.itemsize) for n, t in zip(ctx.result_names, xs)]
         nt = -(-R // rows)
         if ctx.compute:  # the tables laid out as x's rows (a broadcast table gathered as the rows read it)
-            x2 = np.ascontiguousarray(x).reshape(R, d)
-            rotated = x.shape[:-1] + (r,)
-            c2, s2 = (np.broadcast_to(t, rotated).reshape(R, r) for t in (cos, sin))
+            x2 = np.concatenate([np.ascontiguousarray(t).reshape(-1, d) for t in xs])
+            c2, s2 = (np.concatenate([np.broadcast_to(table, t.shape[:-1] + (r,)).reshape(-1, r) for t in xs])
+                      for table in (cos, sin))
         ready = self._load_resident(ctx, lanes, [t for t, s in zip(tables, lay.streamed_tables) if not s], nt)
         slots = UbSlots(cores, tiling.buffers, ctx.waits)
         half = x.dtype.name in ("float16", "bfloat16") or np.dtype(out_dt).name in ("float16", "bfloat16")
@@ -205,20 +215,31 @@ class RotaryEmbeddingKernel(Kernel):
             lo, hi = wave * rows, np.minimum(wave * rows + rows, R)
             if ctx.compute:
                 a0, a1 = int(lo[0]), int(hi[-1])
-                out[a0:a1] = round_to(op.compute(x2[a0:a1], c2[a0:a1], s2[a0:a1]), out_dt)
+                out[a0:a1] = round_to(op.rotate_one(x2[a0:a1], c2[a0:a1], s2[a0:a1]), out_dt)
             count = hi - lo
-            load = gm_read(gm, x_gm, flat_pieces(x_gm, lo * d, hi * d))
+            load = np.zeros(len(wave))
+            for g, first, last in zip(x_gms, starts[:-1], starts[1:]):  # each tile's rows in each tensor
+                a, b = np.clip(lo, first, last) - first, np.clip(hi, first, last) - first
+                load = load + gm_read(gm, g, flat_pieces(g, a * d, b * d))
             for g, streamed in zip(tables, lay.streamed_tables):
                 if streamed:
                     load = load + gm_read(gm, g, share_pieces(g, wave, nt, count * r))
             vec = lanes.vector(count * r * F32_BYTES, ROTATE_PASSES[op.mode] + (CAST_PASSES if half else 0))
             if r < d:
                 vec = vec + lanes.vector(count * (d - r) * F32_BYTES, PASS_THROUGH_PASSES)
-            store = gm_write(gm, out_gm, flat_pieces(out_gm, lo * d, hi * d))
+            store = np.zeros(len(wave))
+            for g, first, last in zip(out_gms, starts[:-1], starts[1:]):
+                a, b = np.clip(lo, first, last) - first, np.clip(hi, first, last) - first
+                store = store + gm_write(gm, g, flat_pieces(g, a * d, b * d))
             used = lanes.used(on)
             slots.step(used, lanes.per_lane(on, load), lanes.per_lane(on, vec), lanes.per_lane(on, store),
                        after=[ready[used]], names=("load rows", "rotary_embedding", "store rows"))
-        return [out.reshape(x.shape)]
+        return self._results(out, xs, starts)
+
+    @staticmethod
+    def _results(out: np.ndarray, xs: list[np.ndarray], starts: np.ndarray) -> list[np.ndarray]:
+        """The joint rows cut back into each rotated tensor's result."""
+        return [out[a:b].reshape(t.shape) for t, a, b in zip(xs, starts[:-1], starts[1:])]
 
     @staticmethod
     def _load_resident(ctx: LaunchContext, lanes: VectorLanes, tensors: list, units: int) -> np.ndarray:

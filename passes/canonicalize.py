@@ -9,7 +9,7 @@ import numpy as np
 from geir.attributes import DenseAttr
 from geir.ir import Module, Operation, Value
 from geir.passes.pass_manager import Pass, PassContext, register_pass
-from geir.passes.pattern import Match, Pattern, Rewriter, apply_patterns_greedily, constant_splat
+from geir.passes.pattern import Match, Miss, Pattern, Rewriter, apply_patterns_greedily, constant_splat
 
 
 class _ForwardOperand(Pattern):
@@ -118,6 +118,29 @@ class IdentityTranspose(Pattern):
         rw.replace(m.root, [m.root.operands[0]])
 
 
+class UnitAxesTranspose(Pattern):
+    """transpose(x, p) -> reshape(x) when p moves only axes of size 1: the other axes keep their order, so the
+    elements keep theirs in memory (a decode step's [B, 1, N, D] <-> [B, N, 1, D] head transpose is a view)."""
+
+    NAME, ROOT = "unit-axes-transpose", "ge.transpose"
+
+    def match(self, op: Operation) -> Match | Miss | None:
+        x, t = op.operands[0], op.result.type
+        if x.type is None or t is None or x.type.format != "ND":
+            return None
+        moved = [p for p in op.perm if x.type.shape[p] != 1]  # a `?` axis counts as one that may be longer
+        if moved != sorted(moved) or list(op.perm) == list(range(len(op.perm))):
+            return None
+        if sum(d is None for d in t.shape) > 1:
+            return Miss(f"the transpose moves only axes of size 1, but its result {t} has more than one dynamic "
+                        "axis, which a reshape cannot name")
+        return Match(op, x=x, shape=[-1 if d is None else d for d in t.shape])
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = m.root
+        rw.replace(op, rw.create("ge.reshape", [m.x], {"shape": m.shape}, [op.result.type], before=op))
+
+
 def _replace_with_transpose(op: Operation, x: Value, perm: list[int], rw: Rewriter) -> None:
     if perm == list(range(len(perm))):
         rw.replace(op, [x])
@@ -209,7 +232,7 @@ class TransDataPair(Pattern):
 
 CANONICAL_PATTERNS: tuple[type[Pattern], ...] = (
     AddZero, SubZero, MulOne, DivOne, NegNeg, CastToSame,
-    TransposeTranspose, IdentityTranspose, ReshapeReshape, ReshapeToSame, SplatToScalar, TransDataPair,
+    TransposeTranspose, IdentityTranspose, UnitAxesTranspose, ReshapeReshape, ReshapeToSame, SplatToScalar, TransDataPair,
 )
 
 

@@ -22,12 +22,13 @@ from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInpu
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
-from geir.passes.fusion.glu import FuseGlu
+from geir.passes.fusion.glu import FuseGlu, GluFromMergedMatmul
+from geir.passes.fusion.kv_scatter import MergeIndexPutPair
 from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.paged_attention import PagedAttentionRead
-from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding
+from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding, MergeRotaryPair
 from geir.passes.fusion.softmax import DecomposedSoftmax
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Pattern, PatternListener, apply_patterns_greedily
@@ -36,6 +37,7 @@ from geir.target_npu.target import Target
 # Every fusion rule by name (the names `rules=` and `disable=` take).
 FUSION_RULES: dict[str, type[Pattern]] = {
     p.NAME: p for p in (
+        GluFromMergedMatmul, MergeRotaryPair, MergeIndexPutPair,
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,

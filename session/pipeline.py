@@ -19,8 +19,8 @@ from geir.runtime.launch_memo import LaunchMemo
 from geir.runtime.trace import GE, Span
 from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 
-DEFAULT_PIPELINE = "conv2d-im2col,canonicalize,fuse,layout,tile,plan,lower"
-NO_FUSE_PIPELINE = "conv2d-im2col,canonicalize,layout,tile,plan,lower"
+DEFAULT_PIPELINE = "conv2d-im2col,canonicalize,cse,fuse,layout,tile,plan,lower"
+NO_FUSE_PIPELINE = "conv2d-im2col,canonicalize,cse,layout,tile,plan,lower"
 
 
 def lowering_pipeline(pipeline: str) -> list:

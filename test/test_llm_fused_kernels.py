@@ -185,3 +185,75 @@ def test_glu_tiling_budgets_what_it_streams():
     assert tiling.elems * ((2 + 2 + 2) * 2 + 4 * 2) * 2 > target.buffer_bytes("ub")  # as many as fit
     for cand in kernel.candidates(sig, target):
         assert kernel.budget(cand, sig, target).overflow(target) is None
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("shape", [(1, 1, 256), (3, 77, 2000)])
+def test_glu_of_a_merged_gate_up_is_torch_swiglu_and_the_split_form_bit_for_bit(shape, dtype):
+    """One operand [..., 2h]: silu of its first half times its second, as torch_npu's npu_swiglu(x, dim=-1)
+    (torch's silu(chunk 0) * chunk 1 in float64 the oracle), and bit for bit what glu(gate, up) gives from the split
+    halves; the kernel reads each half's bytes once."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) * 3).astype(NP[dtype])
+    t = f"tensor<{'x'.join(map(str, shape))}x{dtype}>"
+    h = shape[-1] // 2
+    half_t = f"tensor<{'x'.join(map(str, shape[:-1] + (h,)))}x{dtype}>"
+    op = _op(f"ge.graph @main(%x: {t}) -> {half_t} {{\n  %y = ge.glu %x\n  ge.return %y\n}}")
+    out, ctx = _launch(op, [x])
+    gate, up = torch.from_numpy(x.astype(np.float64)).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).numpy()
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+    split = _op(f"ge.graph @main(%g: {half_t}, %u: {half_t}) -> {half_t} {{\n"
+                f"  %y = ge.glu %g, %u\n  ge.return %y\n}}")
+    two, _ = _launch(split, [np.ascontiguousarray(x[..., :h]), np.ascontiguousarray(x[..., h:])])
+    assert _bits_equal(out, two)
+    assert ctx.gm.gm_read_bytes == x.nbytes and ctx.gm.gm_write_bytes == out.nbytes
+
+
+def test_glu_of_an_odd_merged_axis_is_a_shape_error():
+    from geir.verifier import verify_module
+
+    with pytest.raises(Exception, match="even last axis"):
+        module = parse("ge.graph @main(%x: tensor<2x7xf32>) -> tensor<2x3xf32> {\n  %y = ge.glu %x\n  ge.return %y\n}")
+        verify_module(module)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("qshape, kshape, r, mode", [
+    ((1, 4, 1, 64), (1, 2, 1, 64), 64, "half"),        # a decode step, grouped KV heads
+    ((2, 8, 37, 32), (2, 2, 37, 32), 16, "half"),      # a prefill, partial rotation: rows split across tiles
+    ((1, 3, 300, 128), (1, 3, 300, 128), 128, "interleave"),  # several waves, q and k meeting inside one
+])
+def test_rotary_pair_is_each_rotation_bit_for_bit_in_one_launch(qshape, kshape, r, mode, dtype):
+    """q and k rotated in one launch: each result is the one-tensor kernel's, bit for bit, and the angle formula's
+    within rounding; every row read and written once, the tables no more than the two launches read them."""
+    s = qshape[2]
+    cos, sin, theta = _tables(s, r, mode)
+    cos, sin = (np.broadcast_to(t, (1, 1, s, r)).astype(NP[dtype]) for t in (cos, sin))
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal(shp).astype(NP[dtype]) for shp in (qshape, kshape))
+    ty = lambda shp: f"tensor<{'x'.join(map(str, shp))}x{dtype}>"  # noqa: E731
+    tables = f"%cos: {ty(cos.shape)}, %sin: {ty(sin.shape)}"
+    pair = _op(f"ge.graph @main(%q: {ty(qshape)}, %k: {ty(kshape)}, {tables}) -> ({ty(qshape)}, {ty(kshape)}) {{\n"
+               f"  %a, %b = ge.rotary_embedding %q, %cos, %sin, %k {{mode = \"{mode}\", rotary_dim = {r}}}\n"
+               f"  ge.return %a, %b\n}}")
+    t = load_target("ascend910b")
+    ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), [v.name for v in pair.operands],
+                        [res.name for res in pair.results])
+    kernel = KERNELS[pair.name]
+    qo, ko = kernel.run(pair, [q, cos, sin, k], kernel.tiling_for(pair, [q, cos, sin, k], t), ctx)
+    read = 0
+    for x, got in ((q, qo), (k, ko)):
+        one = _op(f"ge.graph @main(%x: {ty(x.shape)}, {tables}) -> {ty(x.shape)} {{\n"
+                  f"  %y = ge.rotary_embedding %x, %cos, %sin {{mode = \"{mode}\", rotary_dim = {r}}}\n"
+                  f"  ge.return %y\n}}")
+        alone, actx = _launch(one, [x, cos, sin])
+        read += actx.gm.gm_read_bytes
+        assert _bits_equal(got, alone)
+        np.testing.assert_allclose(got.astype(np.float64), _rope_formula(x, theta, r, mode), rtol=TOL[dtype],
+                                   atol=TOL[dtype] * 4)
+    assert all(_bits_equal(a, b) for a, b in zip((qo, ko), run_op(pair, [q, cos, sin, k])))
+    assert ctx.gm.gm_write_bytes == q.nbytes + k.nbytes
+    assert q.nbytes + k.nbytes <= ctx.gm.gm_read_bytes <= read

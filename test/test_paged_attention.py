@@ -248,6 +248,46 @@ def test_an_in_place_pool_update_moves_only_the_slots_written():
     assert moved[False][1] == slab + pool.nbytes  # the pool copied into the result, then the slots
 
 
+def test_an_in_place_pair_update_moves_only_the_slots_written_and_the_rule_keeps_it():
+    """kv_scatter_pair merges two in-place pool updates into an in-place ge.index_put_pair (the same numbers as two
+    copies; only both tensors' slots move), and refuses to merge an in-place update with a copying one."""
+    from geir.kernels.data_movement import ScatterPairKernel
+    from geir.passes.fusion.kv_scatter import MergeIndexPutPair
+    from geir.passes.pattern import Miss
+
+    slots, nkv, d = 1024, 2, 32
+    rng = np.random.default_rng(7)
+    k_pool, v_pool = (rng.standard_normal((slots, nkv, d)).astype(np.float16) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((2, nkv, d)).astype(np.float16) for _ in range(2))
+    where = np.array([5, 700])
+    for mixed in (False, True):
+        b = Builder()
+        kp, vp, kn, vn, w = (b.argument(TensorType(x.shape, DType.from_numpy(x.dtype)), n) for x, n in
+                             ((k_pool, "k"), (v_pool, "v"), (k_new, "kn"), (v_new, "vn"), (where, "w")))
+        k_put = b.create("ge.index_put", [kp, kn, w], {"axis": 0, "in_place": True})
+        v_put = b.create("ge.index_put", [vp, vn, w], {"axis": 0, "in_place": not mixed})
+        b.finish([k_put.result, v_put.result])
+        m = MergeIndexPutPair().match(k_put)
+        assert isinstance(m, Miss) == mixed
+        if mixed:
+            assert "copies its operand" in m.reason
+    # the merged in-place pair, run by its kernel
+    b = Builder()
+    args = [b.argument(TensorType(x.shape, DType.from_numpy(x.dtype)), n) for x, n in
+            ((k_pool, "k"), (v_pool, "v"), (k_new, "kn"), (v_new, "vn"), (where, "w"))]
+    pair = b.create("ge.index_put_pair", args, {"axis": 0, "in_place": True})
+    b.finish(list(pair.results))
+    t = load_target("ascend910b")
+    kernel = ScatterPairKernel()
+    ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), ["k", "v", "kn", "vn", "w"], ["ko", "vo"])
+    outs = kernel.run(pair, [k_pool, v_pool, k_new, v_new, where], kernel.choose(OpSignature.of(pair), t), ctx)
+    for out, pool, new in zip(outs, (k_pool, v_pool), (k_new, v_new)):
+        expected = pool.copy()
+        expected[where] = new
+        assert np.array_equal(out, expected)
+    assert ctx.gm.gm_write_bytes == 2 * 2 * nkv * d * 2  # two slots of K and of V, nothing else
+
+
 # --- serve() over the pool ---------------------------------------------------------------------------------
 
 def _tiny_llama():

@@ -60,10 +60,12 @@ def test_generate_s_cache_updates_run_on_the_ai_core():
     class Updates(RuntimeListener):
         def __init__(self):
             self.engines: list[str] = []
+            self.names: list[str] = []
 
-        def launched(self, task, stats) -> None:
-            if stats.name == "ge.index_put":
-                self.engines.append(stats.engine)
+        def launched(self, task, stats) -> None:  # one engine per cache written (a pair writes K's and V's)
+            if stats.name in ("ge.index_put", "ge.index_put_pair"):
+                self.engines += [stats.engine] * (2 if stats.name == "ge.index_put_pair" else 1)
+            self.names.append(stats.name)
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -78,3 +80,31 @@ def test_generate_s_cache_updates_run_on_the_ai_core():
     assert torch.equal(run.tokens, want)
     # each step writes keys and values of every layer: all on the AI Core
     assert updates.engines == ["aicore"] * (2 * cfg.num_hidden_layers * steps)
+    # K and V at the same slots: one ReshapeAndCache-like launch per layer and step (kv_scatter_pair)
+    assert updates.names.count("ge.index_put_pair") == cfg.num_hidden_layers * steps
+    assert "ge.index_put" not in updates.names
+
+
+@pytest.mark.parametrize("index", [[5, 6, 7], [3, -1, 0]], ids=["a step's tokens", "scattered, negative"])
+def test_k_and_v_updates_at_the_same_slots_are_one_launch_of_both_assignments(index):
+    """Two index_puts through one index tensor fuse into one ge.index_put_pair launch (kv_scatter_pair); each result
+    is numpy's indexed assignment, and the launch moves each cache and each slab once, as the two would."""
+    t = lambda s: f"tensor<{'x'.join(map(str, s))}xf16>"  # noqa: E731
+    cache, slab = (1, 2, 16, 8), (1, 2, len(index), 8)
+    text = (f"ge.graph @main(%k: {t(cache)}, %v: {t(cache)}, %a: {t(slab)}, %b: {t(slab)}, %i: tensor<{len(index)}xi64>) "
+            f"-> ({t(cache)}, {t(cache)}) {{\n  %kc = ge.index_put %k, %a, %i {{axis = 2}}\n"
+            f"  %vc = ge.index_put %v, %b, %i {{axis = 2}}\n  ge.return %kc, %vc\n}}\n")
+    program = compile_module(parse(text, "<kv>"))[0].graphs[0]
+    rng = np.random.default_rng(1)
+    k, v = (rng.standard_normal(cache).astype(np.float16) for _ in range(2))
+    a, b = (rng.standard_normal(slab).astype(np.float16) for _ in range(2))
+    i = np.asarray(index, dtype=np.int64)
+    result = run_program(program, {"k": k, "v": v, "a": a, "b": b, "i": i})
+    (kernel,) = result.kernels
+    assert kernel.name == "ge.index_put_pair" and kernel.engine == "aicore"
+    for out, x, slabs in zip(result.outputs, (k, v), (a, b)):
+        want = x.copy()
+        want[:, :, i] = slabs
+        np.testing.assert_array_equal(np.asarray(out), want)
+    moved = k.nbytes + v.nbytes + a.nbytes + b.nbytes
+    assert kernel.gm_read_bytes == moved and kernel.gm_write_bytes == moved

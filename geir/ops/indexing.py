@@ -155,6 +155,38 @@ class IndexPut(Operation):
         return out
 
 
+@op("ge.index_put_pair")
+class IndexPutPair(Operation):
+    """Two ge.index_puts at the same positions in one launch: `x` with x[..., i] = x_values and `y` with
+    y[..., i] = y_values along `axis` (one index tensor, no accumulation), as ATB's ReshapeAndCache writes a step's
+    K and V into their caches together (vLLM-Ascend's `_npu_reshape_and_cache`). Each result is ge.index_put's."""
+
+    OPERAND_NAMES = ("x", "y", "x_values", "y_values", "indices")
+    TRAITS = (DataMovement,)
+    NUM_RESULTS = 2
+    axis = Attr(int, default=0)
+    in_place = Attr(bool, default=False)  # both results take their operand's memory (ge.index_put's in_place)
+
+    def _one(self) -> IndexPut:
+        """The one-tensor update whose semantics each half has."""
+        from geir.builder import create_op  # the builder imports the op registry, which imports this module
+
+        return create_op("ge.index_put", [], [], {"axis": self.axis})
+
+    def infer(self, x: TensorType, y: TensorType, x_values: TensorType, y_values: TensorType,
+              indices: TensorType) -> tuple[TensorType, TensorType]:
+        one = self._one()
+        a = normalize_axis(self.axis, x.rank) if x.rank else 0
+        if x.rank != y.rank or (x.rank and None not in (x.shape[a], y.shape[a]) and x.shape[a] != y.shape[a]):
+            raise ShapeError(f"{x} and {y} differ in rank or along axis {self.axis}, where one index tensor writes both")
+        return one.infer(x, x_values, indices), one.infer(y, y_values, indices)
+
+    def compute(self, x: np.ndarray, y: np.ndarray, x_values: np.ndarray, y_values: np.ndarray,
+                indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        one = self._one()
+        return one.compute(x, x_values, indices), one.compute(y, y_values, indices)
+
+
 @op("ge.scatter_elements")
 class ScatterElements(Operation):
     """`x` with out[.., indices[.., i, ..], ..] = updates[.., i, ..] along `axis`, every other coordinate taken

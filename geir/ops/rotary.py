@@ -7,6 +7,10 @@
 `mode = "half"` (LLaMA, GPT-NeoX): rotate(x) = concat(-x2, x1) of the two halves of x_r.
 `mode = "interleave"` (GPT-J): rotate(x) pairs (x[2i], x[2i+1]) -> (-x[2i+1], x[2i]).
 cos and sin are as wide as the rotated part (HF's duplicated tables) and broadcast to it.
+
+With a fourth operand `k`, q (the first) and k are rotated by the same tables in one launch and both come back,
+as ops-transformer's ApplyRotaryPosEmb (torch_npu's `npu_apply_rotary_pos_emb(q, k, cos, sin)`) does: each
+tensor's result is the one-tensor op's, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,14 +38,29 @@ def rotate(x: np.ndarray, mode: str) -> np.ndarray:
 @op("ge.rotary_embedding")
 class RotaryEmbedding(Operation):
     """x * cos + rotate(x) * sin on the first `rotary_dim` elements of the last axis, the rest passed through;
-    computed in f32 and rounded once."""
+    computed in f32 and rounded once; with `k`, k is rotated alike and is the second result."""
 
-    OPERAND_NAMES = ("x", "cos", "sin")
+    OPERAND_NAMES = ("x", "cos", "sin", "k?")
     TRAITS = (Fused,)
+    NUM_RESULTS = None  # one, or two with k
     mode = Attr(str, default="half", choices=MODES)
     rotary_dim = Attr(int)
 
-    def infer(self, x: TensorType, cos: TensorType, sin: TensorType) -> TensorType:
+    def verify(self) -> str | None:
+        want = 1 + (len(self.operands) > 3)
+        if len(self.results) != want:
+            return f"rotary_embedding of {want} tensor{'s' * (want > 1)} has {want} result{'s' * (want > 1)}, not {len(self.results)}"
+        return None
+
+    def infer(self, x: TensorType, cos: TensorType, sin: TensorType,
+              k: TensorType | None = None) -> TensorType | tuple[TensorType, TensorType]:
+        if k is not None:
+            if k.dtype != x.dtype or (k.rank and x.rank and k.shape[-1] != x.shape[-1]):
+                raise ShapeError(f"k {k} differs from q {x} in dtype or head dim")
+            return self._infer_one(x, cos, sin), self._infer_one(k, cos, sin)
+        return self._infer_one(x, cos, sin)
+
+    def _infer_one(self, x: TensorType, cos: TensorType, sin: TensorType) -> TensorType:
         require_float(x)
         if x.rank == 0:
             raise ShapeError("rotary_embedding needs an input of rank 1 or more")
@@ -58,7 +77,13 @@ class RotaryEmbedding(Operation):
                 raise ShapeError(f"{name} {t} does not broadcast to the rotated part {TensorType(rotated, x.dtype)}")
         return TensorType(x.shape, x.dtype)
 
-    def compute(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def compute(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, k: np.ndarray | None = None):
+        if k is not None:
+            return self.rotate_one(x, cos, sin), self.rotate_one(k, cos, sin)
+        return self.rotate_one(x, cos, sin)
+
+    def rotate_one(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """One tensor rotated (the op's semantics for each of its tensors)."""
         r = self.rotary_dim
         xw = work(x)
         xr = xw[..., :r]

@@ -1,7 +1,10 @@
 """Chains of elementwise ops become one `ge.fused_elementwise` vector kernel.
 
 Rooted at the end of a chain (an elementwise op whose result does not feed exactly one other
-elementwise op); it takes in every producer that is elementwise and used only inside the chain.
+elementwise op); it takes in every producer that is elementwise and used only inside the chain, and a
+producer broadcast into it (fewer elements than the chain's result) that only elementwise ops use: each of
+their chains recomputes it, a pass over a few elements, rather than launching it alone (the all-masked-rows
+flag SDPA's import computes once per step and every layer's select reads).
 A step on an element type no AI Core unit computes (f64) is left out: the fused op is an AI Core
 vector kernel, and GE places such an op on the AI CPU on its own.
 """
@@ -34,6 +37,14 @@ def _feeds_one_elementwise(op: Operation) -> bool:
 MAX_STEPS = 32
 
 
+def _recomputed(op: Operation, root: Operation) -> bool:
+    """Whether `op`, used by several elementwise ops, is broadcast into the chain of `root` (fewer elements than its
+    result), so each chain that reads it recomputes it."""
+    n, total = op.result.type.num_elements, root.result.type.num_elements
+    return (n is not None and total is not None and n < total and len(op.result.uses) > 1
+            and all(_chainable(u) for u in op.result.users()))
+
+
 def _post_order(root: Operation) -> list[Operation]:
     """The chain ending at `root` (at most MAX_STEPS ops, the nearest to it), producers first.
 
@@ -48,7 +59,7 @@ def _post_order(root: Operation) -> list[Operation]:
             stack.append((op, i + 1))
             p = op.operands[i].owner
             if (p is not None and id(p) not in seen and len(seen) < MAX_STEPS and _chainable(p)
-                    and _feeds_one_elementwise(p)):
+                    and (_feeds_one_elementwise(p) or _recomputed(p, root))):
                 seen.add(id(p))
                 stack.append((p, 0))
         else:

@@ -7,7 +7,7 @@ while the product that needs it stays a separate kernel.
 from __future__ import annotations
 
 from geir.ir import Operation, Value
-from geir.passes.fusion.match import defining
+from geir.passes.fusion.match import defining, named
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 _GATES = ("ge.silu", "ge.gelu")
@@ -61,3 +61,33 @@ class FuseGlu(Pattern):
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         op = rw.create("ge.glu", [m.gate, m.up], {"activation": m.activation}, before=m.root)
         rw.replace(m.root, op)
+
+
+class GluFromMergedMatmul(Pattern):
+    """glu(split(x)[0], split(x)[1]) -> glu(x) when the two halves of x's last axis are gate and up (the merged
+    gate-up matmul's output): the kernel reads both halves itself, as `npu_swiglu(x, dim=-1)` does, so the split's
+    copy kernel goes away."""
+
+    # below qkv_merge (5): the split it undoes is the one that merge leaves after the gate-up matmul
+    NAME, ROOT, BENEFIT, EXPLAIN = "glu_merged", "ge.glu", 4, True
+
+    def match(self, glu: Operation) -> Match | Miss | None:
+        if len(glu.operands) != 2:
+            return None  # already reads one merged tensor
+        split = defining(glu.operands[0], "ge.split")
+        if split is None or defining(glu.operands[1], "ge.split") is not split:
+            return None
+        x = split.operands[0]
+        if x.type is None or not x.type.rank or split.axis not in (-1, x.type.rank - 1):
+            return Miss(f"{named(split)} cuts axis {split.axis} of {x.type}, not the last one the kernel halves")
+        if len(split.sizes) != 2 or split.sizes[0] != split.sizes[1]:
+            return Miss(f"{named(split)} cuts sizes {list(split.sizes)}, not two equal halves")
+        if list(split.results) != list(glu.operands):
+            return Miss(f"the gate and up are {named(split)}'s pieces in another order")
+        if any(len(r.uses) != 1 for r in split.results):
+            return Miss(f"a piece of {named(split)} is also used elsewhere; its copy stays")
+        return Match(glu, x=x)
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        glu = m.root
+        rw.replace(glu, rw.create("ge.glu", [m.x], dict(glu.attributes), [glu.result.type], before=glu))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from typing import Mapping
 
 from geir.attributes import DenseAttr, DenseResourceAttr
-from geir.ir import Operation, Value
+from geir.ir import Graph, Operation, Value
 from geir.ops.core import Const
 
 
@@ -59,3 +60,42 @@ def named(op: Operation) -> str:
     """An op as a remark names it: its kind and its first result's name (`ge.add %h`)."""
     value = op.results[0].name if op.results else None
     return f"{op.name} %{value}" if value else op.name
+
+
+def reaches(start: Operation, target: Operation) -> bool:
+    """Whether `target` is among the ops `start` is computed from."""
+    seen, todo = set(), [start]
+    while todo:
+        op = todo.pop()
+        for v in op.operands:
+            p = v.owner
+            if p is target:
+                return True
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                todo.append(p)
+    return False
+
+
+def restore_order(graph: Graph) -> None:
+    """Reorder the ops (stably, by their places) so that each comes after what it reads: after two ops merge into
+    one launch at the later one's place, users of the earlier one's results that sat between move after it."""
+    ops = graph.ops
+    index = {id(op): i for i, op in enumerate(ops)}
+    waiting = [sum(1 for v in {id(v): v for v in op.operands}.values() if v.owner is not None and id(v.owner) in index)
+               for op in ops]
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    order: list[Operation] = []
+    while ready:
+        op = ops[heapq.heappop(ready)]
+        order.append(op)
+        for user in {id(u): u for r in op.results for u in r.users()}.values():
+            j = index.get(id(user))
+            if j is None:
+                continue
+            waiting[j] -= sum(1 for v in {id(v): v for v in user.operands}.values() if v.owner is op)
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) == len(ops) and any(a is not b for a, b in zip(order, ops)):
+        graph.ops = order

@@ -3,13 +3,14 @@
 half rotation (LLaMA, GPT-NeoX):  x * cos + concat(-x[..., h:], x[..., :h]) * sin       (h = d / 2)
 interleaved (GPT-J):              x * cos + stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) * sin
 partial rotation (GPT-NeoX's rotary_pct, Phi):  concat(rope(x[..., :r]), x[..., r:]) on the last axis
+q and k on the same tables:  rope(q), rope(k) -> one rope(q, k) launch (ops-transformer's ApplyRotaryPosEmb)
 """
 
 from __future__ import annotations
 
 from geir.builder import create_op
 from geir.ir import Operation, Value
-from geir.passes.fusion.match import defining, used_only_by
+from geir.passes.fusion.match import defining, named, reaches, restore_order, used_only_by
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 
@@ -140,8 +141,8 @@ class FusePartialRotary(Pattern):
         if len(concat.operands) != 2:
             return None
         rope = defining(concat.operands[0], "ge.rotary_embedding")
-        if rope is None:
-            return None  # not a rotated part joined with the rest
+        if rope is None or len(rope.operands) != 3:
+            return None  # not one rotated part joined with the rest
         rank = concat.result.type.rank
         if concat.axis % rank != rank - 1:
             return Miss(f"the concat joins axis {concat.axis}, not the last axis the rotation runs on")
@@ -161,3 +162,64 @@ class FusePartialRotary(Pattern):
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         rw.replace(m.root, rw.create("ge.rotary_embedding", m.operands, m.attributes, before=m.root))
+
+
+def _table_source(v: Value) -> Value:
+    """The value a rotary table is, seen through reshapes that keep its type (a sunk transpose leaves some)."""
+    while (r := defining(v, "ge.reshape")) is not None and r.operands[0].type == v.type:
+        v = r.operands[0]
+    return v
+
+
+def _same_table_ropes(v: Value) -> list[Operation]:
+    """The one-tensor rotary embeddings whose cos is `v` or a type-keeping reshape of it."""
+    found, seen, todo = [], set(), [v]
+    while todo:
+        for u in todo.pop().users():
+            if id(u) in seen:
+                continue
+            seen.add(id(u))
+            if u.name == "ge.rotary_embedding" and len(u.operands) == 3:
+                found.append(u)
+            elif u.name == "ge.reshape" and u.result.type == v.type:
+                todo.append(u.result)
+    return found
+
+
+class MergeRotaryPair(Pattern):
+    """rope(q, cos, sin), rope(k, cos, sin) -> one rope(q, cos, sin, k) launch with both results, as
+    ops-transformer's ApplyRotaryPosEmb rotates q and k together (torch_npu's npu_apply_rotary_pos_emb): one launch
+    head instead of two, and the tables read once. Runs last among the rotary rules (below attention_layout, 4,
+    whose head transposes sink through one-tensor rotations)."""
+
+    NAME, ROOT, BENEFIT, EXPLAIN = "rotary_pair", "ge.rotary_embedding", 3, True
+
+    def match(self, rope: Operation) -> Match | Miss | None:
+        if len(rope.operands) != 3:
+            return None  # already a pair
+        cos, sin = _table_source(rope.operands[1]), _table_source(rope.operands[2])
+        others = [o for o in _same_table_ropes(cos) if o is not rope and _table_source(o.operands[2]) is sin]
+        if not others:
+            return None  # the only rotation on these tables
+        why = None
+        for other in others:
+            x, k = rope.operands[0].type, other.operands[0].type
+            if (other.mode, other.rotary_dim) != (rope.mode, rope.rotary_dim):
+                why = (f"the other rotation on these tables ({named(other)}) has mode {other.mode} and rotary_dim "
+                       f"{other.rotary_dim}, this one {rope.mode} and {rope.rotary_dim}")
+            elif k.dtype != x.dtype or k.shape[-1] != x.shape[-1]:
+                why = f"the other rotation on these tables ({named(other)}) turns {k}, this one {x}"
+            elif reaches(rope, other) or reaches(other, rope):
+                why = f"the other rotation on these tables ({named(other)}) is computed from this one or feeds it"
+            else:
+                return Match(rope, other=other)
+        return Miss(why)
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        rope, other = m.root, m.other
+        operands = [rope.operands[0], rope.operands[1], rope.operands[2], other.operands[0]]
+        pair = rw.create("ge.rotary_embedding", operands, dict(rope.attributes),
+                         [rope.result.type, other.result.type], before=other)
+        rw.replace(rope, pair.results[:1])
+        rw.replace(other, pair.results[1:])
+        restore_order(rw.graph)
