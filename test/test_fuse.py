@@ -149,3 +149,27 @@ def test_no_pass_recurses_on_the_graphs_depth(name, text):
     if name != "sizes":
         pipeline += ",fusion-guards,layout,tile,plan,lower"
     assert PassManager(complete_pipeline(parse_pipeline(pipeline))).run(module, ctx) and not problems, problems
+
+
+def test_qkv_merge_concatenates_weights_in_the_order_of_its_split() -> None:
+    """cse hands the middle matmul's input to the others (its use is appended to the shared input's users), so the
+    rule meets the matmuls in another order than the graph's; the merged weight's pieces still line up with the
+    split's (Qwen2-MoE's router merged with its shared expert's projections read the wrong columns before)."""
+    w = lambda n, s: "[" + ", ".join("[" + ", ".join(f"{(i * 7 + j * 3 + s) % 11 / 10 - 0.5:.1f}" for j in range(4))  # noqa: E731
+                                     + "]" for i in range(n)) + "]"
+    text = f"""ge.graph @main(%x: tensor<3x4xf32>) -> (tensor<3x2xf32>, tensor<3x5xf32>, tensor<3x1xf32>) {{
+  %w1 = ge.const dense<{w(2, 1)}> : tensor<2x4xf32>
+  %a = ge.matmul %x, %w1 {{transpose_b = true}}
+  %y = ge.reshape %x {{shape = [3, 4]}}
+  %w2 = ge.const dense<{w(5, 2)}> : tensor<5x4xf32>
+  %b = ge.matmul %y, %w2 {{transpose_b = true}}
+  %w3 = ge.const dense<{w(1, 3)}> : tensor<1x4xf32>
+  %c = ge.matmul %x, %w3 {{transpose_b = true}}
+  ge.return %a, %b, %c
+}}"""
+    before = parse(text).graphs[0]
+    after = _fuse(text, "canonicalize,cse,fuse").graphs[0]
+    assert [op.name for op in after.ops].count("ge.matmul") == 1  # all three merged
+    inputs = _inputs(before)
+    for a, b in zip(run_graph(before, inputs, float64=True), run_graph(after, inputs, float64=True)):
+        np.testing.assert_allclose(b, a, rtol=1e-12)

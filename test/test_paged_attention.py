@@ -328,7 +328,8 @@ def test_serve_attends_over_the_pool_with_no_regroup_and_no_gather_of_blocks():
     for kind, launches in zip(kinds, seen.runs):
         names = [name for name, _ in launches]
         assert not any(name == "ge.gather" and shapes[0][:2] == blocks for name, shapes in launches)
-        assert names.count("ge.index_put") == 4  # the K and V pools of 2 layers, written at the step's slots
+        # the K and V pools of 2 layers, written at the step's slots (a layer's K and V in one pair launch)
+        assert names.count("ge.index_put") + 2 * names.count("ge.index_put_pair") == 4
         if kind == "decode":
             assert names.count("ge.paged_attention") == 2 and "ge.flash_attention" not in names
 
@@ -343,4 +344,8 @@ def test_a_decode_step_costs_the_same_whatever_the_pools_size():
     runs = [serve(model, _two_requests(), block_size=4, pool_bytes=blocks * 4 * kv_bytes_per_token(model),
                   timing_only=True) for blocks in (8, 4096)]
     assert [s.kind for s in runs[0].steps] == [s.kind for s in runs[1].steps]
-    assert [s.kernel_time_us for s in runs[0].steps] == [s.kernel_time_us for s in runs[1].steps]
+    # Equal but for the L2 model's few cycles (at most 0.1 %: the merged glu and add_rms_norm of a decode step
+    # differ by about 0.02 us in 45 us, the pools' block bookkeeping); a pool copied or read whole each step would
+    # add its 4096 blocks' bytes, hundreds of times the step's own
+    for small, big in zip(runs[0].steps, runs[1].steps):
+        assert big.kernel_time_us == pytest.approx(small.kernel_time_us, rel=1e-3)

@@ -102,17 +102,22 @@ class MergeSiblingMatmuls(Pattern):
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         order = {id(op): i for i, op in enumerate(rw.graph.ops)}
-        group = sorted(m.group, key=lambda o: order[id(o)])
+        # the group in graph order, each matmul's weight and bias (gathered in match order) kept beside it, so the
+        # concatenation's pieces are the split's
+        perm = sorted(range(len(m.group)), key=lambda i: order[id(m.group[i])])
+        group = [m.group[i] for i in perm]
+        weights = [m.weights[i] for i in perm]
+        biases = [m.biases[i] for i in perm] if m.biases else []
         first = group[0]
         tb = first.attributes.get("transpose_b", False)
         sizes = [o.results[0].type.shape[-1] for o in group]
-        w = _concatenate(m.weights, axis=0 if tb else 1)
+        w = _concatenate(weights, axis=0 if tb else 1)
         wt = first.operands[1].type
         operands = [first.operands[0],
                     self._constant(w, [o.operands[1] for o in group], TensorType(w.shape, wt.dtype), rw, first)]
-        if m.biases:
+        if biases:
             b = np.concatenate([np.broadcast_to(a, a.shape[:-1] + (n,)).reshape(-1) if a.ndim else np.full(n, a)
-                                for a, n in zip(m.biases, sizes)])
+                                for a, n in zip(biases, sizes)])
             operands.append(self._constant(b, [_bias(o) for o in group],
                                            TensorType(b.shape, _bias(first).type.dtype), rw, first))
         merged = rw.create(first.name, operands, dict(first.attributes), before=first)
