@@ -29,14 +29,20 @@ FUSED_KINDS: dict[str, str] = {
     "ge.rotary_embedding": "rotary_embedding",
     "ge.glu": "glu",
     "ge.paged_attention": "paged_attention",
+    "ge.index_put_pair": "kv_scatter_pair",
+    "ge.moe_gating_topk_softmax": "moe_gating",
+    "ge.moe_init_routing": "moe_init_routing",
+    "ge.moe_finalize_routing": "moe_finalize_routing",
 }
 # Rules of `fuse` that rewrite an op into one of the same kind (attention_native gives an imported
 # ge.flash_attention its native operands): they make no kind of their own, so they have no colour.
 # (attention_layout gives it the BSND layout; qkv_merge joins sibling matmuls, plain or with their epilogues, into
-# one; partial_rotary makes a rotary embedding of only the first rotary_dim features)
+# one; partial_rotary makes a rotary embedding of only the first rotary_dim features; glu_merged gives a glu the merged
+# gate-up tensor; rotary_pair rotates q and k in one rotary embedding)
 REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention", "attention_layout": "ge.flash_attention",
                                   "qkv_merge": "ge.fused_matmul",
-                                  "partial_rotary": "ge.rotary_embedding"}
+                                  "partial_rotary": "ge.rotary_embedding", "glu_merged": "ge.glu",
+                                  "rotary_pair": "ge.rotary_embedding"}
 # Fill colour of the ops each rule made (ColorBrewer's Set3 pastels: black text stays readable on them).
 RULE_COLOURS: dict[str, str] = {
     "flash_attention": "#fdb462",
@@ -51,6 +57,11 @@ RULE_COLOURS: dict[str, str] = {
     "rotary_embedding": "#fb8072",
     "glu": "#ffed6f",
     "paged_attention": "#d9d9d9",
+    # Set3 is spent: ColorBrewer's Pastel2 for the rest
+    "kv_scatter_pair": "#b3e2cd",
+    "moe_gating": "#fdcdac",
+    "moe_init_routing": "#cbd5e8",
+    "moe_finalize_routing": "#f4cae4",
 }
 ARG_COLOUR, RESULT_COLOUR = "#e0ecf4", "#fee0d2"
 MAX_ATTR_CHARS = 48  # an attribute longer than this is cut, so a tiling dictionary does not make a node wide

@@ -154,13 +154,21 @@ def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transp
     if folds_batch(a.shape, b.shape, transpose_a):
         # The cube runs one [batch * M, K] problem (B read once, rows of several batch items in a base block);
         # the arithmetic below stays per batch item: every element's k blocks and their order are the same.
+        # A, C (and a bias of rows) as the one matrix each the folded problem reads or writes
+        ag = gm_tensor(gm, an, (nbat * M, K), isz)
+        og = gm_tensor(gm, on, (nbat * M, N), np.dtype(out_dt).itemsize)
+        bias_shape = None if bias is None else bias.shape
+        if bias is not None and bias.ndim >= 2 and any(d != 1 for d in bias.shape[:-1]):
+            bias_shape = (nbat * M, bias.shape[-1])
+            biasg = gm_tensor(gm, ctx.operand_names[2], bias_shape, bias.dtype.itemsize)
         one = np.zeros(1, dtype=np.int64)
         g = _grid(tiling, target, nbat * M, N, K, one, one, False, transpose_b, nbat * M, b.shape[-2],
                   ctx.cores.count)
     else:
+        bias_shape = None if bias is None else bias.shape
         g = _grid(tiling, target, M, N, K, a_of, b_of, transpose_a, transpose_b, a.shape[-2], b.shape[-2],
                   ctx.cores.count)
-    _time(ctx, g, tiling, ag, bg, og, biasg, None if bias is None else bias.shape, isz, dname, activation)
+    _time(ctx, g, tiling, ag, bg, og, biasg, bias_shape, isz, dname, activation)
 
     if not ctx.compute:
         return np.empty(batch + (M, N), dtype=out_dt)

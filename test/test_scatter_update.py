@@ -108,3 +108,20 @@ def test_k_and_v_updates_at_the_same_slots_are_one_launch_of_both_assignments(in
         np.testing.assert_array_equal(np.asarray(out), want)
     moved = k.nbytes + v.nbytes + a.nbytes + b.nbytes
     assert kernel.gm_read_bytes == moved and kernel.gm_write_bytes == moved
+
+
+def test_values_of_a_run_time_size_update_an_index_tensor_of_a_known_length():
+    """A batch-1 gear binds the slots' length to 1 while the values' reshape keeps its `?`: the shape rule lets the
+    run-time size stand (as broadcasting would resolve it), and refuses sizes that can never fit."""
+    from geir.builder import create_op
+    from geir.opdef import ShapeError
+    from geir.types import DType, TensorType
+
+    put = create_op("ge.index_put", [], [], {"axis": 0})
+    cache, slots = TensorType((64, 4, 8), DType.f16), TensorType((1,), DType.i64)
+    assert put.infer(cache, TensorType((None, 4, 8), DType.f16), slots) == cache
+    assert put.infer(cache, TensorType((1, 4, 8), DType.f16), slots) == cache
+    with pytest.raises(ShapeError, match="do not broadcast"):
+        put.infer(cache, TensorType((2, 4, 8), DType.f16), slots)
+    with pytest.raises(ShapeError, match="do not broadcast"):
+        put.infer(cache, TensorType((None, 4, 9), DType.f16), slots)

@@ -137,10 +137,10 @@ class IndexPut(Operation):
         indexed = indexed_type(x, indices, self.axis)
         if values.dtype != x.dtype:
             raise ShapeError(f"index_put values {values} must have the dtype of {x}")
-        try:
-            fits = broadcast_dims(values.shape, indexed.shape) == indexed.shape
-        except ShapeError:
-            fits = False
+        # a run-time size of the values may stand where the indexed shape knows its size (a batch-1 gear binds the
+        # index tensor's length, the values' reshape keeps its `?`): the run checks it
+        fits = len(values.shape) <= len(indexed.shape) and all(
+            v == 1 or v is None or d is None or v == d for v, d in zip(reversed(values.shape), reversed(indexed.shape)))
         if not fits:
             raise ShapeError(f"index_put values {values} do not broadcast to the indexed shape {indexed}")
         return TensorType(x.shape, x.dtype)

@@ -125,7 +125,9 @@ class PagedAttention(Operation):
 
     def as_flash_attention(self) -> FlashAttention:
         """flash_attention with this call's attributes: the semantics over the dense keys and values."""
-        return FlashAttention("ge.flash_attention", [], [], {"scale": self.scale, "causal": self.causal})
+        from geir.builder import create_op  # the builder imports the op registry, which imports this module
+
+        return create_op("ge.flash_attention", [], [], {"scale": self.scale, "causal": self.causal})
 
     def compute(self, q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, block_table: np.ndarray,
                 *extra: np.ndarray) -> np.ndarray:

@@ -524,7 +524,11 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None, he
             b, n, d, s = kt.type.shape
             return q, _Reshaped(flat, (b, n, s, d)), float(scale), masks, causal, softcap
         if t is None:
-            return Miss("the first matmul's right operand is not k transposed (no ge.transpose, transpose_b = false)")
+            k = _unit_transposed(kt)
+            if k is None:
+                return Miss("the first matmul's right operand is not k transposed (no ge.transpose, transpose_b = false)")
+            k, k_scale = _peel_scale(k)
+            return q, k, float(scale * k_scale), masks, causal, softcap
         rank = len(t.perm)
         want = list(range(rank - 2)) + [rank - 1, rank - 2]
         k, k_scale = _peel_scale(t.operands[0])
@@ -535,6 +539,19 @@ def _walk_scores(x: Value, resources: Mapping[str, np.ndarray] | None = None, he
             k_perm = list(t.perm[:-2]) + [t.perm[-1], t.perm[-2]]
             k = (k, k_perm)
     return q, k, float(scale), masks, causal, softcap
+
+
+def _unit_transposed(kt: Value) -> Value | None:
+    """k where k^T is k reshaped with its last two axes swapped and one of them of size 1 (canonicalize makes such a
+    transpose, one head dim or one key, a reshape: the same bytes), else None."""
+    r = defining(kt, "ge.reshape")
+    if r is None:
+        return None
+    k = r.operands[0]
+    ks, kts = k.type.shape, kt.type.shape
+    if k.type.rank != kt.type.rank or k.type.rank < 2 or 1 not in ks[-2:]:
+        return None
+    return k if tuple(ks[:-2]) + (ks[-1], ks[-2]) == tuple(kts) and None not in ks else None
 
 
 def _softcap(op: Operation) -> tuple[float, list[Operation]] | Miss:

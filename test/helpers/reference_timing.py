@@ -229,6 +229,14 @@ def matmul_timing(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpo
                   out_dt: np.dtype, tiling, ctx, activation: str = "none") -> None:
     """matmul_forward's timing (arrays are read for their shapes and dtypes only)."""
     from geir.kernels.matmul import WORKSPACE_SLOTS, _grid, _Workspace, _mix_drain
+    from geir.kernels.matmul_tiling import folds_batch
+
+    if folds_batch(a.shape, b.shape, transpose_a):  # the folded problem: A's batch as rows of one matrix
+        rows = math.prod(a.shape[:-1])
+        if bias is not None and bias.ndim >= 2 and any(d != 1 for d in bias.shape[:-1]):
+            bias = np.broadcast_to(bias, a.shape[:-1] + (bias.shape[-1],)).reshape(rows, -1)
+        return matmul_timing(a.reshape(rows, a.shape[-1]), b, bias, False, transpose_b, out_dt, tiling, ctx,
+                             activation)
 
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     dt = a.dtype
