@@ -8,26 +8,12 @@ puts the root on sys.path fails here, by name.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist, one BLAS and OpenMP thread per process (workers and the tools they start inherit it).
-
-    The workers already fill the cores; a BLAS call that also splits across them oversubscribes the machine and
-    OpenBLAS's threads spin waiting for each other (a 512 x 64 x 1024 matmul measured 50x slower on a loaded
-    2-core machine). Results do not depend on it: BLAS splits rows and columns, not a dot product's terms.
-    A value set in the environment wins.
-    """
-    if getattr(config.option, "numprocesses", None):
-        for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-            os.environ.setdefault(name, "1")
 
 
 def _root_on_path() -> list[str]:
