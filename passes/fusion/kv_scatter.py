@@ -5,8 +5,8 @@ step's slots) become one `ge.index_put_pair`, as ATB's ReshapeAndCache writes K 
 from __future__ import annotations
 
 from geir.ir import Operation
-from geir.passes.fusion.match import named, reaches, restore_order
-from geir.passes.pattern import Match, Miss, Pattern, Rewriter
+from geir.passes.fusion.siblings import MergeSiblings
+from geir.passes.pattern import Rewriter
 
 
 def _plain(op: Operation) -> bool:
@@ -14,45 +14,35 @@ def _plain(op: Operation) -> bool:
     return op.name == "ge.index_put" and len(op.operands) == 3 and not op.attributes.get("accumulate", False)
 
 
-class MergeIndexPutPair(Pattern):
+class MergeIndexPutPair(MergeSiblings):
     """index_put(x, a, i), index_put(y, b, i) -> index_put_pair(x, y, a, b, i), both results."""
 
     NAME, ROOT, BENEFIT, EXPLAIN = "kv_scatter_pair", "ge.index_put", 3, True
+    SIBLING = "update at these positions"
 
-    def match(self, put: Operation) -> Match | Miss | None:
+    def siblings(self, put: Operation) -> list[Operation]:
         if not _plain(put):
-            return None
+            return []
         index = put.operands[2]
-        others = [u for u in index.users() if u is not put and u.name == "ge.index_put" and u.operands[2] is index]
-        if not others:
-            return None  # the only update at these positions
-        why = None
-        for other in others:
-            x, y = put.operands[0].type, other.operands[0].type
-            if not _plain(other):
-                why = f"the other update at these positions ({named(other)}) accumulates or takes several index tensors"
-            elif other.attributes.get("axis", 0) % max(y.rank, 1) != put.attributes.get("axis", 0) % max(x.rank, 1):
-                why = f"the other update at these positions ({named(other)}) writes another axis"
-            elif x.rank != y.rank or x.shape[put.axis] != y.shape[other.axis]:
-                why = f"the other update at these positions ({named(other)}) writes {y}, this one {x}"
-            elif bool(put.attributes.get("in_place", False)) != bool(other.attributes.get("in_place", False)):
-                why = (f"the other update at these positions ({named(other)}) "
-                       f"{'writes in place' if other.attributes.get('in_place', False) else 'copies its operand'}, "
-                       f"this one does not")
-            elif reaches(put, other) or reaches(other, put):
-                why = f"the other update at these positions ({named(other)}) is computed from this one or feeds it"
-            else:
-                return Match(put, other=other)
-        return Miss(why)
+        return [u for u in index.users() if u is not put and u.name == "ge.index_put" and u.operands[2] is index]
 
-    def rewrite(self, m: Match, rw: Rewriter) -> None:
-        put, other = m.root, m.other
+    def incompatible(self, put: Operation, other: Operation) -> str | None:
+        x, y = put.operands[0].type, other.operands[0].type
+        if not _plain(other):
+            return "accumulates or takes several index tensors"
+        if other.attributes.get("axis", 0) % max(y.rank, 1) != put.attributes.get("axis", 0) % max(x.rank, 1):
+            return "writes another axis"
+        if x.rank != y.rank or x.shape[put.axis] != y.shape[other.axis]:
+            return f"writes {y}, this one {x}"
+        if bool(put.attributes.get("in_place", False)) != bool(other.attributes.get("in_place", False)):
+            return (f"{'writes in place' if other.attributes.get('in_place', False) else 'copies its operand'}, "
+                    f"this one does not")
+        return None
+
+    def build_pair(self, put: Operation, other: Operation, rw: Rewriter) -> Operation:
         operands = [put.operands[0], other.operands[0], put.operands[1], other.operands[1], put.operands[2]]
         attributes = {"axis": put.axis}
         if put.attributes.get("in_place", False):  # both write in place (match): so does the pair
             attributes["in_place"] = True
-        pair = rw.create("ge.index_put_pair", operands, attributes, [put.result.type, other.result.type],
+        return rw.create("ge.index_put_pair", operands, attributes, [put.result.type, other.result.type],
                          before=other)
-        rw.replace(put, pair.results[:1])
-        rw.replace(other, pair.results[1:])
-        restore_order(rw.graph)

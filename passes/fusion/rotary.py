@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from geir.builder import create_op
 from geir.ir import Operation, Value
-from geir.passes.fusion.match import defining, named, reaches, restore_order, used_only_by
+from geir.passes.fusion.match import defining, used_only_by
+from geir.passes.fusion.siblings import MergeSiblings
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
 
 
@@ -186,40 +187,31 @@ def _same_table_ropes(v: Value) -> list[Operation]:
     return found
 
 
-class MergeRotaryPair(Pattern):
+class MergeRotaryPair(MergeSiblings):
     """rope(q, cos, sin), rope(k, cos, sin) -> one rope(q, cos, sin, k) launch with both results, as
     ops-transformer's ApplyRotaryPosEmb rotates q and k together (torch_npu's npu_apply_rotary_pos_emb): one launch
     head instead of two, and the tables read once. Runs last among the rotary rules (below attention_layout, 4,
     whose head transposes sink through one-tensor rotations)."""
 
     NAME, ROOT, BENEFIT, EXPLAIN = "rotary_pair", "ge.rotary_embedding", 3, True
+    SIBLING = "rotation on these tables"
 
-    def match(self, rope: Operation) -> Match | Miss | None:
+    def siblings(self, rope: Operation) -> list[Operation]:
         if len(rope.operands) != 3:
-            return None  # already a pair
+            return []  # already a pair
         cos, sin = _table_source(rope.operands[1]), _table_source(rope.operands[2])
-        others = [o for o in _same_table_ropes(cos) if o is not rope and _table_source(o.operands[2]) is sin]
-        if not others:
-            return None  # the only rotation on these tables
-        why = None
-        for other in others:
-            x, k = rope.operands[0].type, other.operands[0].type
-            if (other.mode, other.rotary_dim) != (rope.mode, rope.rotary_dim):
-                why = (f"the other rotation on these tables ({named(other)}) has mode {other.mode} and rotary_dim "
-                       f"{other.rotary_dim}, this one {rope.mode} and {rope.rotary_dim}")
-            elif k.dtype != x.dtype or k.shape[-1] != x.shape[-1]:
-                why = f"the other rotation on these tables ({named(other)}) turns {k}, this one {x}"
-            elif reaches(rope, other) or reaches(other, rope):
-                why = f"the other rotation on these tables ({named(other)}) is computed from this one or feeds it"
-            else:
-                return Match(rope, other=other)
-        return Miss(why)
+        return [o for o in _same_table_ropes(cos) if o is not rope and _table_source(o.operands[2]) is sin]
 
-    def rewrite(self, m: Match, rw: Rewriter) -> None:
-        rope, other = m.root, m.other
+    def incompatible(self, rope: Operation, other: Operation) -> str | None:
+        x, k = rope.operands[0].type, other.operands[0].type
+        if (other.mode, other.rotary_dim) != (rope.mode, rope.rotary_dim):
+            return (f"has mode {other.mode} and rotary_dim {other.rotary_dim}, this one {rope.mode} and "
+                    f"{rope.rotary_dim}")
+        if k.dtype != x.dtype or k.shape[-1] != x.shape[-1]:
+            return f"turns {k}, this one {x}"
+        return None
+
+    def build_pair(self, rope: Operation, other: Operation, rw: Rewriter) -> Operation:
         operands = [rope.operands[0], rope.operands[1], rope.operands[2], other.operands[0]]
-        pair = rw.create("ge.rotary_embedding", operands, dict(rope.attributes),
+        return rw.create("ge.rotary_embedding", operands, dict(rope.attributes),
                          [rope.result.type, other.result.type], before=other)
-        rw.replace(rope, pair.results[:1])
-        rw.replace(other, pair.results[1:])
-        restore_order(rw.graph)
