@@ -29,3 +29,18 @@ def _repository_root_stays_off_sys_path():
         sys.path[:] = [p for p in sys.path if p not in added or p in before]
         pytest.fail(f"this test put the repository root {ROOT} on sys.path: the source folders become top-level "
                     "packages (kernels/ shadows Hugging Face's `kernels`); import geir.* instead")
+
+
+@pytest.fixture
+def geir_graphs(monkeypatch) -> list:
+    """Every GeirGraph torch.compile's geir backend makes during the test, to see which graphs reached the NPU."""
+    torch_compile = pytest.importorskip("geir.frontends.torch_compile")
+    made = []
+
+    class Recorded(torch_compile.GeirGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(torch_compile, "GeirGraph", Recorded)
+    return made

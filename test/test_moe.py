@@ -230,18 +230,10 @@ def test_each_expert_a_token_chose_costs_its_weights_once():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_torch_compile_runs_the_model_from_input_ids_on_the_npu(name, monkeypatch):
-    from geir.frontends import torch_compile
+def test_torch_compile_runs_the_model_from_input_ids_on_the_npu(name, geir_graphs):
     from geir.frontends.torch import GeirFallbackWarning
 
-    made = []
-
-    class Recorded(torch_compile.GeirGraph):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(torch_compile, "GeirGraph", Recorded)
+    made = geir_graphs
     torch._dynamo.reset()
     model = MODELS[name]()
     ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(7))
