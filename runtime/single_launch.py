@@ -48,6 +48,20 @@ def time_launch(sig: OpSignature, tiling: KernelTiling, target: Target) -> Kerne
     return stats
 
 
+def time_warm_launch(sig: OpSignature, tiling: KernelTiling, target: Target, warmups: int = 1) -> KernelStats:
+    """The statistics of a launch that follows `warmups` launches of the same op on the same operands, back to back
+    on one chip: a benchmark loop's steady state, each call finding in the L2 what the calls before it left there."""
+    op = op_of(sig)
+    kernel = KERNELS[sig.name]
+    ctx = _context(target, op, compute=False)
+    args = [stand_in(t) for t in sig.operands]
+    stats = None
+    for _ in range(warmups + 1):
+        ctx.cores.sync_to(ctx.cores.finish)  # the next call starts when the last one is done, as a stream runs them
+        _, stats = measure(ctx, sig.name, tiling, flops_of(op), lambda: kernel.run(op, args, tiling, ctx))
+    return stats
+
+
 def launch_us(sig: OpSignature, tiling: KernelTiling, target: Target) -> float:
     """Simulated microseconds of one launch of the op with this tiling on an idle chip."""
     return time_launch(sig, tiling, target).cycles / (target.clock_hz / 1e6)

@@ -75,3 +75,18 @@ def test_pfa_blocks_time_the_fia_rows_with_promptflashattentions_blocks(capsys):
     assert any("Bn2S2FD" in r.geir_bound for r in cal.rows() if r.name.startswith("FIA 128 x"))
     assert cal.main(["--pfa-blocks"]) == 0
     assert "prompt_flash_attention_tiling.cpp" in capsys.readouterr().out
+
+
+def test_pfa_reading_is_promptflashattentions_split():
+    """FIA's S0 > 1 path with torch_npu's default inner_precise (0, high precision) at fp16, D 128: 128 x 512 blocks
+    (AdjustCVTilingCVDiff), one 128-row unit per AIC (the kernel's skip-core mapping), every core launched: each row's
+    time holds the head of the whole chip (catlass's 20.5 us)."""
+    cal = _calibration()
+    target = cal.load_target("ascend910b")
+    for s0, s1, _ in cal.FIA:
+        tiling = cal._pfa_tiling(s0, s1, target)
+        assert (tiling.s1, tiling.s2) == (128, 512)
+        assert tiling.work_units == tiling.cores == s0 // 128
+    for r in cal.rows(pfa_blocks=True):
+        if r.name.startswith("FIA"):
+            assert r.geir_us > 20.5, r.name
