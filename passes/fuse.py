@@ -27,6 +27,7 @@ from geir.passes.fusion.kv_scatter import MergeIndexPutPair
 from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
+from geir.passes.fusion.norm_cast import FoldNormCasts
 from geir.passes.fusion.paged_attention import PagedAttentionRead
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding, MergeRotaryPair
 from geir.passes.fusion.softmax import DecomposedSoftmax
@@ -41,7 +42,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
-        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting,
+        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts,
     )
 }
 
