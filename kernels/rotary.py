@@ -12,6 +12,16 @@ The numbers are the op's own `compute` on each wave's rows, rounded once to the 
 
 q and k in one launch (the op's fourth operand): k's rows follow q's in one row space that the tiles cut, each
 row read from and written to its own tensor, so one launch costs what the two would less one launch head.
+
+Tables shared by the heads (cos/sin [1, 1, S, r] against x [B, N, S, D]: every head turns position s by the same
+angle) that are too big to stay resident are walked as ops-transformer's RotaryPositionEmbedding walks its
+broadcast ("ABA") case (posembedding/rotary_position_embedding/op_kernel/arch35/
+rotary_position_embedding_aba_and_ba.h: the cores split S; per UB block of S positions, CopyInCosAndSin once, then
+the loops over B and N CopyInQ / Compute / CopyOutQ with the same cos/sin in UB): each vector unit owns a block
+of `rows` positions and turns it in every head of q and k, loading its cos/sin rows with the first head's tile only.
+The tables then cross MTE2 once, not once per head. It is taken where the blocks give every core of the tiling one
+(S at least the cores: a prefill); a decode step's one position keeps the row walk, which spreads the heads over
+the units.
 """
 
 from __future__ import annotations
@@ -113,6 +123,28 @@ def _layout(sig: OpSignature, chip: Target, buffers: int) -> _Layout:
                    (not resident[0], not resident[1]))
 
 
+def _shared_positions(sig: OpSignature) -> int | None:
+    """S, where the cos/sin tables are shared by every head of every rotated tensor ([1, ..., 1, S, r] against
+    x [..., S, D], S known and above 1); else None."""
+    rotated = sig.operands[:1] + sig.operands[3:]
+    cos, sin = sig.operands[1:3]
+    if any(t is None or t.rank < 2 for t in (*rotated, cos, sin)) or cos.shape != sin.shape:
+        return None
+    s = rotated[0].shape[-2]
+    if s is None or s < 2 or any(t.shape[-2] != s for t in rotated) or cos.shape[-2] != s:
+        return None
+    return s if all(d == 1 for d in cos.shape[:-2]) else None
+
+
+def _head_walk(sig: OpSignature, lay: _Layout, cores: int) -> int | None:
+    """S, when a launch over `cores` cores walks the heads with the tables held (the module docstring): streamed
+    tables shared by the heads, and at least one position for every core."""
+    s = _shared_positions(sig)
+    if s is None or not any(lay.streamed_tables) or s < cores:
+        return None
+    return s
+
+
 def _tiling(rows: int, buffers: int, lay: _Layout, chip: Target, rule: str) -> RotaryTiling:
     work = None if lay.rows is None else -(-lay.rows // rows)
     cores = chip.vector_cores if work is None else min(work, chip.vector_cores)
@@ -140,6 +172,9 @@ def choose_rotary_tiling(sig: OpSignature, chip: Target, buffers: int = 2) -> Ro
     work = tiling.work_units
     rule = (f"{rows} rows of {sig.operands[0].shape[-1]} a tile, {lay.per_row} UB bytes a row with {buffers} "
             f"buffers; {'an unknown number of' if work is None else work} work units over {tiling.cores} cores")
+    if _shared_positions(sig) is not None and any(lay.streamed_tables):
+        rule += ("; where the positions are at least the cores, each core turns its block of them in every head, "
+                 "up to that many a tile, with their cos/sin loaded once")
     return attrs.evolve(tiling, rule=rule)
 
 
@@ -208,14 +243,19 @@ class RotaryEmbeddingKernel(Kernel):
             x2 = np.concatenate([np.ascontiguousarray(t).reshape(-1, d) for t in xs])
             c2, s2 = (np.concatenate([np.broadcast_to(table, t.shape[:-1] + (r,)).reshape(-1, r) for t in xs])
                       for table in (cos, sin))
-        ready = self._load_resident(ctx, lanes, [t for t, s in zip(tables, lay.streamed_tables) if not s], nt)
+            # each row is turned alone, so the rows of every tile at once are the tiles' rows bit for bit
+            out[:] = round_to(op.rotate_one(x2, c2, s2), out_dt)
         slots = UbSlots(cores, tiling.buffers, ctx.waits)
         half = x.dtype.name in ("float16", "bfloat16") or np.dtype(out_dt).name in ("float16", "bfloat16")
+        passes = ROTATE_PASSES[op.mode] + (CAST_PASSES if half else 0)
+        positions = _head_walk(sig, lay, tiling.cores)
+        if positions is not None:
+            self._head_walk(ctx, lanes, slots, x_gms, tables, out_gms, lay, positions, min(tiling.cores, lanes.slots),
+                            rows, d, r, passes)
+            return self._results(out, xs, starts)
+        ready = self._load_resident(ctx, lanes, [t for t, s in zip(tables, lay.streamed_tables) if not s], nt)
         for wave, on in lanes.waves(nt):
             lo, hi = wave * rows, np.minimum(wave * rows + rows, R)
-            if ctx.compute:
-                a0, a1 = int(lo[0]), int(hi[-1])
-                out[a0:a1] = round_to(op.rotate_one(x2[a0:a1], c2[a0:a1], s2[a0:a1]), out_dt)
             count = hi - lo
             load = np.zeros(len(wave))
             for g, first, last in zip(x_gms, starts[:-1], starts[1:]):  # each tile's rows in each tensor
@@ -224,7 +264,7 @@ class RotaryEmbeddingKernel(Kernel):
             for g, streamed in zip(tables, lay.streamed_tables):
                 if streamed:
                     load = load + gm_read(gm, g, share_pieces(g, wave, nt, count * r))
-            vec = lanes.vector(count * r * F32_BYTES, ROTATE_PASSES[op.mode] + (CAST_PASSES if half else 0))
+            vec = lanes.vector(count * r * F32_BYTES, passes)
             if r < d:
                 vec = vec + lanes.vector(count * (d - r) * F32_BYTES, PASS_THROUGH_PASSES)
             store = np.zeros(len(wave))
@@ -235,6 +275,50 @@ class RotaryEmbeddingKernel(Kernel):
             slots.step(used, lanes.per_lane(on, load), lanes.per_lane(on, vec), lanes.per_lane(on, store),
                        after=[ready[used]], names=("load rows", "rotary_embedding", "store rows"))
         return self._results(out, xs, starts)
+
+    @staticmethod
+    def _head_walk(ctx: LaunchContext, lanes: VectorLanes, slots: UbSlots, x_gms: list, tables: list, out_gms: list,
+                   lay: _Layout, s: int, units: int, rows: int, d: int, r: int, passes: int) -> None:
+        """The tiles of the head walk (module docstring): the S positions split into one block per vector unit (the
+        real tiling's blockFactorS), each block turned `sub` positions at a time (its ubFactorS) in as many heads a
+        tile as the tiling's `rows` rows hold (its ubFactorN; the UB the tiling budgets), the heads of q, then of k;
+        a streamed table's rows come in with the first tile of each piece of the block only and stay in UB for
+        the others. A tile's heads are one DMA of one piece per head (CopyInQ's loop mode)."""
+        block = -(-s // units)
+        sub = min(rows, block)
+        per_tile = max(1, rows // sub)
+        chunks = [(g, o, list(range(h, min(h + per_tile, g.size // (s * d)))))
+                  for g, o in zip(x_gms, out_gms) for h in range(0, g.size // (s * d), per_tile)]
+        (ids, on), = lanes.waves(units)
+
+        def pieces(g, heads, s0, s1):
+            parts = [flat_pieces(g, (h * s + s0) * d, (h * s + s1) * d) for h in heads]
+            return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
+
+        for k in range(-(-block // sub)):
+            s0 = np.minimum(ids * block + k * sub, s)
+            s1 = np.minimum(np.minimum(s0 + sub, (ids + 1) * block), s)
+            busy = s1 > s0
+            s0, s1, w_on = s0[busy], s1[busy], on[busy]
+            if not len(w_on):
+                break
+            count = s1 - s0
+            used = lanes.used(w_on)
+            for i, (g, o, heads) in enumerate(chunks):
+                n = count * len(heads)
+                vec = lanes.vector(n * r * F32_BYTES, passes)
+                if r < d:
+                    vec = vec + lanes.vector(n * (d - r) * F32_BYTES, PASS_THROUGH_PASSES)
+                load = gm_read(ctx.gm, g, pieces(g, heads, s0, s1))
+                if i == 0:  # CopyInCosAndSin: the piece's table rows, held in UB for every tile after
+                    for t, streamed in zip(tables, lay.streamed_tables):
+                        if streamed:
+                            width = t.size // s
+                            load = load + gm_read(ctx.gm, t, flat_pieces(t, s0 * width, s1 * width))
+                store = gm_write(ctx.gm, o, pieces(o, heads, s0, s1))
+                slots.step(used, lanes.per_lane(w_on, load), lanes.per_lane(w_on, vec), lanes.per_lane(w_on, store),
+                           names=("load rows" + (" and cos/sin" if i == 0 else ""), "rotary_embedding",
+                                  "store rows"))
 
     @staticmethod
     def _results(out: np.ndarray, xs: list[np.ndarray], starts: np.ndarray) -> list[np.ndarray]:

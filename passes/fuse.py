@@ -27,9 +27,11 @@ from geir.passes.fusion.kv_scatter import MergeIndexPutPair
 from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
+from geir.passes.fusion.norm_cast import FoldNormCasts
 from geir.passes.fusion.paged_attention import PagedAttentionRead
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding, MergeRotaryPair
 from geir.passes.fusion.softmax import DecomposedSoftmax
+from geir.passes.fusion.split_heads import SplitHeadsOnce
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.pattern import Pattern, PatternListener, apply_patterns_greedily
 from geir.target_npu.target import Target
@@ -41,14 +43,16 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
-        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting,
+        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts,
     )
 }
 
 
 # Rewrites that come with a rule and have no name of their own: what they do only serves that rule (the head
-# transposes sink towards attention so that attention_layout can fold them).
-COMPANIONS: dict[str, tuple[type[Pattern], ...]] = {"attention_layout": (SinkHeadTranspose,)}
+# transposes sink towards attention so that attention_layout can fold them; the merged projection's pieces, each
+# viewed as heads and transposed, are transposed once and split on the head axis).
+COMPANIONS: dict[str, tuple[type[Pattern], ...]] = {"attention_layout": (SinkHeadTranspose,),
+                                                     "qkv_merge": (SplitHeadsOnce,)}
 
 
 def _instantiate(rule: type[Pattern], target: Target, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:

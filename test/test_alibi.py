@@ -238,3 +238,104 @@ def test_bloom_greedy_tokens_equal_hugging_faces_generate():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                               pad_token_id=0)
     assert torch.equal(run.tokens, want)
+
+
+def _bloom_decode_step(torch, dtype):
+    """Bloom's decode step as generate() runs it: the step module, its arguments (one token after an 8-token
+    prompt, the cache the prefill step made), and the last logits of torch in float64 and in `dtype`."""
+    from geir.frontends.generate import _StepModule
+
+    model = _bloom({"f32": torch.float32, "f16": torch.float16}[dtype])
+    ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(4))
+    prompt_mask = torch.zeros(1, 9, dtype=torch.long)
+    prompt_mask[:, :8] = 1
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, *cache = _StepModule(model, True)(ids[:, :8], prompt_mask, torch.arange(8), torch.arange(8)[None])
+        args = (ids[:, 8:], torch.ones(1, 9, dtype=torch.long), torch.tensor([8]), torch.tensor([[8]]), *cache)
+        reference = _bloom(torch.float64)(input_ids=ids).logits[:, -1].numpy()
+        eager = model(input_ids=ids).logits[:, -1].double().numpy()
+    return model, _StepModule(model, False), args, reference, eager
+
+
+def _judged(actual, reference, eager, dtype):
+    actual = np.asarray(actual, dtype=np.float64)
+    verdict = compare(actual, reference, TensorType(actual.shape, DType(dtype)), eager)
+    assert verdict.passed, verdict.render("decode logits")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_bloom_decode_step_fuses_every_attention_and_equals_torch(dtype):
+    # a decode step's q is one token, [B, 1, N, D]: its size-1 transpose is a view, so q reaches the [B*N, 1, D]
+    # matmul as a reshape of [B, 1, N, D], which the rule lifts to [B, N, 1, D] (a view) as it does k and v
+    torch = pytest.importorskip("torch")
+    from geir.frontends.generate import export_steps
+    from geir.frontends.torch_builder import to_numpy
+    from geir.session import Session
+
+    model, _, args, reference, eager = _bloom_decode_step(torch, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, decode = export_steps(model, args[0].new_ones(1, 8), torch.ones(1, 8, dtype=torch.long), 9)
+    m = decode.module
+    session = Session(m)
+    attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
+    assert len(attention) == model.config.n_layer and all(op.attr("has_pse") for op in attention)
+    assert all(op.operands[0].type.shape == (1, 4, 1, 16) for op in attention)  # q lifted to [B, N, 1, D]
+    assert "ge.softmax" not in [op.name for op in session.generic.ops]
+    feed = {a.name: to_numpy(x) for a, x in zip(session.generic.args, args)}
+    program = session.program({k: v.shape for k, v in feed.items()})
+    _judged(run_program(program, feed, m.resources).outputs[0], reference, eager, dtype)
+
+
+def test_bloom_decode_step_fuses_under_torch_compile(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from geir.frontends import torch_compile
+
+    made = []
+
+    class Recorded(torch_compile.GeirGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(torch_compile, "GeirGraph", Recorded)
+    model, step, args, reference, eager = _bloom_decode_step(torch, "f32")
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torch_compile.GeirFallbackWarning)  # nothing may fall back
+            with torch.no_grad():
+                out = torch.compile(step, backend="geir")(*args)
+    finally:
+        torch._dynamo.reset()
+    compiled = [c for g in made for c in g.compiled.values() if c is not None]
+    assert sum(op.name == "ge.flash_attention" for c in compiled for op in c.graph.ops) == model.config.n_layer
+    _judged(out[0].numpy(), reference, eager, "f32")
+
+
+def test_bloom_decode_step_through_the_onnx_exporter_fuses_and_equals_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import contextlib
+    import io
+    import logging
+
+    from geir.frontends.onnx import import_onnx
+    from geir.ir import Module
+    from geir.session import Session
+
+    model, step, args, reference, eager = _bloom_decode_step(torch, "f32")
+    out = tmp_path / "bloom_decode.onnx"
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(step, args, dynamo=True).save(str(out))
+    module, weights = import_onnx(str(out))
+    session = Session(Module([module.graph()], module.file, weights))
+    attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
+    assert len(attention) == model.config.n_layer and all(op.attr("has_pse") for op in attention)
+    feed = {a.name: x.numpy() for a, x in zip(session.generic.args, args)}
+    program = session.program({k: v.shape for k, v in feed.items()})
+    _judged(run_program(program, feed, weights).outputs[0], reference, eager, "f32")

@@ -98,13 +98,53 @@ def test_rotary_kernel_turns_each_pair_by_its_angle(shape, r, mode, per_head, dt
     assert ctx.gm.gm_read_bytes >= x.nbytes + (cos.nbytes + sin.nbytes if per_head else 0)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("qshape, kshape, r, mode", [
+    ((1, 4, 200, 64), None, 64, "half"),            # one tensor, the positions over every core
+    ((2, 8, 301, 128), (2, 2, 301, 128), 128, "half"),  # q and k in one launch, grouped KV heads, ragged blocks
+    ((1, 3, 1000, 80), None, 32, "interleave"),     # partial rotation, several tiles a block
+])
+def test_rotary_tables_shared_by_the_heads_cross_mte2_once(qshape, kshape, r, mode, dtype):
+    """cos/sin [1, 1, S, r] too big to stay resident, S at least the cores: each core turns its block of positions
+    in every head with the tables loaded once (ops-transformer's ABA walk), so the launch reads q, k and the two
+    tables exactly once each; the results are the op's semantics bit for bit and the angle formula's."""
+    s = qshape[2]
+    cos, sin, theta = _tables(s, r, mode)
+    cos, sin = (np.broadcast_to(t, (1, 1, s, r)).astype(NP[dtype]) for t in (cos, sin))
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(shp).astype(NP[dtype]) for shp in (qshape, kshape) if shp is not None]
+    ty = lambda shp: f"tensor<{'x'.join(map(str, shp))}x{dtype}>"  # noqa: E731
+    names = ["%q", "%k"][:len(xs)]
+    args = ", ".join(f"{n}: {ty(x.shape)}" for n, x in zip(names, xs))
+    op = _op(f"ge.graph @main({args}, %cos: {ty(cos.shape)}, %sin: {ty(sin.shape)}) -> "
+             f"({', '.join(ty(x.shape) for x in xs)}) {{\n"
+             f"  {', '.join(f'%y{i}' for i in range(len(xs)))} = ge.rotary_embedding %q, %cos, %sin"
+             f"{', %k' if len(xs) > 1 else ''} {{mode = \"{mode}\", rotary_dim = {r}}}\n"
+             f"  ge.return {', '.join(f'%y{i}' for i in range(len(xs)))}\n}}")
+    inputs = [xs[0], cos, sin, *xs[1:]]
+    t = load_target("ascend910b")
+    kernel = KERNELS[op.name]
+    tiling = kernel.tiling_for(op, inputs, t)
+    assert cos.nbytes * 8 > t.buffer_bytes("ub") and s >= tiling.cores  # streamed tables, a block for every core
+    ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), [v.name for v in op.operands],
+                        [res.name for res in op.results])
+    outs = kernel.run(op, inputs, tiling, ctx)
+    assert all(_bits_equal(a, b) for a, b in zip(outs, run_op(op, inputs)))
+    for x, got in zip(xs, outs):
+        np.testing.assert_allclose(got.astype(np.float64), _rope_formula(x, theta, r, mode), rtol=TOL[dtype],
+                                   atol=TOL[dtype] * 4)
+    assert ctx.gm.gm_read_bytes == sum(x.nbytes for x in xs) + cos.nbytes + sin.nbytes
+    assert ctx.gm.gm_write_bytes == sum(x.nbytes for x in xs)
+
+
 def test_rotary_vector_time_follows_the_rotated_share_of_the_row():
     """A quarter of the head dim rotated costs the vector unit less than the whole row, more than a copy (the same
-    row tiles for both, so only the instructions per element differ)."""
+    row tiles for both: tables too big to stay resident at either width, so only the instructions per element
+    differ)."""
     def vector_cycles(r: int, tiling: dict) -> float:
-        shape, tshape = (1, 8, 256, 128), (1, 1, 256, r)
-        op = _op(f"ge.graph @main(%x: tensor<1x8x256x128xf16>, %c: tensor<1x1x256x{r}xf16>, "
-                 f"%s: tensor<1x1x256x{r}xf16>) -> tensor<1x8x256x128xf16> {{\n"
+        shape, tshape = (1, 8, 1024, 128), (1, 1, 1024, r)
+        op = _op(f"ge.graph @main(%x: tensor<1x8x1024x128xf16>, %c: tensor<1x1x1024x{r}xf16>, "
+                 f"%s: tensor<1x1x1024x{r}xf16>) -> tensor<1x8x1024x128xf16> {{\n"
                  f"  %y = ge.rotary_embedding %x, %c, %s {{rotary_dim = {r}}}\n  ge.return %y\n}}")
         op.attributes["tiling"] = tiling
         rng = np.random.default_rng(1)

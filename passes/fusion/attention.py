@@ -139,6 +139,10 @@ class FuseFlashAttention(Pattern):
             v = _split_heads(v, heads)
             if isinstance(v, Miss):
                 return Miss(f"v {v.reason}")
+        # q or v reaching merged heads as a reshape of another shape: its source, reshaped by the rewrite (a view)
+        q, q_shape = (q.source, q.shape) if isinstance(q, _Reshaped) else (q, None)
+        v, v_shape = (v.source, v.shape) if isinstance(v, _Reshaped) else (v, None)
+        if heads is not None:
             if sum(d is None for d in pv.result.type.shape) > 1:
                 return Miss(f"the second matmul's result {pv.result.type} has more than one run-time dimension; "
                             f"the fused op's result cannot be reshaped back to it")
@@ -160,23 +164,25 @@ class FuseFlashAttention(Pattern):
             k, k_shape = (x, None) if k_group > 1 else (k.source, k.shape)
             if k_shape is not None and k.type.shape == k_shape:
                 k_shape = None
-            v, v_group = _repeated_heads(v)
+            v, v_group = _repeated_heads(v) if v_shape is None else (v, 1)
             if k_group != v_group:
                 return Miss(f"k and v are repeated for grouped-query heads differently ({k_group} and {v_group} "
                             f"copies of each head)")
         elif k_perm is None:
             k, k_group = _repeated_heads(k)
-            v, v_group = _repeated_heads(v)
+            v, v_group = _repeated_heads(v) if v_shape is None else (v, 1)
             if k_group != v_group:
                 return Miss(f"k and v are repeated for grouped-query heads differently ({k_group} and {v_group} "
                             f"copies of each head)")
         k_type = k.type if k_perm is None else k.type.with_shape(tuple(k.type.shape[p] for p in k_perm))
         if k_shape is not None:
             k_type = k.type.with_shape(k_shape)
-        if not (q.type.dtype == k_type.dtype == v.type.dtype):
-            return Miss(f"q, k and v dtypes differ: {q.type.dtype}, {k_type.dtype}, {v.type.dtype}")
-        if q.type.rank != 4 or k_type.rank != 4 or v.type.rank != 4:
-            return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q.type.rank}, {k_type.rank}, {v.type.rank}")
+        q_type = q.type if q_shape is None else q.type.with_shape(q_shape)
+        v_type = v.type if v_shape is None else v.type.with_shape(v_shape)
+        if not (q_type.dtype == k_type.dtype == v_type.dtype):
+            return Miss(f"q, k and v dtypes differ: {q_type.dtype}, {k_type.dtype}, {v_type.dtype}")
+        if q_type.rank != 4 or k_type.rank != 4 or v_type.rank != 4:
+            return Miss(f"q, k and v must be rank 4 [B, N, S, D], got ranks {q_type.rank}, {k_type.rank}, {v_type.rank}")
         attrs = {"scale": scale, "causal": causal, "layout": "BNSD"}
         if softcap:
             attrs["softcap"] = softcap
@@ -184,18 +190,19 @@ class FuseFlashAttention(Pattern):
             attrs["has_pse"] = True
         operands = [q, k, v]
         try:
-            types = [q.type, k_type, v.type] + [x for x in (mask_type, pse_type) if x is not None]
+            types = [q_type, k_type, v_type] + [x for x in (mask_type, pse_type) if x is not None]
             t = create_op("ge.flash_attention", [], [], attrs).infer(*types)
         except ShapeError as e:
             return Miss(f"the fused op would not type-check: {e}")
         want = pv.result.type if heads is None else pv.result.type.with_shape(heads + pv.result.type.shape[1:])
         if t.shape != want.shape or t.dtype != want.dtype:
             return Miss(f"the fused result {t} differs from the attention's result {want}")
-        why = flash_attention_guard(q.type, k_type, v.type, mask_type, causal, "BNSD", self.target, pse_type)
+        why = flash_attention_guard(q_type, k_type, v_type, mask_type, causal, "BNSD", self.target, pse_type)
         if why is not None:
             return Miss(why)
         return Match(pv, operands=operands, masks=mask_terms, pse=pse_terms, attrs=attrs, k_perm=k_perm,
-                     k_shape=k_shape, guard=guard, nan_guard=nan_test is not None, heads=heads)
+                     k_shape=k_shape, guard=guard, nan_guard=nan_test is not None, heads=heads, q_shape=q_shape,
+                     v_shape=v_shape)
 
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         operands = list(m.operands)
@@ -210,6 +217,11 @@ class FuseFlashAttention(Pattern):
             operands[1] = rw.create("ge.transpose", [operands[1]], {"perm": m.k_perm}, before=m.root).result
         if m.k_shape is not None:
             operands[1] = rw.create("ge.reshape", [operands[1]], {"shape": list(m.k_shape)}, before=m.root).result
+        for i, shape in ((0, m.q_shape), (2, m.v_shape)):
+            if shape is not None:
+                t = operands[i].type.with_shape(shape)
+                operands[i] = rw.create("ge.reshape", [operands[i]], {"shape": [-1 if d is None else d for d in shape]},
+                                        [t], before=m.root).result
         out = m.root.result.type
         if m.heads is not None:  # the heads on their own axis, then merged back into the batch as the root had them
             lifted = out.with_shape(m.heads + out.shape[1:])
@@ -320,13 +332,24 @@ def _lifted_shape(shape: tuple, heads: tuple[int, int]) -> tuple | None:
     return lifted if sum(d is None for d in lifted) <= 1 else None
 
 
-def _split_heads(v: Value, heads: tuple[int, int]) -> Value | Miss:
-    """The [B, N, S, D] tensor that `v` [B*N, S, D] reshapes, or a Miss (its reason follows the operand's name)."""
+def _split_heads(v: Value, heads: tuple[int, int]) -> Value | _Reshaped | Miss:
+    """The [B, N, S, D] tensor that `v` [B*N, S, D] reshapes, or a Miss (its reason follows the operand's name).
+
+    Where the reshape's source is another shape (a decode step's q: [B, 1, N, D], its size-1 transpose to
+    [B, N, 1, D] a view since canonicalize, the two reshapes one), the source reshaped to [B, N, S, D] instead
+    (`_Reshaped`, which the rewrite builds): a reshape keeps the elements' order, so reshaping the source to
+    [B, N, S, D] and merging B and N gives `v` again, and the fused op pairs the same rows of q, k and v."""
     op = defining(v, "ge.reshape", "ge.dynamic_reshape")
-    if op is None or _merged_heads(op.operands[0].type, v.type) != heads:
+    if op is None:
         source = "a graph argument" if v.owner is None else named(v.owner)
         return Miss(f"reaches the [B*N, S, D] matmul from {source}, not as a reshape of [{heads[0]}, {heads[1]}, S, D]")
-    return op.operands[0]
+    if _merged_heads(op.operands[0].type, v.type) == heads:
+        return op.operands[0]
+    shape = tuple(heads) + tuple(v.type.shape[1:])
+    if v.type.rank != 3 or v.type.shape[0] != heads[0] * heads[1] or sum(d is None for d in shape) > 1:
+        return Miss(f"reaches the [B*N, S, D] matmul as {named(op)} of {op.operands[0].type} to {v.type}, which "
+                    f"does not split into [{heads[0]}, {heads[1]}, S, D] with at most one run-time size")
+    return _Reshaped(op.operands[0], shape)
 
 
 def _is_pse(shape: tuple) -> bool:
