@@ -280,8 +280,8 @@ def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
     spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "serve.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    trace = bench.synthetic_trace(200, 20.0, 100, 0)
-    assert all(2 <= len(p) <= 64 and 1 <= n <= 64 for p, n, _ in trace)
+    trace = bench.sharegpt_trace(200, 20.0, 100, 0, bench.TINY_SCALE)  # the tiny shape's: half scale
+    assert all(4 <= len(p) <= 1024 and 1 <= n <= 512 for p, n, _ in trace)
     arrivals = [a for _, _, a in trace]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0
     # Poisson arrivals at 20 per ms: the mean gap is 50 us, within sampling error over 199 gaps
@@ -291,3 +291,21 @@ def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
     assert out[0].startswith("5 requests, prompts ") and [line.split()[0] for line in out[2:4]] == ["continuous",
                                                                                                       "static"]
     assert out[4].startswith("continuous batching: ")
+    assert out[5] == "goals (tiny shape):" and "in device time" in out[6] and "pool waste < 4 %" in out[7]
+
+
+def test_the_schedulers_waste_is_each_sequences_last_block_tail_over_its_life():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths = ((20, 6), (9, 3), (33, 4))
+    trace = [(list(range(1, p + 1)), n, 0.0) for p, n in lengths]
+    # all admitted in one prefill, each held in every step of its life: after its prefill p tokens, then p + k after
+    # its k-th decode step; allocated: whole blocks of those
+    for bs in (8, 16):
+        held = [t for p, n in lengths for t in range(p, p + n)]
+        allocated = sum(-(-t // bs) * bs for t in held)
+        assert bench.scheduler_waste(trace, (bs,))[bs] == pytest.approx((allocated - sum(held)) / allocated)
