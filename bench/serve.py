@@ -205,6 +205,14 @@ def _print_waste(trace: list) -> dict[int, float]:
     return waste
 
 
+def _describe(trace: list) -> str:
+    """The trace's lengths and arrivals in a phrase."""
+    prompts = [len(p) for p, _, _ in trace]
+    news = [n for _, n, _ in trace]
+    return (f"prompts {min(prompts)}-{max(prompts)} tokens (mean {sum(prompts) / len(trace):.1f}), outputs "
+            f"{min(news)}-{max(news)} (mean {sum(news) / len(trace):.1f}), arrivals over {trace[-1][2] / 1e3:.2f} ms")
+
+
 def _lengths(trace: list) -> list[tuple[int, int, float]]:
     return [(len(p), n, a) for p, n, a in trace]
 
@@ -307,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     from geir.frontends.serve import kv_bytes_per_token
 
     torch.manual_seed(0)
+    if args.waste_only:  # the trace alone: no model of this shape, no pool of its memory
+        trace = (sharegpt_trace(args.requests, args.rate, LLAMA_7B["vocab_size"], args.seed) if big else
+                 sharegpt_trace(args.requests, args.rate, 100, args.seed, TINY_SCALE))
+        print(f"{len(trace)} requests ({args.shape} shape's trace), {_describe(trace)}")
+        _print_waste(trace)
+        return 0
     if big:
         model = stand_in_llama(args.layers)
         trace = sharegpt_trace(args.requests, args.rate, LLAMA_7B["vocab_size"], args.seed)
@@ -322,15 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         pool_blocks = args.pool_blocks or TINY_POOL_BLOCKS
         what = f"2-layer LLaMA, hidden 64, f32{', timing only' if args.timing_only else ''}"
     pool_bytes = pool_blocks * args.block_size * per_token
-    prompts = [len(p) for p, _, _ in trace]
-    news = [n for _, n, _ in trace]
-    print(f"{len(trace)} requests, prompts {min(prompts)}-{max(prompts)} tokens (mean {sum(prompts) / len(trace):.1f}), "
-          f"outputs {min(news)}-{max(news)} (mean {sum(news) / len(trace):.1f}), arrivals over "
-          f"{trace[-1][2] / 1e3:.2f} ms; pool {pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B"
+    print(f"{len(trace)} requests, {_describe(trace)}; pool {pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B"
           f"{f', {per_token} B a token' if big else ''}); {what}, ascend910b, {args.launch} launches")
-    if args.waste_only:
-        _print_waste(trace)
-        return 0
     print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>9}{'TPOT us':>9}{'busy ms':>9}{'idle ms':>9}"
           f"{'peak':>6}{'util':>6}{'waste':>7}{'preempt':>8}{'hits':>6}{'miss':>6}{'GE ms':>8}")
     rows, runs, tokens = [], [], None
