@@ -27,7 +27,7 @@ What is modelled, and what is not:
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
   requests that have arrived and whose blocks fit, first come first served, within a token budget (vLLM's
   max_num_batched_tokens, counted here as the prefill's batch gear x slots: the work it runs, pads included; a
-  prompt over the budget runs alone), prefills them together in one step, then runs one decode step over every
+  prompt over the budget runs alone, where vLLM would refuse it), prefills them together in one step, then runs one decode step over every
   running sequence; finished sequences leave and free their blocks. When a running sequence needs a block and
   none is free, the latest admitted sequence is preempted by recompute: its blocks are freed and it waits
   again, to be prefilled over its prompt and the tokens it already has.
@@ -725,7 +725,7 @@ class _Server:
                 if not self.pool.can_hold(seq.index, len(seq.tokens) + (0 if seq.new + 1 >= seq.max_new else 1)):
                     break
                 if admitted and self._prefill_cost(admitted + [seq]) > self.max_batched_tokens:
-                    break  # a prompt alone is never refused for the budget: it runs in a step of its own
+                    break  # a prompt over the budget runs alone (vLLM ignores it: here no request is lost)
                 waiting.remove(seq)
                 self.pool.allocate(seq.index, len(seq.tokens))
                 seq.admitted = self.admissions
