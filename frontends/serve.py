@@ -27,8 +27,8 @@ What is modelled, and what is not:
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
   requests that have arrived and whose blocks fit, first come first served, within a token budget (vLLM's
   max_num_batched_tokens, counted here as the prefill's batch gear x slots: the work it runs, pads included; a
-  prompt over the budget runs alone, where vLLM would refuse it), prefills them together in one step, then runs one decode step over every
-  running sequence; finished sequences leave and free their blocks. When a running sequence needs a block and
+  prompt over the budget runs alone, where vLLM would refuse it), prefills them together in one step, then
+  runs one decode step over every running sequence; finished sequences leave and free their blocks. When a running sequence needs a block and
   none is free, the latest admitted sequence is preempted by recompute: its blocks are freed and it waits
   again, to be prefilled over its prompt and the tokens it already has.
 - Static batching: a batch is formed from the requests waiting when the previous batch ends, each reserving
