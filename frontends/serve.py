@@ -28,9 +28,9 @@ What is modelled, and what is not:
   requests that have arrived and whose blocks fit, first come first served, within a token budget (vLLM's
   max_num_batched_tokens, counted here as the prefill's batch gear x slots: the work it runs, pads included; a
   prompt over the budget runs alone, where vLLM would refuse it), prefills them together in one step, then
-  runs one decode step over every running sequence; finished sequences leave and free their blocks. When a running sequence needs a block and
-  none is free, the latest admitted sequence is preempted by recompute: its blocks are freed and it waits
-  again, to be prefilled over its prompt and the tokens it already has.
+  runs one decode step over every running sequence; finished sequences leave and free their blocks. When a
+  running sequence needs a block and none is free, the latest admitted sequence is preempted by recompute: its
+  blocks are freed and it waits again, to be prefilled over its prompt and the tokens it already has.
 - Static batching: a batch is formed from the requests waiting when the previous batch ends, each reserving
   blocks for the longest it can get in the batch; its prompts are prefilled together (the same batched prefill
   and budget), then the batch decodes until its longest request is done (finished rows keep their slot, their
