@@ -1,40 +1,44 @@
 """Continuous against static batching at equal KV pool memory, on a synthetic trace (geir.frontends.torch.serve).
 
     python bench/serve.py [--shape tiny|llama-7b] [--requests N] [--rate R] [--block-size B] [--pool-blocks P]
-                          [--timing-only] [--launch single-op|graph] [--seed 0] [--json OUT.json] [--plot OUT.png]
+                          [--timing-only] [--launch single-op|graph] [--seed 0] [--waste-only] [--json OUT.json]
+                          [--plot OUT.png]
+
+The trace: lengths log-normal with the vLLM paper's ShareGPT means (Kwon et al., SOSP 2023, section 6.1: 161
+prompt and 338 output tokens on average), times a scale: prompts exp(N(ln(161 s) - 1/2, 1.0)) clipped to
+[4, 2048 s], outputs exp(N(ln(338 s) - 0.32, 0.8)) clipped to [1, 1024 s] (mu = ln(mean) - sigma^2 / 2 puts the
+log-normal's mean at the paper's; the spreads are this bench's choice); Poisson arrivals at `--rate`.
 
 Two shapes:
 - `tiny` (the default): a random-init 2-layer LLaMA (hidden 64, 4 heads, 2 KV heads, f32) with full numerics;
-  `--requests` (24) requests with Poisson arrivals at `--rate` (20) per modelled millisecond; prompt and output
-  lengths log-normal, shaped like ShareGPT's (long-tailed) and scaled down to this model: prompts
-  exp(N(ln 12, 0.6)) clipped to [2, 64], outputs exp(N(ln 16, 0.7)) clipped to [1, 64]; 16-token blocks, a pool of
-  48. Both policies' tokens must agree.
+  64 requests (the issue's 64-256) at half scale (s = 0.5: means 81 and 169 tokens, so a sequence spans several
+  16-token blocks as ShareGPT's do) arriving at 20 per modelled millisecond; 16-token blocks (the paper's), a pool
+  of 512 blocks (about half of what the trace needs with every request at its longest: memory bounds the batch).
+  Both policies' tokens must agree.
 - `llama-7b`: LLaMA-2-7B's shape (Meta's config.json: hidden 4096, 32 heads, 32 KV heads, 32 layers, MLP 11008,
   vocabulary 32000; f16), timing only: its weights are stand-ins with every shape and no bytes (one element
   broadcast, zero strides; 13.5 GB of f16 would not fit the host), so every kernel is timed by its cost model on
-  the real shapes and nothing is computed. 256 requests (64-256 is the issue's range) at 20 per modelled second;
-  lengths log-normal with the vLLM paper's ShareGPT means (Kwon et al., SOSP 2023, section 6.1: 161 prompt and
-  338 output tokens on average): prompts exp(N(ln 161 - 1/2, 1.0)) clipped to [4, 2048], outputs
-  exp(N(ln 338 - 0.32, 0.8)) clipped to [1, 1024] (mu = ln(mean) - sigma^2 / 2 puts the log-normal's mean at
-  the paper's; the spreads are this bench's choice). 128-token blocks as on Ascend; the pool is an Atlas 800I
-  A2's 64 GiB of HBM at vLLM's default gpu_memory_utilization of 0.9, less the weights.
+  the real shapes and nothing is computed. 256 requests at full scale (s = 1) at 20 per modelled second;
+  128-token blocks as on Ascend; the pool is an Atlas 800I A2's 64 GiB of HBM at vLLM's default
+  gpu_memory_utilization of 0.9, less the weights.
 
 Each row: throughput (new tokens per modelled second over the makespan, GE's host work included as it lies on the
 one clock), device throughput (new tokens per second of device busy time: the steady state once GE's plans are
 cached), mean TTFT and TPOT, device busy and idle time, pool peak, utilisation and waste, preemptions, plan-cache
 hits and misses, host GE time. Waste is the slots allocated beyond the tokens stored, as a share of the allocated
-slots (the PagedAttention paper's measure), summed over the run's steps; `of pool` is the same slots as a share of
-the whole pool's. The device figures are simulated; GE's host time is measured, so it and the makespan vary with
-the machine's load.
+slots (the PagedAttention paper's measure: its Fig. 2 has 96.3 % of vLLM's KV memory holding tokens), summed over
+the run's steps; `of pool` is the same slots as a share of the whole pool's. The device figures are simulated;
+GE's host time is measured, so it and the makespan vary with the machine's load.
 
-The llama-7b shape also judges the issue's goals, each PASS or MISS with its figure: continuous >= 2x static's
-throughput, pool waste < 4 %, device idle <= 5 % of a batch-1 decode step in graph mode (the profile's
-device_idle_us over the step's span), the decode TPOT within 15 % of a measured anchor (none is published for a
-7B decode on an Atlas A2 that this bench could cite: said so), and the 256-request trace in at most 60 s of host
-time (each policy's serve() call, export and compiles included, on this host).
-
-What is modelled: the pool is bookkeeping (admission, preemption, waste); attention reads a dense per-batch cache
-that a regroup run rebuilds on the device when rows join or leave (see geir/frontends/serve.py).
+Both shapes judge the issue's goals, each PASS or MISS with its figure: continuous >= 2x static's throughput (on
+the one clock, and in device time), pool waste < 4 %. The paper's < 4 % is measured with 16-token blocks and
+internal fragmentation is about half a block per sequence, so the waste goal is judged at block size 16 and also
+reported at Ascend's 128 (for llama-7b at 16 from the scheduler alone on the same trace, `scheduler_waste`:
+waste depends on which tokens each step holds, not on the model). The llama-7b shape adds: device idle <= 5 % of
+a batch-1 decode step in graph mode (the profile's device_idle_us over the step's span), the decode TPOT within
+15 % of a measured anchor (none is published for a 7B decode on an Atlas A2 that this bench could cite: said so),
+and the 256-request trace in at most 60 s of host time (each policy's serve() call, export and compiles
+included, on this host). `--waste-only` prints the waste at both block sizes and nothing else.
 """
 
 from __future__ import annotations
@@ -58,29 +62,28 @@ PROMPT_SIGMA, OUTPUT_SIGMA = 1.0, 0.8
 # Atlas 800I A2: 64 GB of HBM per 910B NPU; vLLM's default gpu_memory_utilization
 HBM_BYTES, MEMORY_UTILISATION = 64 << 30, 0.9
 GOAL_SPEEDUP, GOAL_WASTE, GOAL_IDLE, GOAL_TPOT, GOAL_HOST_S = 2.0, 0.04, 0.05, 0.15, 60.0
+# the tiny shape's trace: the same ShareGPT-like distribution at half scale (means 81 and 169 tokens), so a sequence
+# spans several 16-token blocks as ShareGPT's do while a full-numerics run stays within minutes; its pool holds about
+# half of what the trace needs with every request at its longest, so memory bounds the batch as in the vLLM paper
+TINY_SCALE, TINY_POOL_BLOCKS = 0.5, 512
+# the PagedAttention paper's block size (vLLM's default; Kwon et al., SOSP 2023, section 7.2) and Ascend's default
+# (vllm-ascend; ATB's recommendation): both inside FusedInferAttentionScore's documented range for head dim 128
+# (ops-transformer, aclnnFusedInferAttentionScoreV5.md, Paged Attention: blockSize 16-aligned, at most 1024)
+PAPER_BLOCK, ASCEND_BLOCK = 16, 128
 
 
-def synthetic_trace(n: int, rate_per_ms: float, vocab: int, seed: int) -> list[tuple[list[int], int, float]]:
-    """ShareGPT-like long-tailed lengths (log-normal, scaled down to the tiny model) and Poisson arrivals."""
+def sharegpt_trace(n: int, rate_per_ms: float, vocab: int, seed: int,
+                   scale: float = 1.0) -> list[tuple[list[int], int, float]]:
+    """Lengths log-normal with the vLLM paper's ShareGPT means times `scale` (1: full scale; the spreads and the
+    clips scale with them), Poisson arrivals."""
     rng = random.Random(seed)
+    mu_p = math.log(SHAREGPT_MEAN_PROMPT * scale) - PROMPT_SIGMA ** 2 / 2
+    mu_o = math.log(SHAREGPT_MEAN_OUTPUT * scale) - OUTPUT_SIGMA ** 2 / 2
+    top_p, top_o = max(4, round(2048 * scale)), max(2, round(1024 * scale))
     out, t = [], 0.0
     for _ in range(n):
-        prompt = min(64, max(2, round(math.exp(rng.gauss(math.log(12), 0.6)))))
-        new = min(64, max(1, round(math.exp(rng.gauss(math.log(16), 0.7)))))
-        out.append(([rng.randrange(1, vocab) for _ in range(prompt)], new, t))
-        t += rng.expovariate(rate_per_ms) * 1000.0
-    return out
-
-
-def sharegpt_trace(n: int, rate_per_ms: float, vocab: int, seed: int) -> list[tuple[list[int], int, float]]:
-    """Lengths log-normal with the vLLM paper's ShareGPT means (full scale), Poisson arrivals."""
-    rng = random.Random(seed)
-    mu_p = math.log(SHAREGPT_MEAN_PROMPT) - PROMPT_SIGMA ** 2 / 2
-    mu_o = math.log(SHAREGPT_MEAN_OUTPUT) - OUTPUT_SIGMA ** 2 / 2
-    out, t = [], 0.0
-    for _ in range(n):
-        prompt = min(2048, max(4, round(math.exp(rng.gauss(mu_p, PROMPT_SIGMA)))))
-        new = min(1024, max(1, round(math.exp(rng.gauss(mu_o, OUTPUT_SIGMA)))))
+        prompt = min(top_p, max(4, round(math.exp(rng.gauss(mu_p, PROMPT_SIGMA)))))
+        new = min(top_o, max(1, round(math.exp(rng.gauss(mu_o, OUTPUT_SIGMA)))))
         out.append(([rng.randrange(1, vocab) for _ in range(prompt)], new, t))
         t += rng.expovariate(rate_per_ms) * 1000.0
     return out
@@ -157,6 +160,63 @@ def _row(policy: str, run: Any, host_s: float) -> dict[str, Any]:
             "pool_waste_of_pool": waste_slots / pool_slots if pool_slots else 0.0, "host_s": host_s}
 
 
+def tiny_llama() -> Any:
+    """The tiny shape's model: a random-init 2-layer LLaMA (hidden 64, 4 heads, 2 KV heads, f32)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def scheduler_waste(trace: list, block_sizes: tuple[int, ...]) -> dict[int, float]:
+    """Continuous batching's pool waste (slots allocated beyond the tokens over the allocated slots, summed over the
+    steps) on `trace`'s lengths at each block size, from the scheduler and the pool's accounting alone: a tiny
+    model, timing only (waste does not depend on the model, only on which tokens each step holds), every request
+    arriving at once (a sequence is counted in every step of its life, whatever the arrivals), a pool that holds
+    them all (as the 7B shape's 60 GB pool does: no preemption)."""
+    import torch
+
+    from geir.frontends.torch import serve
+
+    model = tiny_llama()
+    requests = [(torch.tensor([1 + t % 99 for t in p]), n, 0.0) for p, n, _ in trace]
+    out = {}
+    for bs in block_sizes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[bs] = serve(model, requests, block_size=bs, timing_only=True).pool_waste
+    return out
+
+
+def _print_waste(trace: list) -> dict[int, float]:
+    """The scheduler's waste on the trace at the paper's and Ascend's block sizes, printed beside the expectation
+    of internal fragmentation alone (half a block per sequence, over its tokens and that half block)."""
+    start = time.perf_counter()
+    waste = scheduler_waste(trace, (PAPER_BLOCK, ASCEND_BLOCK))
+    host_s = time.perf_counter() - start
+    for bs, w in waste.items():
+        held = sum(sum(p + k for k in range(n)) for p, n, _ in _lengths(trace)) / sum(n for _, n, _ in _lengths(trace))
+        print(f"pool waste at block size {bs:>3} (continuous, scheduler only): {100 * w:5.2f} % of allocated slots "
+              f"(half a block per sequence over a mean {held:.0f} tokens held: {100 * bs / 2 / (held + bs / 2):.1f} %)")
+    print(f"(a tiny model timing only on the trace's lengths, every request at once: {host_s:.0f} s of host time)")
+    return waste
+
+
+def _describe(trace: list) -> str:
+    """The trace's lengths and arrivals in a phrase."""
+    prompts = [len(p) for p, _, _ in trace]
+    news = [n for _, n, _ in trace]
+    return (f"prompts {min(prompts)}-{max(prompts)} tokens (mean {sum(prompts) / len(trace):.1f}), outputs "
+            f"{min(news)}-{max(news)} (mean {sum(news) / len(trace):.1f}), arrivals over {trace[-1][2] / 1e3:.2f} ms")
+
+
+def _lengths(trace: list) -> list[tuple[int, int, float]]:
+    return [(len(p), n, a) for p, n, a in trace]
+
+
 def _print_row(policy: str, row: dict[str, Any]) -> None:
     print(f"{policy:<11}{row['throughput_tok_per_s']:>8.0f}{row['new_tokens'] / row['device_busy_us'] * 1e6:>13.0f}"
           f"{row['makespan_us'] / 1e3:>12.2f}{row['mean_ttft_us'] / 1e3:>9.2f}"
@@ -221,22 +281,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=("tiny", "llama-7b"), default="tiny",
                     help="tiny: a 2-layer LLaMA with full numerics; llama-7b: LLaMA-2-7B's shape, timing only")
-    ap.add_argument("--requests", type=int, help="requests in the trace (tiny 24, llama-7b 256)")
+    ap.add_argument("--requests", type=int, help="requests in the trace (tiny 64, llama-7b 256)")
     ap.add_argument("--rate", type=float, help="arrivals per modelled millisecond (tiny 20, llama-7b 0.02)")
     ap.add_argument("--block-size", type=int, help="tokens per KV block (tiny 16, llama-7b 128)")
     ap.add_argument("--pool-blocks", type=int,
-                    help="KV pool blocks, the same for both (tiny 48; llama-7b: 0.9 x 64 GiB less the weights)")
+                    help=f"KV pool blocks, the same for both (tiny {TINY_POOL_BLOCKS}; llama-7b: 0.9 x 64 GiB less the "
+                         f"weights)")
     ap.add_argument("--layers", type=int, default=LLAMA_7B["num_hidden_layers"],
                     help="llama-7b: how many of its 32 layers (fewer: a quicker check of the same path)")
     ap.add_argument("--timing-only", action="store_true", help="cost models only (no token check; llama-7b always)")
     ap.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
                     help="how each step's kernels reach the device (default single-op)")
     ap.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
+    ap.add_argument("--waste-only", action="store_true",
+                    help=f"only the scheduler's pool waste on this shape's trace at block sizes {PAPER_BLOCK} and "
+                         f"{ASCEND_BLOCK} (no policy runs)")
     ap.add_argument("--json", help="also write the rows as JSON")
     ap.add_argument("--plot", help="also draw the run (pool occupancy and batch over time) to this PNG")
     args = ap.parse_args(argv)
     big = args.shape == "llama-7b"
-    args.requests = args.requests or (256 if big else 24)
+    args.requests = args.requests or (256 if big else 64)
     args.rate = args.rate if args.rate is not None else (0.02 if big else 20.0)
     args.block_size = args.block_size or (128 if big else 16)
     args.timing_only = args.timing_only or big
@@ -251,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     from geir.frontends.serve import kv_bytes_per_token
 
     torch.manual_seed(0)
+    if args.waste_only:  # the trace alone: no model of this shape, no pool of its memory
+        trace = (sharegpt_trace(args.requests, args.rate, LLAMA_7B["vocab_size"], args.seed) if big else
+                 sharegpt_trace(args.requests, args.rate, 100, args.seed, TINY_SCALE))
+        print(f"{len(trace)} requests ({args.shape} shape's trace), {_describe(trace)}")
+        _print_waste(trace)
+        return 0
     if big:
         model = stand_in_llama(args.layers)
         trace = sharegpt_trace(args.requests, args.rate, LLAMA_7B["vocab_size"], args.seed)
@@ -260,19 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         what = (f"LLaMA-2-7B shape ({args.layers} layers, f16, stand-in weights of {weight_bytes(model) / 1e9:.1f} GB),"
                 f" timing only")
     else:
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-        model = transformers.LlamaForCausalLM(config).eval()
-        trace = synthetic_trace(args.requests, args.rate, config.vocab_size, args.seed)
+        model = tiny_llama()
+        trace = sharegpt_trace(args.requests, args.rate, model.config.vocab_size, args.seed, TINY_SCALE)
         per_token = kv_bytes_per_token(model)
-        pool_blocks = args.pool_blocks or 48
+        pool_blocks = args.pool_blocks or TINY_POOL_BLOCKS
         what = f"2-layer LLaMA, hidden 64, f32{', timing only' if args.timing_only else ''}"
     pool_bytes = pool_blocks * args.block_size * per_token
-    prompts = [len(p) for p, _, _ in trace]
-    news = [n for _, n, _ in trace]
-    print(f"{len(trace)} requests, prompts {min(prompts)}-{max(prompts)} tokens (mean {sum(prompts) / len(trace):.1f}), "
-          f"outputs {min(news)}-{max(news)} (mean {sum(news) / len(trace):.1f}), arrivals over "
-          f"{trace[-1][2] / 1e3:.2f} ms; pool {pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B"
+    print(f"{len(trace)} requests, {_describe(trace)}; pool {pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B"
           f"{f', {per_token} B a token' if big else ''}); {what}, ascend910b, {args.launch} launches")
     print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>9}{'TPOT us':>9}{'busy ms':>9}{'idle ms':>9}"
           f"{'peak':>6}{'util':>6}{'waste':>7}{'preempt':>8}{'hits':>6}{'miss':>6}{'GE ms':>8}")
@@ -295,12 +359,29 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     if big:
         extra = _goals(model, args, trace, rows, speedup)
+    else:
+        _tiny_goals(args, rows, speedup)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, **extra} if big else rows, f, indent=1)
     if args.plot:
         _plot(rows, runs, args.plot, f"{len(trace)} requests, {what}; pool {pool_blocks} x {args.block_size} tokens")
     return 0
+
+
+def _tiny_goals(args: argparse.Namespace, rows: list[dict[str, Any]], speedup: float) -> None:
+    """The issue's throughput and waste goals on the tiny shape, PASS or MISS with their figures."""
+    cont, stat = rows
+    device = stat["device_busy_us"] / cont["device_busy_us"]
+    print("goals (tiny shape):")
+    print(f"  continuous >= {GOAL_SPEEDUP:.0f}x static's throughput at equal pool memory: on the one clock "
+          f"{_verdict(speedup >= GOAL_SPEEDUP)} ({speedup:.2f}x; GE's compiles, {cont['plan_cache_misses']} and "
+          f"{stat['plan_cache_misses']}, are most of each makespan); in device time {_verdict(device >= GOAL_SPEEDUP)} "
+          f"({device:.2f}x)")
+    paper = "the paper's" if args.block_size == PAPER_BLOCK else f"not the paper's {PAPER_BLOCK}"
+    print(f"  pool waste < {100 * GOAL_WASTE:.0f} % (continuous, {args.block_size}-token blocks, {paper}): "
+          f"{_verdict(cont['pool_waste'] < GOAL_WASTE)} ({100 * cont['pool_waste']:.2f} % of allocated slots; static "
+          f"{100 * stat['pool_waste']:.1f} %)")
 
 
 def _goals(model: Any, args: argparse.Namespace, trace: list, rows: list[dict[str, Any]],
@@ -313,9 +394,15 @@ def _goals(model: Any, args: argparse.Namespace, trace: list, rows: list[dict[st
     print("goals (LLaMA-2-7B shape):")
     print(f"  continuous >= {GOAL_SPEEDUP:.0f}x static's throughput at equal pool memory: {_verdict(speedup >= GOAL_SPEEDUP)} "
           f"({speedup:.2f}x on the one clock; {stat['device_busy_us'] / cont['device_busy_us']:.2f}x in device time)")
-    print(f"  pool waste < {100 * GOAL_WASTE:.0f} % (continuous): {_verdict(cont['pool_waste'] < GOAL_WASTE)} "
-          f"({100 * cont['pool_waste']:.2f} % of allocated slots, {100 * cont['pool_waste_of_pool']:.2f} % of the pool's; "
-          f"static {100 * stat['pool_waste']:.1f} % of allocated)")
+    waste = scheduler_waste(trace, (PAPER_BLOCK,)) if args.block_size != PAPER_BLOCK else {}
+    waste[args.block_size] = cont["pool_waste"]
+    # judged at the paper's block size: its < 4 % is measured there, and internal fragmentation (half a block per
+    # sequence) grows with the block: at 128 on ShareGPT's lengths half a block alone is ~13 % of what is held
+    print(f"  pool waste < {100 * GOAL_WASTE:.0f} % (continuous) at block size {PAPER_BLOCK}, the paper's: "
+          f"{_verdict(waste[PAPER_BLOCK] < GOAL_WASTE)} ({100 * waste[PAPER_BLOCK]:.2f} % of allocated slots"
+          f"{'' if args.block_size == PAPER_BLOCK else ', the scheduler alone on this trace'}); at this run's "
+          f"{args.block_size}: {_verdict(cont['pool_waste'] < GOAL_WASTE)} ({100 * cont['pool_waste']:.2f} % of "
+          f"allocated, {100 * cont['pool_waste_of_pool']:.2f} % of the pool's; static {100 * stat['pool_waste']:.1f} %)")
     print(f"  device idle <= {100 * GOAL_IDLE:.0f} % of a batch-1 decode step, graph mode: "
           f"{_verdict(step['idle_share'] <= GOAL_IDLE)} ({step['device_idle_us']:.1f} us of {step['decode_span_us']:.0f} us, "
           f"{100 * step['idle_share']:.2f} %; prompt {prompt}, 128-slot cache)")
@@ -326,7 +413,7 @@ def _goals(model: Any, args: argparse.Namespace, trace: list, rows: list[dict[st
     for row in rows:
         print(f"  {len(trace)} requests in <= {GOAL_HOST_S:.0f} s of host time ({row['policy']}): "
               f"{_verdict(row['host_s'] <= GOAL_HOST_S)} ({row['host_s']:.0f} s, export and compiles included)")
-    return {"decode_batch1": step, "weights_read_us": floor_us}
+    return {"decode_batch1": step, "weights_read_us": floor_us, "pool_waste_by_block_size": waste}
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 `serve` takes requests `(input_ids, max_new_tokens, arrival_us)` and runs them greedily as a server would. The
 step programs are exported from the model over the KV *pools* (one [pool slots, kv heads, head dim] tensor per
-layer for keys and one for values, resident on the device from the start): a prefill per admitted request (batch
-1) writes its tokens' keys and values into its blocks, and a decode step over the whole running batch writes each
-row's new key and value at that row's own pool slot (`index_copy` at the slots the block tables give) and reads
-each row's keys back through its block table (`pool.view(blocks, block_size, ...)[table]`). GE's fuse pass turns
-that read and the attention into one `ge.paged_attention` (FusedInferAttentionScore with a block table:
+layer for keys and one for values, resident on the device from the start): a batched prefill of an iteration's
+admitted prompts (rows of different lengths, each padded to the longest's blocks) writes each row's keys and values
+into its blocks, and a decode step over the whole running batch writes each row's new key and value at that row's
+own pool slot (`index_copy` at the slots the block tables give); both read each row's keys back through its block
+table (`pool.view(blocks, block_size, ...)[table]`) up to its own length (the mask). GE's fuse pass turns that
+read and the attention into one `ge.paged_attention` (FusedInferAttentionScore with a block table: its
+PromptFlashAttention branch for a prefill's rows, IncreFlashAttention's for a decode step's;
 passes/fusion/paged_attention.py, kernels/paged_attention.py), so the kernel reads the blocks in place; serve
 donates the pools to each step, so their update writes only the step's slots (ge.index_put's `in_place`).
 
@@ -16,18 +18,24 @@ What is modelled, and what is not:
   peak and waste. Rows joining or leaving the batch, or growing a block, move no cache: the block tables change.
   A decode step's table width is the longest row's blocks (`buckets`' gear, in blocks); each row's keys past its
   length are masked, and the kernel reads every block of the width (skipping a shorter row's tail is not
-  modelled). A prefill's pads past its own blocks (a `buckets` gear) write into scratch slots past the pool's.
-- GE's gears: a prefill is padded to its cache's slots (pads after the tokens, masked), so a plan serves every
-  prompt of that many blocks; a decode step's batch is padded to a power of two (rows repeated, their
-  results dropped). GE re-plans only on a new (batch, slots) bucket; the pads cost compute.
+  modelled); a prefill's table likewise.
+- GE's gears: a prefill's batch is padded to a power of two (rows repeating the first, results dropped) and its
+  rows to the longest row's whole blocks (pads after each row's tokens, masked; a shorter row's pads past its own
+  blocks write into scratch slots past the pool's), so a plan serves every set of prompts of that (batch, blocks);
+  a decode step's batch is padded to a power of two likewise. GE re-plans only on a new (batch, slots) bucket;
+  the pads cost compute.
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
-  requests that have arrived and whose blocks fit (first come, first served), prefills them, then runs one
-  decode step over every running sequence; finished sequences leave and free their blocks. When a running
-  sequence needs a block and none is free, the latest admitted sequence is preempted by recompute: its blocks
-  are freed and it waits again, to be prefilled over its prompt and the tokens it already has.
+  requests that have arrived and whose blocks fit, first come first served, within a token budget (vLLM's
+  max_num_batched_tokens, counted here as the prefill's batch gear x slots: the work it runs, pads included; a
+  prompt over the budget runs alone, where vLLM would refuse it), prefills them together in one step, then
+  runs one decode step over every running sequence; finished sequences leave and free their blocks. When a
+  running sequence needs a block and none is free, the latest admitted sequence is preempted by recompute: its
+  blocks are freed and it waits again, to be prefilled over its prompt and the tokens it already has.
 - Static batching: a batch is formed from the requests waiting when the previous batch ends, each reserving
-  blocks for the longest it can get in the batch; the batch decodes until its longest request is done
-  (finished rows keep their slot, their results dropped), and arrivals wait for the next batch.
+  blocks for the longest it can get in the batch; its prompts are prefilled together (the same batched prefill
+  and budget), then the batch decodes until its longest request is done (finished rows keep their slot, their
+  results dropped), and arrivals wait for the next batch. Both policies run the same step programs and kernels
+  over the same pool.
 - One clock: GE's host work (compiles and re-plans, measured on the host) overlaps the device's runs as in
   generate(); every device figure is the simulator's. A request cannot start before it arrives.
 """
@@ -62,6 +70,10 @@ from geir.types import TensorType
 
 POLICIES = ("continuous", "static")
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
+PREFILL_INPUTS, DECODE_INPUTS = 7, 6  # each step program's inputs before the pools
+# vLLM's default max_num_batched_tokens when chunked prefill is off (vllm/config.py, SchedulerConfig:
+# _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048): the most tokens one iteration's prefills may take
+MAX_BATCHED_TOKENS = 2048
 
 
 @attrs.frozen
@@ -84,7 +96,7 @@ class RequestRecord:
 
 @attrs.frozen
 class ServeStep:
-    """One device run of a serving run: a request's prefill, a batch's decode step, or a regroup of the cache."""
+    """One device run of a serving run: a batched prefill, a batch's decode step, or a regroup of the cache."""
 
     index: int
     kind: str  # "prefill", "decode" or "regroup"
@@ -327,10 +339,11 @@ def _paged_layer_class():
             def flat(x):  # [B, Nkv, S, D] -> [B x S, Nkv, D]: one row per slot written
                 return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
-            self.pool_keys = self.pool_keys.index_copy(0, self.write, flat(key_states))
-            self.pool_values = self.pool_values.index_copy(0, self.write, flat(value_states))
-            if self.table is None:  # a prefill attends over its own tokens
-                return key_states, value_states
+            write = self.write.reshape(-1)  # a prefill's [B, S] slots, a decode step's [B]: one per row written
+            self.pool_keys = self.pool_keys.index_copy(0, write, flat(key_states))
+            self.pool_values = self.pool_values.index_copy(0, write, flat(value_states))
+            # both steps attend through the block table (FIA's PromptFlashAttention branch for a prefill's rows,
+            # IncreFlashAttention's for a decode step's), each row over its own blocks up to its own length
             return self._read(self.pool_keys), self._read(self.pool_values)
 
     return PagedLayer
@@ -338,11 +351,11 @@ def _paged_layer_class():
 
 class _PagedStep(_StepModule):
     """A step over the KV pools (one [pool slots, Nkv, D] tensor per layer for keys and one for values): the step's
-    keys and values written at `write` (pool slots: block x block_size + offset), the decode's attention read
-    through `table` (each row's blocks, in order); returns the next-token logits and the pools."""
+    keys and values written at `write` (pool slots: block x block_size + offset), the attention read through
+    `table` (each row's blocks, in order); returns the logits and the pools."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, prefill: bool):
-        super().__init__(model, prefill)
+    def __init__(self, model: torch.nn.Module, block_size: int):
+        super().__init__(model, False)
         self.block_size = block_size
         self.paged_layer = _paged_layer_class()
 
@@ -361,38 +374,43 @@ class _PagedDecode(_PagedStep):
     """The decode step for a batch of sequences at different lengths: each row writes its key and value at its own
     pool slot and attends over its own blocks (the table) up to its own length (`attention_mask`)."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int):
-        super().__init__(model, block_size, False)
-
     def forward(self, input_ids, attention_mask, slots, position_ids, write, table, *pools):
         logits, pools = self.run(input_ids, attention_mask, slots, position_ids, write, table, pools)
         return (logits[:, -1, :], *pools)
 
 
 class _PagedPrefill(_PagedStep):
-    """The prefill of one sequence padded to its slots (GE's gears: a plan per slot count, not per prompt length):
-    the pads come after the tokens, so causality keeps them out of the tokens' attention, and their keys land in
-    slots no later step reads before overwriting them; the next token's logits are read at the last real token."""
+    """The prefill of a batch of sequences of different lengths, each row padded to the batch's slots (whole
+    blocks; GE's gears: a plan per (batch, slots), not per set of prompt lengths): a row's pads come after its
+    tokens, so causality and the mask keep them out of its tokens' attention; each row writes its keys and values
+    into its own blocks (pads past them into scratch slots no table names) and attends through its block table
+    over its own length (the mask: FIA's per-row actual_seq_lengths); each row's next-token logits are read at
+    its own last token (`last`)."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int):
-        super().__init__(model, block_size, False)
-
-    def forward(self, input_ids, attention_mask, slots, position_ids, last, write, *pools):
-        logits, pools = self.run(input_ids, attention_mask, slots, position_ids, write, None, pools)
-        return (logits.index_select(1, last)[:, 0, :], *pools)
+    def forward(self, input_ids, attention_mask, slots, position_ids, last, write, table, *pools):
+        logits, pools = self.run(input_ids, attention_mask, slots, position_ids, write, table, pools)
+        at = last.reshape(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+        return (logits.gather(1, at)[:, 0, :], *pools)
 
 
-def _prefill_inputs(tokens: list[int], slots: int, write: list[int]) -> tuple[torch.Tensor, ...]:
-    """A prefill's inputs for one sequence padded to `slots`: ids (pads 0), the mask over the slots, the slots
-    written, the positions (the pads' held at the last token's, inside any model's position table), the last
-    token's index, and the pool slot each position's key and value go to."""
-    n = len(tokens)
-    mask = torch.zeros(1, slots, dtype=torch.long)
-    mask[0, :n] = 1
-    ids = torch.zeros(1, slots, dtype=torch.long)
-    ids[0, :n] = torch.tensor([max(t, 0) for t in tokens])  # timing only: an unknown token (-1) fed as 0
-    positions = torch.arange(slots).clamp(max=n - 1)[None]
-    return ids, mask, torch.arange(slots), positions, torch.tensor([n - 1]), torch.tensor(write)
+def _prefill_inputs(rows: list[list[int]], slots: int, writes: list[list[int]], tables: list[list[int]],
+                    block_size: int) -> tuple[torch.Tensor, ...]:
+    """A batched prefill's inputs, each row padded to `slots` (whole blocks): ids (pads 0), the mask over the slots
+    (each row's own length), the slots, the positions (a row's pads held at its last token's, inside any model's
+    position table), each row's last token's index, the pool slot each position's key and value go to, and each
+    row's block table (cut or padded with block 0 to the slots' blocks: the mask keeps those keys out)."""
+    batch, blocks = len(rows), slots // block_size
+    mask = torch.zeros(batch, slots, dtype=torch.long)
+    ids = torch.zeros(batch, slots, dtype=torch.long)
+    positions = torch.empty(batch, slots, dtype=torch.long)
+    for i, tokens in enumerate(rows):
+        n = len(tokens)
+        mask[i, :n] = 1
+        ids[i, :n] = torch.tensor([max(t, 0) for t in tokens])  # timing only: an unknown token (-1) fed as 0
+        positions[i] = torch.arange(slots).clamp(max=n - 1)
+    last = torch.tensor([len(t) - 1 for t in rows])
+    table = torch.tensor([t[:blocks] + [0] * (blocks - len(t)) for t in tables])
+    return ids, mask, torch.arange(slots), positions, last, torch.tensor(writes), table
 
 
 def _slot_of(table: list[int], position: int, block_size: int) -> int:
@@ -433,7 +451,8 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
           pool_bytes: int | None = None, launch: str = "single-op", buckets: Sequence[int] | str | None = None,
           dtype: torch.dtype | None = None, target: Target | str = DEFAULT_TARGET, timing_only: bool = False,
           pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = (),
-          progress: Callable[[int, int], None] | None = None) -> Serving:
+          progress: Callable[[int, int], None] | None = None,
+          max_batched_tokens: int = MAX_BATCHED_TOKENS) -> Serving:
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
@@ -441,13 +460,16 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     timed by the kernels' cost models without the arithmetic (the schedule does not depend on the tokens, so the
     device figures are the full run's); the new tokens are then unknown, -1. ValueError, before anything runs,
     for a bad argument or a request that could never fit the pool. `progress(done, total)`: told each time a
-    request finishes (a progress bar on long runs)."""
+    request finishes (a progress bar on long runs). `max_batched_tokens`: the most tokens (batch gear x slots, pads
+    included) one batched prefill may run, as vLLM's max_num_batched_tokens; a prompt longer runs alone."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {', '.join(LAUNCH_MODES)}, not {launch!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
+    if max_batched_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be at least 1, not {max_batched_tokens}")
     seqs = _requests(requests)
     if dtype is not None:  # a copy in that dtype: the caller's model stays as it is
         import copy
@@ -475,7 +497,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
     run = _Server(model, seqs, pool, policy, buckets, as_target(target), pipeline, listeners, timing_only,
-                  progress, launch).run()
+                  progress, launch, max_batched_tokens).run()
     return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
@@ -485,8 +507,10 @@ class _Server:
     def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool, policy: str,
                  buckets: Sequence[int] | str | None, target: Target, pipeline: str,
                  listeners: Sequence[RuntimeListener], timing_only: bool = False,
-                 progress: Callable[[int, int], None] | None = None, launch: str = "single-op"):
+                 progress: Callable[[int, int], None] | None = None, launch: str = "single-op",
+                 max_batched_tokens: int = MAX_BATCHED_TOKENS):
         self.seqs = seqs
+        self.max_batched_tokens = max_batched_tokens
         self.progress = progress
         self.finished = 0
         self.timing_only = timing_only
@@ -508,9 +532,10 @@ class _Server:
 
     def _pool_shape(self) -> tuple[int, int, int]:
         """One layer's key (or value) pool: [pool slots + scratch slots, Nkv, D]. The scratch slots, past the
-        pool's blocks, take the keys of a prefill's pads that lie past its own blocks (a `buckets` gear longer
-        than its blocks): no sequence's block holds them."""
-        scratch = max((self._slots(s.most_slots) for s in self.seqs), default=0) if self.buckets is not None else 0
+        pool's blocks, take the keys of a prefill row's pads that lie past its own blocks (a shorter row of a
+        batched prefill, or a `buckets` gear longer than its blocks): no sequence's block holds them, no table
+        names them."""
+        scratch = max((self._prefill_slots(s.most_slots) for s in self.seqs), default=0)
         return (self.pool.num_blocks * self.pool.block_size + scratch, self.kv_heads, self.head_dim)
 
     def _empty_pools(self) -> list[DeviceTensor]:
@@ -528,20 +553,24 @@ class _Server:
         bs = self.pool.block_size
         # stand-ins of the pools' shape for tracing (broadcast views: no memory, whatever the pool's size)
         pools = tuple(torch.zeros(1, 1, 1, dtype=model.dtype).expand(self._pool_shape()) for _ in range(2 * step.layers))
-        args = _prefill_inputs(prompt, len(prompt), list(range(len(prompt))))
-        l_dim = torch.export.Dim("cache", min=2, max=1 << 16)
-        prefill = import_program(_export(_PagedPrefill(model, bs), (*args, *pools),
-                                         ({1: l_dim}, {1: l_dim}, {0: l_dim}, {1: l_dim}, None, {0: l_dim},
-                                          tuple(None for _ in pools))), source="<prefill>")
-        rows = [_Sequence(0, prompt, 2, 0.0, [1, 2]), _Sequence(1, prompt, 2, 0.0, [1, 2])]
         b_dim = torch.export.Dim("batch", min=1, max=1 << 12)
         n_dim = torch.export.Dim("blocks", min=1, max=1 << 16)
+        # a batch of two rows of different lengths over three blocks: the trace sees padding (each row's mask)
+        slots = 3 * bs
+        rows = [(prompt * slots)[:slots], (prompt * slots)[:max(2, slots - 1)]]
+        tables = [[0, 1, 2], [3, 4, 5]]
+        writes = [[_slot_of(t, j, bs) for j in range(slots)] for t in tables]
+        dynamic = ({0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: bs * n_dim}, {0: bs * n_dim}, {0: b_dim, 1: bs * n_dim},
+                   {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim}, tuple(None for _ in pools))
+        prefill = import_program(_export(_PagedPrefill(model, bs), (*_prefill_inputs(rows, slots, writes, tables, bs),
+                                                                     *pools), dynamic), source="<prefill>")
+        rows = [_Sequence(0, prompt, 2, 0.0, [1, 2]), _Sequence(1, prompt, 2, 0.0, [1, 2])]
         dynamic = ({0: b_dim}, {0: b_dim, 1: bs * n_dim}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim},
                    tuple(None for _ in pools))
         decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
                                                                     *pools), dynamic), source="<decode>")
-        for program in (prefill, decode):
-            _donate_pools(program.module.graph(), 6)
+        _donate_pools(prefill.module.graph(), PREFILL_INPUTS)
+        _donate_pools(decode.module.graph(), DECODE_INPUTS)
         return prefill, decode
 
     # --- the slots rule ---
@@ -551,6 +580,16 @@ class _Server:
         if self.buckets is not None:
             return bucket_length(tokens, self.buckets)
         return self.pool.blocks_for(tokens) * self.pool.block_size
+
+    def _prefill_slots(self, tokens: int) -> int:
+        """A prefill row's slots for up to `tokens` tokens: the slots rule's, in whole blocks (the row attends
+        through its block table, which names whole blocks)."""
+        return self.pool.blocks_for(self._slots(tokens)) * self.pool.block_size
+
+    def _prefill_cost(self, seqs: list[_Sequence]) -> int:
+        """The tokens a batched prefill of `seqs` runs: its batch gear x its slots (pads included: the work the
+        step does, counted against the iteration's token budget)."""
+        return _batch_gear(len(seqs)) * self._prefill_slots(max(len(s.tokens) for s in seqs))
 
     # --- the one clock ---
 
@@ -571,23 +610,37 @@ class _Server:
         self.steps.append(step)
         return step
 
-    def _prefill(self, seq: _Sequence) -> None:
-        """Prefill one sequence over all its tokens (its prompt, and what it had before a preemption), its keys and
-        values written into its blocks of the pools."""
-        n = len(seq.tokens)
-        table = self.pool.allocate(seq.index, n)
-        slots = self._slots(n)
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        """One batched prefill (vLLM's: an iteration's admitted prompts in one step) over each sequence's tokens
+        (its prompt, and what it had before a preemption): each row's keys and values written into its blocks of
+        the pools, its attention through its block table over its own length, its first token from its own last
+        position. The batch is padded to a power of two (rows repeating the first, results dropped) and the rows
+        to the longest's whole blocks: GE's gears."""
+        bs = self.pool.block_size
+        slots = self._prefill_slots(max(len(s.tokens) for s in seqs))
+        batch = _batch_gear(len(seqs))
+        padded = seqs + [seqs[0]] * (batch - len(seqs))
+        scratch = self.pool.num_blocks * bs
+        tables, writes = [], []
+        for s in padded:
+            table = self.pool.allocate(s.index, len(s.tokens))  # a no-op when admission or a reservation made it
+            own = len(table) * bs
+            tables.append(table)
+            writes.append([_slot_of(table, j, bs) if j < own else scratch + j - own for j in range(slots)])
         names = self.names["prefill"]
-        own, scratch = len(table) * self.pool.block_size, self.pool.num_blocks * self.pool.block_size
-        write = [_slot_of(table, j, self.pool.block_size) if j < own else scratch + j - own for j in range(slots)]
-        feed = {k: to_numpy(t) for k, t in zip(names, _prefill_inputs(seq.tokens, slots, write))}
-        feed.update(zip(names[6:], self.pools))
+        feed = {k: to_numpy(t) for k, t in zip(names, _prefill_inputs([s.tokens for s in padded], slots, writes,
+                                                                      tables, bs))}
+        feed.update(zip(names[PREFILL_INPUTS:], self.pools))
         run = self.loop.plan_and_run("prefill", feed, self.timing_only)
-        self.pool.store(seq.index, n)
+        for s in seqs:
+            self.pool.store(s.index, len(s.tokens))
         self.pools = self._results(run.program, run.result)[1:]
         split = time_split(run.result)
-        step = self._record("prefill", [seq], 1, slots, run.ge_us, run.replanned, split, seq.arrival_us)
-        self._emit(seq, None if self.timing_only else np.asarray(run.result.outputs[0])[0], step.end_us)
+        step = self._record("prefill", seqs, batch, slots, run.ge_us, run.replanned, split,
+                            max(s.arrival_us for s in seqs))
+        logits = None if self.timing_only else np.asarray(run.result.outputs[0])
+        for i, s in enumerate(seqs):
+            self._emit(s, None if logits is None else logits[i], step.end_us)
 
     def _results(self, program: Any, result: Any) -> list[Any]:
         """A run's results; timing only: stand-ins of their types for the cache (on the device, never read)."""
@@ -611,7 +664,7 @@ class _Server:
         padded = rows + [rows[0]] * (batch - len(rows))
         tables = [self.pool.tables[r.index] for r in padded]
         feed = {k: to_numpy(t) for k, t in zip(names, _decode_inputs(padded, tables, blocks, self.pool.block_size))}
-        feed.update(zip(names[6:], self.pools))
+        feed.update(zip(names[DECODE_INPUTS:], self.pools))
         run = self.loop.plan_and_run("decode", feed, self.timing_only)
         self.pools = self._results(run.program, run.result)[1:]
         for r in rows:
@@ -662,22 +715,29 @@ class _Server:
             if not running and waiting[0].arrival_us > now:
                 self._idle_until_next(waiting)
                 continue
-            # admit what has arrived and fits, first come first served: prefill joins the batch this iteration
-            admitted = []
+            # admit what has arrived and fits, first come first served, within the iteration's token budget
+            # (vLLM's scheduler, _schedule_prefills: stop at the first request the blocks or the budget refuse);
+            # the admitted prompts are prefilled together in one step, then join the running batch
+            admitted: list[_Sequence] = []
             for seq in list(waiting):
                 if seq.arrival_us > now:
                     break
                 if not self.pool.can_hold(seq.index, len(seq.tokens) + (0 if seq.new + 1 >= seq.max_new else 1)):
                     break
+                if admitted and self._prefill_cost(admitted + [seq]) > self.max_batched_tokens:
+                    break  # a prompt over the budget runs alone (vLLM ignores it: here no request is lost)
                 waiting.remove(seq)
+                self.pool.allocate(seq.index, len(seq.tokens))
                 seq.admitted = self.admissions
                 self.admissions += 1
-                self._prefill(seq)
                 admitted.append(seq)
-                if seq.done:
-                    self._finish(seq)
-                else:
-                    running.append(seq)
+            if admitted:
+                self._prefill(admitted)
+                for seq in admitted:
+                    if seq.done:
+                        self._finish(seq)
+                    else:
+                        running.append(seq)
             # every running sequence needs a slot for the token it feeds: preempt the latest admitted if none
             for seq in sorted(running, key=lambda s: s.admitted):
                 if seq not in running:
@@ -727,7 +787,14 @@ class _Server:
             for seq in batch:
                 waiting.remove(seq)
                 self.pool.allocate(seq.index, len(seq.prompt) + steps - 1)
-                self._prefill(seq)
+            # the batch's prompts prefilled together, in as few steps as the token budget allows
+            chunk: list[_Sequence] = []
+            for seq in batch:
+                if chunk and self._prefill_cost(chunk + [seq]) > self.max_batched_tokens:
+                    self._prefill(chunk)
+                    chunk = []
+                chunk.append(seq)
+            self._prefill(chunk)
             for _ in range(steps - 1):
                 self._decode(batch, {s.index for s in batch if not s.done})
             for seq in batch:

@@ -133,15 +133,43 @@ def test_times_are_read_off_the_one_clock(runs, name):
 @pytest.mark.parametrize("name", ["continuous", "static", "tight"])
 def test_ge_plans_once_per_gear_not_per_prompt_length(runs, name):
     run = runs[name]
-    # a prefill is padded to whole blocks, a decode step runs a power-of-two batch: one plan per (batch, slots)
+    # a prefill's rows are padded to whole blocks, each step runs a power-of-two batch: one plan per (batch, slots)
     for kind in ("prefill", "decode"):
         steps = [s for s in run.steps if s.kind == kind]
         assert [s.plan_cache for s in steps].count("miss") == len({(s.batch, s.slots) for s in steps})
         assert all(s.slots % run.block_size == 0 for s in steps)
-    assert all(s.batch == 1 for s in run.steps if s.kind == "prefill")
-    assert all(s.batch >= 1 and s.batch & (s.batch - 1) == 0 for s in run.steps if s.kind == "decode")
+        assert all(s.batch >= len(s.requests) and s.batch & (s.batch - 1) == 0 for s in steps)
+        assert all(s.batch < 2 * len(s.requests) for s in steps if kind == "prefill")
     if name != "static":  # continuous batching runs a lone sequence as a batch of one, unpadded
         assert any(s.batch == 1 for s in run.steps if s.kind == "decode")
+
+
+def test_one_step_prefills_every_admitted_prompt_whatever_their_lengths(llama):
+    from geir.runtime.interpreter import RuntimeListener
+
+    runs = []
+
+    class Runs(RuntimeListener):
+        def run_finished(self, result):
+            runs.append(result)
+
+    # three prompts of 5, 21 and 9 tokens there at once: one prefill step (a batch of 4 rows, the longest's 3
+    # blocks of 8), each row's first token from its own last position
+    trace = _trace(((5, 4, 0.0), (21, 3, 0.0), (9, 5, 0.0)), seed=3)
+    run = serve(llama, trace, block_size=8, listeners=[Runs()])
+    for record, (ids, new, _) in zip(run.requests, trace):
+        assert torch.equal(record.tokens, _hf(llama, ids, new))
+    prefills = [(s, r) for s, r in zip(run.steps, runs) if s.kind == "prefill"]
+    assert [(s.requests, s.batch, s.slots) for s, _ in prefills] == [((0, 1, 2), 4, 24)]
+    # its attention reads each row's blocks through the table (FIA's PromptFlashAttention branch: Sq > 1)
+    kernels = {t.name for t in prefills[0][1].tasks}
+    assert "ge.paged_attention" in kernels and "ge.flash_attention" not in kernels
+    # a token budget of 32 (batch gear x slots) splits them as vLLM's max_num_batched_tokens does, first come
+    # first served: 0 alone (8), since 0 and 1 would be 2 x 24; 1 alone (24, 2 x 24 with 2); then 2 (16)
+    small = serve(llama, trace, block_size=8, max_batched_tokens=32)
+    assert [r.tokens.tolist() for r in small.requests] == [r.tokens.tolist() for r in run.requests]
+    assert [(s.requests, s.batch * s.slots) for s in small.steps if s.kind == "prefill"] == \
+        [((0,), 8), ((1,), 24), ((2,), 16)]
 
 
 def test_continuous_batching_lets_a_late_request_join_the_running_batch(runs):
@@ -252,8 +280,8 @@ def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
     spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "serve.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    trace = bench.synthetic_trace(200, 20.0, 100, 0)
-    assert all(2 <= len(p) <= 64 and 1 <= n <= 64 for p, n, _ in trace)
+    trace = bench.sharegpt_trace(200, 20.0, 100, 0, bench.TINY_SCALE)  # the tiny shape's: half scale
+    assert all(4 <= len(p) <= 1024 and 1 <= n <= 512 for p, n, _ in trace)
     arrivals = [a for _, _, a in trace]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0
     # Poisson arrivals at 20 per ms: the mean gap is 50 us, within sampling error over 199 gaps
@@ -263,3 +291,21 @@ def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
     assert out[0].startswith("5 requests, prompts ") and [line.split()[0] for line in out[2:4]] == ["continuous",
                                                                                                       "static"]
     assert out[4].startswith("continuous batching: ")
+    assert out[5] == "goals (tiny shape):" and "in device time" in out[6] and "pool waste < 4 %" in out[7]
+
+
+def test_the_schedulers_waste_is_each_sequences_last_block_tail_over_its_life():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths = ((20, 6), (9, 3), (33, 4))
+    trace = [(list(range(1, p + 1)), n, 0.0) for p, n in lengths]
+    # all admitted in one prefill, each held in every step of its life: after its prefill p tokens, then p + k after
+    # its k-th decode step; allocated: whole blocks of those
+    for bs in (8, 16):
+        held = [t for p, n in lengths for t in range(p, p + n)]
+        allocated = sum(-(-t // bs) * bs for t in held)
+        assert bench.scheduler_waste(trace, (bs,))[bs] == pytest.approx((allocated - sum(held)) / allocated)

@@ -77,13 +77,13 @@ def test_the_7b_stand_in_serves_a_few_requests_with_analytic_pool_and_byte_count
     assert run.pool_blocks == blocks and run.pool_bytes == blocks * 128 * per_token
     assert [r.new_tokens for r in run.requests] == news
     assert all(r.tokens[r.prompt_length:].tolist() == [-1] * r.new_tokens for r in run.requests)
-    # every request arrived at 0 and fits: the three prefills run first, each adding its prompt's blocks
+    # every request arrived at 0 and fits: one batched prefill runs first (a batch of 4 rows over the longest
+    # prompt's 2 blocks: 1024 tokens, within vLLM's 2048), adding every prompt's blocks
     prefills = [s for s in run.steps if s.kind == "prefill"]
-    assert [s.requests for s in prefills] == [(0,), (1,), (2,)]
-    for k, s in enumerate(prefills):
-        assert s.pool_used_blocks == sum(math.ceil(p / 128) for p in prompts[:k + 1])
-        assert s.pool_token_slots == sum(prompts[:k + 1])
-        assert s.pool_allocated_slots == 128 * s.pool_used_blocks
+    assert [(s.requests, s.batch, s.slots) for s in prefills] == [((0, 1, 2), 4, 256)]
+    assert prefills[0].pool_used_blocks == sum(math.ceil(p / 128) for p in prompts)
+    assert prefills[0].pool_token_slots == sum(prompts)
+    assert prefills[0].pool_allocated_slots == 128 * prefills[0].pool_used_blocks
     # a decode step reads every weight matrix at least once (the embedding is a gather of a few rows): HBM floor
     floor_us = 2 * (layer - 2 * H + VOCAB * H) / HBM_BYTES_PER_US
     decodes = [s for s in run.steps if s.kind == "decode"]
