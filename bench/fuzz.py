@@ -4,7 +4,7 @@
 
 Mutates the example and lit programs, rt.programs lowered from them and small ONNX models with
 geir.tools.fuzz (its docstring lists the mutation classes: target files and what-if chips at the edges,
-damaged tuning repositories, huge tensors, deep chains among them) and runs each tool in-process on every
+damaged tuning repositories and poisoned entries, huge tensors, deep chains among them) and runs each tool in-process on every
 case (gedoctor on programs and models alike). A failure is an exit code
 other than 0/1/2, a traceback, an internal error, or a diagnostic outside the input. Failures are grouped by kind; with --out, one
 reproducer file per kind is written there.

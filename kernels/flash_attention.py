@@ -308,7 +308,7 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
                 np.copyto(sc, _F32(-np.inf), where=~np.broadcast_to(keep, sc.shape))
             m_old = m[:, :, sel]
             m_new = np.maximum(m_old, sc.max(axis=-1))
-            m_safe = np.where(np.isneginf(m_new), _F32(0), m_new)
+            m_safe = np.where(m_new == _F32(-np.inf), _F32(0), m_new)  # np.isneginf's Python wrapper costs more
             sc -= m_safe[..., None]
             p = np.exp(sc, out=sc)  # in place: the score tile becomes P
             alpha = np.exp(m_old - m_safe)

@@ -8,12 +8,40 @@ puts the root on sys.path fails here, by name.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+# the names of BLAS_THREADS this suite set (workers inherit the controller's environment, and this with it)
+PINNED = "GEIR_SUITE_PINNED_THREADS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, one BLAS and OpenMP thread per process (workers and the tools they start inherit it).
+
+    The workers already fill the cores; a BLAS call that also splits across them oversubscribes the machine and
+    OpenBLAS's threads spin waiting for each other (two processes of 512 x 64 x 1024 attention tiles at once
+    measured 3.5x slower with 2 threads each than with 1 on a 2-core machine). A value set in the environment
+    wins. The thread count can move a float's last bits (a matmul's blocking follows it), so the figures' commands
+    run without the pin, as a user runs them: the fixture below.
+    """
+    if getattr(config.option, "numprocesses", None) and PINNED not in os.environ:
+        pinned = [name for name in BLAS_THREADS if name not in os.environ]
+        for name in pinned:
+            os.environ[name] = "1"
+        os.environ[PINNED] = ",".join(pinned)
+
+
+@pytest.fixture
+def threads_as_a_user_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The BLAS and OpenMP thread counts of the environment the suite was started in (the pin above undone)."""
+    for name in filter(None, os.environ.get(PINNED, "").split(",")):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(PINNED, raising=False)
 
 
 def _root_on_path() -> list[str]:

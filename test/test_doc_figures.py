@@ -5,6 +5,7 @@ here until `python bench/doc_figures.py --write` restates it."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -21,6 +22,10 @@ def _tool():
 
 
 TOOL = _tool()
+# a figure's command runs as a user runs it: with the machine's BLAS threads, not the suite's one per worker
+pytestmark = pytest.mark.usefixtures("threads_as_a_user_has_them")
+# read before any fixture runs: the thread variables the suite set in this worker (conftest.py)
+SUITE_PINNED = [n for n in os.environ.get("GEIR_SUITE_PINNED_THREADS", "").split(",") if n]
 BLOCKS = [b for path in TOOL.doc_files() for b in TOOL.blocks_of(path)]
 
 
@@ -39,6 +44,12 @@ class _Figure:
 for _block in BLOCKS:
     _name = "TestFigure_" + re.sub(r"\W", "_", _block.where)
     globals()[_name] = type(_name, (_Figure,), {"block": _block, "__doc__": f"The figure at {_block.where}."})
+
+
+def test_a_figure_command_sees_the_thread_counts_the_suite_was_started_with():
+    # under xdist the suite pins one BLAS thread per worker; a figure's command must not inherit that pin
+    assert not [n for n in SUITE_PINNED if n in os.environ], SUITE_PINNED
+    assert "GEIR_SUITE_PINNED_THREADS" not in os.environ
 
 
 def test_a_changed_figure_is_caught_and_host_noise_is_bounded(tmp_path):

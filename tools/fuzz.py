@@ -4,7 +4,8 @@ Each case mutates a program from the corpus (examples/ and test/lit/ .geir files
 them, small ONNX models made here) - bytes, tokens, numbers, nesting, constants their types cannot hold,
 2^40-element dimensions, operands rewired to other values, mul chains deeper than Python's recursion limit -
 sometimes with a target file one number of which is at an edge, a what-if chip of astronomical counts or
-latencies, or a damaged tuning repository beside it; runs geopt, gerun, geimport, gedoctor or getune in-process
+latencies, or a damaged tuning repository (or one with a poisoned entry: a tiling field or a time no tuning
+gives, for `tile{db=...}` and getune) beside it; runs geopt, gerun, geimport, gedoctor or getune in-process
 on it and checks what any input must
 give: an exit code of 0, 1 or 2, no Python traceback, no "internal error", and every
 `FILE:LINE:COL:` diagnostic about the input pointing inside it. `test/test_fuzz.py` runs a bounded campaign in
@@ -215,6 +216,70 @@ def damaged_repositories() -> list[bytes]:
     return out
 
 
+# what a poisoned entry holds in place of a tiling field or a time: zero, a size no block takes, negative, huge,
+# not a number, missing
+POISONS = [0, 7, -1, 2 ** 40, "x", None, 1e30]
+TUNE_SECONDS = 2
+
+
+def poisoned_repositories(programs: list[tuple[str, bytes]], count: int = 3) -> dict[str, list[bytes]]:
+    """Tuning repositories of the first `count` of `programs` that getune tunes, each with one entry poisoned (a
+    tiling field, or its time, set to a value from POISONS: the kernel's `choose` would never give it), by the
+    program's name: planted for that program's `tile{db=...}`, and for getune's own --db."""
+    import contextlib
+    import json
+    import sqlite3
+
+    from geir.tools import getune
+
+    out: dict[str, list[bytes]] = {}
+    with tempfile.TemporaryDirectory(prefix="geir-fuzz-poison-") as tmp:
+        for name, data in programs:
+            src, db = Path(tmp) / Path(name).name, Path(tmp) / f"{len(out)}.sqlite"
+            src.write_bytes(data)
+            previous = signal.signal(signal.SIGALRM, _raise_slow)
+            signal.alarm(TUNE_SECONDS)  # a program that takes long to tune (gemm_6144's candidates) is passed over
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    tuned = getune.main([str(src), "--workers", "0", "--db", str(db)]) == 0
+                except BaseException:  # noqa: BLE001 - a program getune does not take is simply not used
+                    tuned = False
+                finally:
+                    signal.alarm(0)
+                    signal.signal(signal.SIGALRM, previous)
+            if not tuned or not db.exists():
+                continue
+            con = sqlite3.connect(db)
+            rows = con.execute("SELECT rowid, tiling FROM entries").fetchall()
+            con.close()
+            variants = []
+            for rowid, tiling in rows:
+                fields = sorted(json.loads(tiling))
+                for i, poison in enumerate(POISONS):
+                    field = fields[(rowid + i) % len(fields)] if fields else None
+                    copy = Path(tmp) / "copy.sqlite"
+                    copy.write_bytes(db.read_bytes())
+                    con = sqlite3.connect(copy)
+                    if i % 3 == 2:  # a time poisoned instead (s1 = 0 once reached a ZeroDivisionError this way)
+                        con.execute(f"UPDATE entries SET {('time_us', 'rules_us')[i % 2]} = ? WHERE rowid = ?",
+                                    ((0, -1)[i // 3 % 2], rowid))
+                    else:
+                        value = {k: v for k, v in json.loads(tiling).items() if k != field or poison is not None}
+                        if poison is not None and field is not None:
+                            value[field] = poison
+                        # claimed faster than the rules' tiling, so that the tile pass takes it (and must check it)
+                        con.execute("UPDATE entries SET tiling = ?, time_us = rules_us / 2 WHERE rowid = ?",
+                                    (json.dumps(value), rowid))
+                    con.commit()
+                    con.close()
+                    variants.append(copy.read_bytes())
+            if variants:
+                out[Path(name).name] = variants
+            if len(out) == count:
+                break
+    return out
+
+
 def onnx_models() -> list[tuple[str, bytes]]:
     """Small ONNX models made with onnx's helper, one per kind of converter input (empty without onnx)."""
     try:
@@ -404,19 +469,23 @@ _ONNX_EDITS = [_set_attribute, _set_attribute, _set_dim, _set_opset, _set_op_typ
                _recursive_function]
 
 
-def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, bytes]]) -> Iterator[Case]:
-    """`count` mutated cases for one tool."""
+def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, bytes]],
+          poisoned: dict[str, list[bytes]] | None = None) -> Iterator[Case]:
+    """`count` mutated cases for one tool (`poisoned`: repositories with a poisoned entry, by program name, planted
+    beside that program where a case takes a repository; a damaged one beside any other)."""
     args = {"geopt": [(), ("--passes=canonicalize,fuse,layout,tile,plan",), ("--passes=lower",), ("--explain",),
                       ("--passes=const-fold,canonicalize,cse,dce",), ("--split-input-file", "--verify-diagnostics"),
-                      ("--dot", "-")],
+                      ("--dot", "-"), ("--passes=fuse,layout,tile{db={dir}/planted.sqlite},plan,lower", "--explain")],
             "gerun": [("--check",), ("--no-fuse",), ("--profile",), ("--explain",), ("--inject-fault", "dma@0"),
-                      ("--timing-only",), ("--target", "{target}"), ("--target", "{what-if}")],
+                      ("--timing-only",), ("--target", "{target}"), ("--target", "{what-if}"),
+                      ("--passes=fuse,layout,tile{db={dir}/planted.sqlite},plan", "--check")],
             "geimport": [()],
             "gedoctor": [(), ("--json",), ("--no-fuse",), ("--target", "{target}")],
             "getune": [(), ("--json",), ("--target", "ascend310p"), ("--sweep", "--set", "ub_bytes=x0.5"),
                        ("--sweep", "--set", "l2_mib=x0.01,x2", "--json"), ("--target", "{what-if}"),
                        ("--db", "{dir}/planted.sqlite")]}[tool]
-    repositories = damaged_repositories() if tool == "getune" else []
+    repositories = damaged_repositories() if tool in ("geopt", "gerun", "getune") else []
+    poisoned = poisoned or {}
     for _ in range(count):
         name, data = rng.choice(sources)
         edit = mutate_onnx if name.endswith(".onnx") else mutate
@@ -426,8 +495,9 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
             files = (("chip.toml", mutate_target(rng)),)
         elif "{what-if}" in chosen:
             chosen = tuple(a.replace("{what-if}", rng.choice(EXTREME_TARGETS)) for a in chosen)
-        elif "{dir}/planted.sqlite" in chosen:
-            files = (("planted.sqlite", rng.choice(repositories)),)
+        elif any("{dir}/planted.sqlite" in a for a in chosen):
+            own = poisoned.get(Path(name).name)
+            files = (("planted.sqlite", rng.choice(own if own and rng.randrange(4) else repositories)),)
         yield Case(tool, Path(name).name, edit(data, rng), chosen, files)
 
 
@@ -508,12 +578,14 @@ def campaign(seed: int, counts: dict[str, int]) -> list[Outcome]:
     programs = lowered(small)  # the Runtime's own input: rt.programs to mutate
     sources = {"geopt": corpus() + programs, "gerun": small + programs, "geimport": onnx_models(),
                "gedoctor": small + onnx_models() + programs, "getune": small}
+    # repositories with a poisoned entry, for the tools that read one (getune tunes these programs first)
+    poisoned = poisoned_repositories(small) if {"geopt", "gerun", "getune"} & {t for t, n in counts.items() if n} else {}
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="geir-fuzz-") as tmp:
         for tool, count in counts.items():
             if not sources[tool]:
                 continue
-            for case in cases(rng, tool, count, sources[tool]):
+            for case in cases(rng, tool, count, sources[tool], poisoned):
                 outcomes.append(run_case(case, Path(tmp)))
     return outcomes
 

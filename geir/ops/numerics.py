@@ -172,8 +172,8 @@ def _round_f16_in_f32(a: np.ndarray, probabilities: bool, out: np.ndarray | None
             small = np.less(a, _F16_TINY) if a.size and np.fmin.reduce(a, axis=None) < _F16_TINY else None
         else:
             small = np.abs(a) < _F16_TINY
-        if small is not None and small.any():
-            at = np.flatnonzero(small)
+        at = None if small is None else np.flatnonzero(small)  # (one pass: an any() first would be a second)
+        if at is not None and at.size:
             # a gather of the few subnormals is cheaper than a masked copy over the whole tile
             flat = a.reshape(-1)
             sub = flat[at] + np.float32(0.75)
