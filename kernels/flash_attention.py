@@ -29,6 +29,7 @@ from geir.kernels.flash_attention_a2 import cv_budget, vector_rows
 from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, cv_grid, softmax_passes, time_cv_split
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
+from geir.ops.linalg import masked_rows
 from geir.ops.numerics import round_in_f32, round_to
 from geir.target_npu.sim import (
     PIPE_INDEX,
@@ -109,6 +110,10 @@ class FlashAttentionKernel(Kernel):
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
         out = flash_attention_forward(q, k, v, mask, op.causal, op.effective_scale(q.shape[-1]), tiling, ctx,
                                       softcap=op.softcap, pse=pse)
+        if op.zero_masked_rows and mask is not None and ctx.compute:
+            # the row-invalid correction: a row whose running max stayed -inf (the mask hid every key) writes zeros
+            # instead of its 0 / 0, as the final O / l rescale selects them (its vector work is that rescale's)
+            out[masked_rows(np.broadcast_to(mask, out.shape[:3] + (k.shape[2],)))] = 0
         return [np.swapaxes(out, 1, 2) if bsnd else out]
 
 

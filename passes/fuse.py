@@ -19,6 +19,7 @@ from geir.ir import Module
 from geir.passes.fusion.add_norm import FuseAddLayerNorm, FuseAddRmsNorm
 from geir.passes.fusion.attention_layout import FoldAttentionTransposes, SinkHeadTranspose
 from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
+from geir.passes.fusion.attention_rows import FoldMaskedRowsSelect
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
@@ -43,7 +44,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         DecomposedSoftmax, FuseLayerNorm, FuseRmsNorm, FuseGelu, FuseRotaryEmbedding, FusePartialRotary, FuseGlu,
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
-        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts,
+        FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts, FoldMaskedRowsSelect,
     )
 }
 

@@ -155,6 +155,31 @@ def test_scaled_dot_product_attention(case):
     assert fa.attributes["scale"] == pytest.approx(1 / math.sqrt(32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_rows_the_mask_hides_wholly_are_zeros_from_flash_attention_itself(kind, dtype):
+    """torch's SDPA gives zeros for a query row whose every key is masked; the import zeroes them with a select,
+    which fuse takes into flash_attention {zero_masked_rows} (masked_rows): one launch, the same numbers as the
+    program with the select (bit for bit) and torch's zeros on those rows."""
+    sq, skv = 6, 10
+    keep = torch.rand(1, 1, sq, skv, generator=torch.Generator().manual_seed(7)) < 0.6
+    keep[..., 0] = True
+    keep[..., 2, :] = False  # row 2 keeps no key (a left-padded prompt's padding row)
+    keep[..., 4, :] = False
+    mask = keep if kind == "bool" else torch.zeros(1, 1, sq, skv, dtype=dtype).masked_fill(~keep, float("-inf"))
+    args = _qkv(sq, skv, dtype=dtype) + (mask,)
+    fast = check_module(SDPA(), args, dtype)
+    out = fast(*args)
+    assert torch.equal(out[:, :, [2, 4]], torch.zeros_like(out[:, :, [2, 4]]))  # torch's zeros
+    (fa,) = [op for op in fast.graph.ops if op.name == "ge.flash_attention"]
+    assert fa.attributes.get("zero_masked_rows") is True
+    assert not {"ge.select", "ge.fused_elementwise"} & set(ops_of(fast.graph))
+    plain = compile(SDPA(), args, pipeline="conv2d-im2col,canonicalize,cse,fuse{disable=masked_rows},layout,tile,plan,lower")
+    expected = plain(*args)
+    assert "ge.select" in ops_of(plain.graph) or "ge.fused_elementwise" in ops_of(plain.graph)
+    np.testing.assert_array_equal(out.numpy(), expected.numpy())  # the fused kernel computes what the pair did
+
+
 def test_sdpa_with_explicit_scale_and_grouped_heads():
     class GQA(nn.Module):
         def forward(self, q, k, v):

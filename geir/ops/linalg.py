@@ -72,7 +72,13 @@ class FlashAttention(Operation):
     `has_pse`: the last operand is a position bias (ALiBi's, Bloom's) added to the scaled scores, as
     ops-transformer's FlashAttentionScore takes its `pse` input with pseType 0 ("multiplication before addition":
     scale * q k^T + pse; aclnnFlashAttentionScoreV2.md), of a float dtype, in any shape that broadcasts to
-    [B, N, Sq, Skv] ([B, N, 1, Skv] for ALiBi). The mask, when there is one, comes before it."""
+    [B, N, Sq, Skv] ([B, N, 1, Skv] for ALiBi). The mask, when there is one, comes before it.
+
+    `zero_masked_rows`: a query row whose every key the mask hides (an i1 mask all false, a float one all -inf along
+    the keys) is zeros, as torch's SDPA gives it, rather than the 0 / 0 of its empty softmax: ops-transformer's
+    row-invalid correction (FusedInferAttentionScore's inner_precise bit 1, "行无效修正", modes 2 and 3; Ascend/
+    op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md), which the fuse pass's masked_rows rule
+    sets when it takes in the select the import zeroes such rows with."""
 
     OPERAND_NAMES = ("q", "k", "v", "mask?", "pse?")
     TRAITS = (CubeOp, Fused)
@@ -81,6 +87,7 @@ class FlashAttention(Operation):
     layout = Attr(str, default="BNSD", choices=("BNSD", "BSND"))
     softcap = Attr(float, default=0.0)
     has_pse = Attr(bool, default=False)
+    zero_masked_rows = Attr(bool, default=False)
 
     def verify(self) -> str | None:
         cap = self.softcap
@@ -90,6 +97,8 @@ class FlashAttention(Operation):
             return "has_pse = true names the last operand the pse bias, but there are only q, k and v"
         if not self.has_pse and len(self.operands) > 4:
             return "a fifth operand is the pse bias, which needs has_pse = true"
+        if self.zero_masked_rows and self.mask_and_pse(self.operands[3:])[0] is None:
+            return "zero_masked_rows = true zeroes the rows the mask hides wholly, but there is no mask"
         return None
 
     def mask_and_pse(self, extras: Sequence[T]) -> tuple[T | None, T | None]:
@@ -176,7 +185,15 @@ class FlashAttention(Operation):
             if self.causal:
                 s = np.where(cols[None, :] > np.arange(r0, r1)[:, None], -np.inf, s)
             out[:, :, r0:r1] = np.matmul(softmax(s, -1), v)
+        if self.zero_masked_rows and mask is not None:
+            out[masked_rows(mask)] = 0
         return np.swapaxes(out, 1, 2) if self.layout == "BSND" else out
+
+
+def masked_rows(mask: np.ndarray) -> np.ndarray:
+    """bool [..., Sq]: the query rows whose every key `mask` hides (i1: all false; float: all -inf)."""
+    keep = mask if mask.dtype == np.bool_ else mask > -np.inf
+    return ~keep.any(axis=-1)
 
 
 # the operand after v is the pse when has_pse says so and there is no mask: the accessors ask mask_and_pse, not the
