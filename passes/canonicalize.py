@@ -230,9 +230,36 @@ class TransDataPair(Pattern):
             rw.replace(op, rw.create("ge.trans_data", [m.source], dict(op.attributes), [op.result.type], before=op))
 
 
+class ConcatDropEmpty(Pattern):
+    """concat with operands of size 0 along its axis -> the concat of the others (one left: that operand); Phi-3's
+    partial rotary at factor 1 concatenates the rotated head with an empty pass-through slice"""
+
+    NAME, ROOT = "concat-drop-empty", "ge.concat"
+
+    def match(self, op: Operation) -> Match | None:
+        rank = op.result.type.rank if op.result.type is not None else None
+        if rank is None or not rank:
+            return None
+        axis = op.attr("axis") % rank
+        kept = [v for v in op.operands if v.type is None or v.type.rank != rank or v.type.shape[axis] != 0]
+        if len(kept) == len(op.operands) or not kept:
+            return None
+        if len(kept) == 1 and kept[0].type != op.result.type:
+            return None  # the one left would not stand for the result as it is typed
+        return Match(op, kept=kept)
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        op = m.root
+        if len(m.kept) == 1:
+            rw.replace(op, [m.kept[0]])
+        else:
+            rw.replace(op, rw.create("ge.concat", m.kept, dict(op.attributes), [op.result.type], before=op))
+
+
 CANONICAL_PATTERNS: tuple[type[Pattern], ...] = (
     AddZero, SubZero, MulOne, DivOne, NegNeg, CastToSame,
     TransposeTranspose, IdentityTranspose, UnitAxesTranspose, ReshapeReshape, ReshapeToSame, SplatToScalar, TransDataPair,
+    ConcatDropEmpty,
 )
 
 
