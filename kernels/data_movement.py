@@ -598,9 +598,29 @@ class SplitKernel(_CopyKernel):
 
 @register_kernel
 class SliceKernel(_CopyKernel):
-    """The result is copied out of the sliced (strided) region of the operand."""
+    """The result is copied out of the sliced (strided) region of the operand; where that region is one run of the
+    operand's bytes (steps of 1, nothing but axes of size 1 before the first cut axis and whole axes after it: a
+    decode step's q/k/v out of Phi-3's fused projection), the result is a view, as torch's slice is: no launch
+    cost, sharing the operand's residency (as the split's pieces)."""
 
     OPS = ("ge.slice",)
+
+    def needs_tiling(self, sig: OpSignature) -> bool:
+        x, r = sig.operands[0], sig.results[0]
+        if x is None or r is None or not x.is_static or not r.is_static or x.format != "ND" or not x.rank:
+            return True
+        if any(step != 1 for step in sig.attr("steps", None) or ()):
+            return True
+        cut = next((i for i, (a, b) in enumerate(zip(x.shape, r.shape)) if a != b), x.rank)
+        return math.prod(r.shape[:cut]) != 1 or tuple(r.shape[cut + 1:]) != tuple(x.shape[cut + 1:])
+
+    def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling | None,
+            ctx: LaunchContext) -> list[np.ndarray]:
+        if tiling is not None:
+            return super().run(op, inputs, tiling, ctx)
+        if ctx.operand_names:
+            alias(ctx.gm, ctx.operand_names[0], ctx.result_names[0])
+        return [np.ascontiguousarray(op.compute(inputs[0]))]
 
     def pairs(self, op, inputs, outs):
         return [(op.compute(inputs[0]), outs[0], 0, 0)]

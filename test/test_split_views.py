@@ -47,3 +47,39 @@ def test_a_split_with_rows_before_the_cut_is_a_copy():
     launch, kernel, x = _split((2, 128), 1, [64, 64])
     assert launch.attr("tiling") and kernel.cycles > 0
     assert kernel.gm_read_bytes == x.nbytes and kernel.gm_write_bytes == x.nbytes
+
+
+def _slice(shape: tuple[int, ...], axis: int, start: int, end: int, step: int = 1):
+    out = list(shape)
+    out[axis] = len(range(start, end, step))
+    t = lambda s: f"tensor<{'x'.join(map(str, s))}xf32>"  # noqa: E731
+    text = (f"ge.graph @main(%x: {t(shape)}) -> {t(out)} {{\n"
+            f"  %y = ge.slice %x {{axes = [{axis}], starts = [{start}], ends = [{end}], steps = [{step}]}}\n"
+            f"  ge.return %y\n}}\n")
+    program = compile_module(parse(text, "<slice>"))[0].graphs[0]
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    result = run_program(program, {"x": x})
+    (launch,) = [op for op in program.ops if op.name == "rt.launch"]
+    (kernel,) = result.kernels
+    index = [slice(None)] * len(shape)
+    index[axis] = slice(start, end, step)
+    np.testing.assert_array_equal(np.asarray(result.outputs[0]), x[tuple(index)])
+    return launch, kernel
+
+
+@pytest.mark.parametrize("shape, axis, start, end", [((1, 1, 128), 2, 64, 96), ((1, 256), 1, 0, 128),
+                                                     ((1, 4, 16), 1, 1, 3)])
+def test_a_slice_that_is_one_run_of_bytes_is_a_view(shape, axis, start, end):
+    """Phi-3's q/k/v of a decode step out of its fused projection: a slice of one run of bytes, a view (torch's
+    slice is one too)."""
+    launch, kernel = _slice(shape, axis, start, end)
+    assert not launch.attr("tiling")
+    assert kernel.cycles == 0 and kernel.cores == 0 and kernel.gm_write_bytes == 0
+
+
+@pytest.mark.parametrize("shape, axis, start, end, step", [((2, 128), 1, 0, 64, 1), ((1, 128), 1, 0, 128, 2),
+                                                           ((1, 4, 16), 2, 0, 8, 1)])
+def test_a_strided_slice_is_a_copy(shape, axis, start, end, step):
+    """Rows before the cut, a step, or a cut before whole axes: the bytes are not one run, the slice moves them."""
+    launch, kernel = _slice(shape, axis, start, end, step)
+    assert launch.attr("tiling") and kernel.cycles > 0 and kernel.gm_write_bytes > 0
