@@ -33,8 +33,10 @@ device_idle_us over the step's span), the decode TPOT within 15 % of a measured 
 7B decode on an Atlas A2 that this bench could cite: said so), and the 256-request trace in at most 60 s of host
 time (each policy's serve() call, export and compiles included, on this host).
 
-What is modelled: the pool is bookkeeping (admission, preemption, waste); attention reads a dense per-batch cache
-that a regroup run rebuilds on the device when rows join or leave (see geir/frontends/serve.py).
+What is modelled: the pool is the KV cache itself (one [slots, KV heads, head dim] tensor per layer for keys and one
+for values, resident on the device): each step writes its tokens' keys and values at their blocks' slots in place,
+and attention reads each row's blocks through its block table (ge.paged_attention, FIA with a block table); rows
+joining or leaving move no cache (see geir/frontends/serve.py).
 """
 
 from __future__ import annotations
