@@ -39,6 +39,11 @@ a batch-1 decode step in graph mode (the profile's device_idle_us over the step'
 15 % of a measured anchor (none is published for a 7B decode on an Atlas A2 that this bench could cite: said so),
 and the 256-request trace in at most 60 s of host time (each policy's serve() call, export and compiles
 included, on this host). `--waste-only` prints the waste at both block sizes and nothing else.
+
+What is modelled: the pool is the KV cache itself (one [slots, KV heads, head dim] tensor per layer for keys and one
+for values, resident on the device): each step writes its tokens' keys and values at their blocks' slots in place,
+and attention reads each row's blocks through its block table (ge.paged_attention, FIA with a block table); rows
+joining or leaving move no cache (see geir/frontends/serve.py).
 """
 
 from __future__ import annotations

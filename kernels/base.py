@@ -223,6 +223,25 @@ def register_kernel(cls: type[Kernel]) -> type[Kernel]:
     return cls
 
 
+def no_bytes(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An array of `shape` and `dtype` that holds no bytes (one element broadcast, zero strides): what a timing-only
+    launch reads or returns, where only the shape is timed. Read-only, so a kernel that wrote one would say so."""
+    return np.broadcast_to(np.zeros((), dtype=dtype), shape)
+
+
+def no_bytes_c(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A read-only array of `shape` and `dtype` with a C-contiguous array's strides and no bytes behind them: a
+    timing-only result whose views a copy kernel times by their layout (a slice's contiguity is read from its
+    strides, as on a real result). Its values must never be read: nothing backs them."""
+    dtype = np.dtype(dtype)
+    strides, step = [], dtype.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), tuple(shape), tuple(reversed(strides)),
+                                           writeable=False)
+
+
 def measure(ctx: LaunchContext, name: str, tiling: dict[str, Any], flops: float,
             body: Callable[[], list[np.ndarray]]) -> tuple[list[np.ndarray], KernelStats]:
     """Run a kernel body and collect its statistics from the change in the chip's counters.

@@ -15,7 +15,7 @@ import numpy as np
 
 from geir.ir import Operation
 from geir.kernels import paged_attention_tiling as rules
-from geir.kernels.base import Kernel, LaunchContext, register_kernel
+from geir.kernels.base import Kernel, LaunchContext, no_bytes, register_kernel
 from geir.kernels.flash_attention import flash_attention_forward, schedule_problem
 from geir.kernels.flash_attention_tiling import workspace_bytes
 from geir.kernels.paged_attention_tiling import PagedTiling
@@ -62,13 +62,14 @@ class PagedAttentionKernel(Kernel):
 
 
 def _shapes_only(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Uninitialised dense keys and values, and a mask, of the shapes a paged call attends over (timing only)."""
+    """Dense keys and values, and a mask, of the shapes a paged call attends over, holding no bytes (timing only:
+    the gathered keys of a long table would otherwise take the host as much memory as the blocks they name)."""
     q, kc, vc, table = inputs[:4]
     nkv, length = op.num_key_value_heads, table.shape[1] * kc.shape[1]
-    k = np.empty((q.shape[0], nkv, length, kc.shape[2] // nkv), dtype=kc.dtype)
-    v = np.empty((q.shape[0], nkv, length, vc.shape[2] // nkv), dtype=vc.dtype)
+    k = no_bytes((q.shape[0], nkv, length, kc.shape[2] // nkv), kc.dtype)
+    v = no_bytes((q.shape[0], nkv, length, vc.shape[2] // nkv), vc.dtype)
     masks = [x for x in inputs[4:] if not np.issubdtype(x.dtype, np.integer)]
     shape = (q.shape[0], q.shape[1], q.shape[2], length)
     if masks:
-        return k, v, np.broadcast_to(np.empty((), masks[0].dtype), shape)
+        return k, v, no_bytes(shape, masks[0].dtype)
     return k, v, (np.broadcast_to(np.bool_(True), shape) if len(inputs) > 4 else None)

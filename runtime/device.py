@@ -8,6 +8,7 @@ import numpy as np
 
 from geir.diagnostics import Diagnostic
 from geir.ir import Graph
+from geir.kernels.base import no_bytes
 # the chip's fault, defined with the chip so kernels raise it too; the Runtime imports it from here
 from geir.target_npu.sim import DeviceFault
 from geir.types import TensorType
@@ -18,8 +19,8 @@ class DeviceMemory:
 
     def __init__(self, size: int, backed: bool = True):
         # np.zeros maps pages lazily, so a large arena costs only what is touched; unbacked (a timing-only
-        # run, which reads and writes no value) there are no bytes at all and every view is a fresh,
-        # never-touched array with the tensor's shape and strides
+        # run, which reads and writes no value) there are no bytes at all and every view is an array of the
+        # tensor's shape holding none (zero strides)
         self.size = size
         self.bytes = np.zeros(size if backed else 0, dtype=np.uint8)
         self.backed = backed
@@ -33,8 +34,8 @@ class DeviceMemory:
             raise DeviceFault(f"access to {nbytes} bytes at offset {offset} is outside device memory of {self.size} bytes")
         if offset % t.dtype.itemsize:
             raise DeviceFault(f"offset {offset} is not aligned for {t.dtype}")
-        if not self.backed:
-            return np.empty(t.shape, dtype=t.dtype.np)
+        if not self.backed:  # timing only: the shape, no bytes (a 60 GB KV pool holds none on the host)
+            return no_bytes(t.shape, t.dtype.np)
         return self.bytes[offset:offset + nbytes].view(t.dtype.np).reshape(t.shape)
 
     def write(self, offset: int, t: TensorType, array: np.ndarray) -> None:
@@ -83,7 +84,7 @@ class DeviceTensor:
 def stand_in(t: TensorType) -> np.ndarray:
     """An array with a tensor type's shape and dtype and no memory (zero strides): an input a timing-only run
     takes only the shape of."""
-    return np.broadcast_to(np.zeros((), dtype=t.dtype.np), t.shape)
+    return no_bytes(t.shape, t.dtype.np)
 
 
 def host_bytes_available() -> int | None:

@@ -23,9 +23,41 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
-from geir.kernels.base import KernelStats, LaunchContext, PipeWaits
+from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, no_bytes
 from geir.kernels.tiling import KernelTiling
 from geir.target_npu.sim import GlobalMemory, PipeInterval
+
+
+@attrs.frozen
+class _Blocks:
+    """A tensor's per-block residency relative to the byte clock (GlobalMemory.clock - last_touch), kept as the
+    value most blocks share and the blocks that differ: a KV pool of millions of blocks of which a step touches a
+    few is a few numbers here, not a copy of the pool's block count (a memo entry is kept for the whole run)."""
+
+    count: int
+    background: np.generic  # the last block's value, in the array's dtype (a pool's tail: no step touched it)
+    where: np.ndarray  # the blocks whose value differs, ascending
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, relative: np.ndarray) -> _Blocks:
+        """The compact form of a relative residency array (lossless, its dtype kept)."""
+        if not relative.size:
+            return cls(0, relative.dtype.type(0), np.empty(0, np.int64), relative[:0])
+        background = relative[-1]
+        where = np.flatnonzero(relative != background)
+        return cls(len(relative), background, where, relative[where])
+
+    def key(self) -> Hashable:
+        if not self.where.size:  # touched all at once (or never): one value says it, not every block's
+            return (self.count, float(self.background))
+        return (self.count, self.background.tobytes(), self.where.tobytes(), self.values.tobytes())
+
+    def absolute(self, clock: float) -> np.ndarray:
+        """The last touches these relative values give at `clock` (GlobalMemory.last_touch's form, its dtype)."""
+        out = np.full(self.count, clock - self.background)
+        out[self.where] = clock - self.values
+        return out
 
 
 @attrs.frozen
@@ -36,15 +68,10 @@ class _NameState:
     suffix: str  # "" for the name itself, ":q" etc. for a role a kernel tracks under a name of its own
     size: int | None
     clock: float | None  # GlobalMemory.clock - tensor_clock
-    blocks: np.ndarray | None  # GlobalMemory.clock - last_touch
+    blocks: _Blocks | None  # GlobalMemory.clock - last_touch
 
     def key(self) -> Hashable:
-        blocks = self.blocks
-        if blocks is not None:
-            # most tensors were last touched all at once (or never): one value says it, not every block's
-            low, high = (float(blocks.min()), float(blocks.max())) if blocks.size else (0.0, 0.0)
-            blocks = (len(blocks), low) if low == high else (len(blocks), blocks.tobytes())
-        return (self.base, self.suffix, self.size, self.clock, blocks)
+        return (self.base, self.suffix, self.size, self.clock, None if self.blocks is None else self.blocks.key())
 
 
 @attrs.define
@@ -103,12 +130,12 @@ class LaunchMemo:
             if s.clock is not None:
                 gm.tensor_clock[name] = gm.clock - s.clock
             if s.blocks is not None:
-                gm.last_touch[name] = gm.clock - s.blocks
+                gm.last_touch[name] = s.blocks.absolute(gm.clock)
         waits = None
         if entry.stats.waits is not None:
             waits = PipeWaits(dict(entry.stats.waits.flag), dict(entry.stats.waits.slot))
         stats = attrs.evolve(entry.stats, busy=dict(entry.stats.busy), waits=waits)
-        outs = [np.empty(r.type.shape, r.type.dtype.np) for r in launch.results]
+        outs = [no_bytes(r.type.shape, r.type.dtype.np) for r in launch.results]
         return outs, stats
 
     def before(self, ctx: LaunchContext) -> tuple[int, tuple[int, int, int, int], dict[str, float]]:
@@ -156,7 +183,7 @@ class LaunchMemo:
                 if clock is None and blocks is None and size is None:
                     continue
                 out.append(_NameState(i, name[len(base):], size, None if clock is None else gm.clock - clock,
-                                      None if blocks is None else gm.clock - blocks))
+                                      None if blocks is None else _Blocks.of(gm.clock - blocks)))
         return out
 
     def _role_names(self, gm: GlobalMemory) -> dict[str, list[str]]:

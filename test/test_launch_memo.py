@@ -122,3 +122,22 @@ def test_full_runs_and_fault_injection_time_every_launch():
     assert Runtime(target).memo is None
     faulty = Runtime(target, timing_only=True, faults=[("core", 3)]).run(program, {}, {})
     assert faulty.replayed == 0 and faulty.faults
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_a_residency_kept_compact_gives_back_every_block_and_keys_as_the_array(dtype):
+    from geir.runtime.launch_memo import _Blocks
+
+    rng = np.random.default_rng(0)
+    clock = 10_000_000
+    pool = np.full(100_000, -1 if dtype is np.int64 else np.inf, dtype)  # the untouched tail
+    pool[rng.choice(100_000, 300, replace=False)] = rng.integers(0, 5000, 300)  # a step's slots
+    for relative in (pool, np.full(50, 7, dtype), pool[:0], np.arange(20, dtype=dtype)):
+        compact = _Blocks.of(relative)
+        back = compact.absolute(clock)
+        np.testing.assert_array_equal(back, clock - relative)  # the oracle: GlobalMemory.last_touch's own form
+        assert back.dtype == (clock - relative).dtype
+    assert _Blocks.of(pool).where.size == 300  # the pool's few touched blocks, not its 100000
+    other = pool.copy()
+    other[5] = 3  # one more block touched
+    assert _Blocks.of(pool).key() == _Blocks.of(pool.copy()).key() != _Blocks.of(other).key()

@@ -157,3 +157,33 @@ def test_a_model_from_a_hugging_face_config_runs_timing_only(tmp_path):
     assert len(d_prog.result_types) == 1 + 4
     for program in (p_prog, d_prog):
         assert Runtime(target, timing_only=True).run(program, {}, {}).kernels
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 1, 6), (2, 3, 4, 5), (1, 9, 1)])
+def test_timing_only_results_are_laid_out_as_real_ones_and_hold_no_bytes(shape):
+    from geir.kernels.base import no_bytes, no_bytes_c
+
+    real = np.empty(shape, np.float16)  # the oracle: a real result's layout
+    fake = no_bytes_c(shape, np.float16)
+    assert fake.shape == shape and fake.strides == real.strides and not fake.flags.writeable
+    # a copy kernel times a slice by its contiguity: every slice of the fake lays out as the real one's
+    for axis in range(len(shape)):
+        for lo, hi in [(0, 1), (0, shape[axis]), (1, shape[axis])]:
+            cut = (slice(None),) * axis + (slice(lo, hi),)
+            assert fake[cut].flags.c_contiguous == real[cut].flags.c_contiguous, (axis, lo, hi)
+    holder = fake.base
+    while not isinstance(holder, np.ndarray):  # as_strided's wrapper, then the one element behind it
+        holder = holder.base
+    assert holder.nbytes == np.dtype(np.float16).itemsize
+    stand = no_bytes(shape, np.float32)
+    assert stand.shape == shape and not any(stand.strides) and not stand.flags.writeable
+
+
+def test_an_unbacked_device_view_of_a_pool_larger_than_the_host_holds_no_bytes():
+    from geir.runtime.device import DeviceMemory
+    from geir.types import DType, TensorType
+
+    pool = TensorType(((60 << 30) // (32 * 128 * 2), 32, 128), DType.f16)  # 60 GiB of f16 keys
+    device = DeviceMemory(pool.nbytes + 4096, backed=False)
+    view = device.view(4096, pool)
+    assert view.shape == pool.shape and view.dtype == np.float16 and not any(view.strides)
