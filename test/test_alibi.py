@@ -288,18 +288,11 @@ def test_bloom_decode_step_fuses_every_attention_and_equals_torch(dtype):
     _judged(run_program(program, feed, m.resources).outputs[0], reference, eager, dtype)
 
 
-def test_bloom_decode_step_fuses_under_torch_compile(monkeypatch):
+def test_bloom_decode_step_fuses_under_torch_compile(geir_graphs):
     torch = pytest.importorskip("torch")
     from geir.frontends import torch_compile
 
-    made = []
-
-    class Recorded(torch_compile.GeirGraph):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(torch_compile, "GeirGraph", Recorded)
+    made = geir_graphs
     model, step, args, reference, eager = _bloom_decode_step(torch, "f32")
     torch._dynamo.reset()
     try:
