@@ -15,6 +15,16 @@ from geir.parser import parse
 from geir.session import compile_module, run_program
 
 
+def _compiled_run(text: str, shape: tuple[int, ...], seed: int):
+    """Compile a one-op graph, run it on a random f32 `x` of `shape`: its launch, its kernel record, x, outputs."""
+    program = compile_module(parse(text, "<view>"))[0].graphs[0]
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    result = run_program(program, {"x": x})
+    (launch,) = [op for op in program.ops if op.name == "rt.launch"]
+    (kernel,) = result.kernels
+    return launch, kernel, x, result.outputs
+
+
 def _split(shape: tuple[int, ...], axis: int, sizes: list[int]):
     cut = list(shape)
     pieces = []
@@ -24,13 +34,9 @@ def _split(shape: tuple[int, ...], axis: int, sizes: list[int]):
     names = ", ".join(f"%p{i}" for i in range(len(sizes)))
     text = (f"ge.graph @main(%x: tensor<{'x'.join(map(str, shape))}xf32>) -> ({', '.join(pieces)}) {{\n"
             f"  {names} = ge.split %x {{axis = {axis}, sizes = {sizes}}}\n  ge.return {names}\n}}\n")
-    program = compile_module(parse(text, "<split>"))[0].graphs[0]
-    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    result = run_program(program, {"x": x})
-    (launch,) = [op for op in program.ops if op.name == "rt.launch"]
-    (kernel,) = result.kernels
+    launch, kernel, x, outputs = _compiled_run(text, shape, seed=0)
     want = np.split(x, np.cumsum(sizes)[:-1], axis=axis)
-    for got, piece in zip(result.outputs, want):
+    for got, piece in zip(outputs, want):
         np.testing.assert_array_equal(np.asarray(got), piece)
     return launch, kernel, x
 
@@ -56,14 +62,10 @@ def _slice(shape: tuple[int, ...], axis: int, start: int, end: int, step: int = 
     text = (f"ge.graph @main(%x: {t(shape)}) -> {t(out)} {{\n"
             f"  %y = ge.slice %x {{axes = [{axis}], starts = [{start}], ends = [{end}], steps = [{step}]}}\n"
             f"  ge.return %y\n}}\n")
-    program = compile_module(parse(text, "<slice>"))[0].graphs[0]
-    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-    result = run_program(program, {"x": x})
-    (launch,) = [op for op in program.ops if op.name == "rt.launch"]
-    (kernel,) = result.kernels
+    launch, kernel, x, outputs = _compiled_run(text, shape, seed=1)
     index = [slice(None)] * len(shape)
     index[axis] = slice(start, end, step)
-    np.testing.assert_array_equal(np.asarray(result.outputs[0]), x[tuple(index)])
+    np.testing.assert_array_equal(np.asarray(outputs[0]), x[tuple(index)])
     return launch, kernel
 
 
