@@ -17,6 +17,13 @@ pto-isa's gemm_performance kernel (its README: TLOAD, TEXTRACT, TMATMUL, TSTORE)
           MTE3 UB -> GM. On Atlas A2 (MatmulMixEpilogue) the vector units are the AIC's two AIVs: FIXP
           writes the f32 block to a GM workspace, a cross-core flag tells the AIVs, each reads its half of
           the rows (AIV_MTE2), runs the activation (VECTOR) and stores C (MTE3): a mixed AIC + AIV kernel.
+    with a glu (fused_matmul {glu}): the gate-up matmul and SwiGLU in one kernel, as ops-transformer's
+          grouped_matmul_swiglu_quant runs it (gmm/grouped_matmul_swiglu_quant/op_kernel/
+          grouped_matmul_swiglu_pipeline.h: the cube's f32 result through a GM workspace, the AIVs' post-process
+          on it). Here each base block holds base_n / 2 gate columns and the matching up columns (B's two halves,
+          loaded one after the other), so the AIVs find both halves of their result tile in one f32 block: the
+          cube works the whole N, VECTOR the gate's activation and the Mul per result element (kernels/glu.py's
+          count) and the cast, MTE3 stores N / 2 columns.
 
 Numbers: the cube takes its operands in their dtype (f16, bf16 = ml_dtypes.bfloat16, f32) and
 accumulates in f32 across the base_k slices in order; the epilogue is `FusedMatmul.epilogue` (bias add,
@@ -40,6 +47,7 @@ import numpy as np
 from geir.ir import Operation
 from geir.kernels import matmul_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, allocate, issue, register_kernel
+from geir.kernels.glu import MUL_PASSES
 from geir.kernels.data_movement import (
     FRACTAL,
     GmTensor,
@@ -56,6 +64,7 @@ from geir.kernels.matmul_tiling import (MIX_EPILOGUE, N_FIRST, MatmulTiling, cor
                                         tiling_budget)
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
 from geir.kernels.vector import elementwise_passes
+from geir.ops.glu import GATE_ACTIVATIONS
 from geir.ops.numerics import round_to
 from geir.target_npu.sim import GlobalMemory, SetPool, Transfer, vector_cycles
 from geir.target_npu.target import Target
@@ -104,9 +113,10 @@ class MatmulKernel(Kernel):
         bias = inputs[2] if len(inputs) > 2 else None
         fused = op.name == "ge.fused_matmul"
         activation = op.attr("activation") if fused else "none"
+        glu = op.attr("glu") if fused else "none"
         out = matmul_forward(a, b, bias, bool(op.attr("transpose_a")), bool(op.attr("transpose_b")),
                              result_dtype(op, 0, a.dtype), tiling, ctx,
-                             epilogue=op.epilogue if fused else None, activation=activation)
+                             epilogue=op.epilogue if fused else None, activation=activation, glu=glu)
         return [out]
 
 
@@ -124,54 +134,59 @@ def check_fits(target, tiling: MatmulTiling, itemsize: int, epilogue: bool, bias
 
 def matmul_forward(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, transpose_a: bool, transpose_b: bool,
                    out_dt: np.dtype, tiling: MatmulTiling, ctx: LaunchContext, epilogue=None,
-                   activation: str = "none") -> np.ndarray:
-    """The kernel proper; timing goes to ctx.cores and ctx.gm."""
+                   activation: str = "none", glu: str = "none") -> np.ndarray:
+    """The kernel proper; timing goes to ctx.cores and ctx.gm.
+
+    With a glu epilogue each base block pairs base_n / 2 gate columns with the matching up columns (B's two
+    halves, loaded side by side), so the AIVs have both halves of their output tile in one f32 block and store
+    base_n / 2 columns of the N / 2-column result."""
     target, gm = ctx.target, ctx.gm
     m, n, k = tiling.base_m, tiling.base_n, tiling.base_k
     dt = a.dtype
     isz = dt.itemsize
     dname = _CUBE_DTYPES[dt.name]  # the cube's modes (the tile pass leaves other dtypes untiled)
-    vector_act = activation != "none"  # bias only: applied as L0C drains, no vector pass
+    vector_act = activation != "none" or glu != "none"  # bias only: applied as L0C drains, no vector pass
     check_fits(target, tiling, isz, vector_act, bias is not None)
 
     A = np.swapaxes(a, -1, -2) if transpose_a else a  # logical [.., M, K]
     B = np.swapaxes(b, -1, -2) if transpose_b else b  # logical [.., K, N]
     M, K = A.shape[-2:]
     N = B.shape[-1]
+    out_n = N // 2 if glu != "none" else N  # the result's columns
     batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
     nbat = math.prod(batch)
     a_of = np.broadcast_to(np.arange(math.prod(A.shape[:-2])).reshape(A.shape[:-2]), batch).reshape(-1)
     b_of = np.broadcast_to(np.arange(math.prod(B.shape[:-2])).reshape(B.shape[:-2]), batch).reshape(-1)
     if M == 0 or N == 0 or nbat == 0:
-        return np.empty(batch + (M, N), dtype=out_dt)
+        return np.empty(batch + (M, out_n), dtype=out_dt)
 
     an, bn = ctx.operand_names[:2]
     on = ctx.result_names[0]
     ag = gm_tensor(gm, an, a.shape, isz)
     bg = gm_tensor(gm, bn, b.shape, isz)
-    og = gm_tensor(gm, on, batch + (M, N), np.dtype(out_dt).itemsize)
+    og = gm_tensor(gm, on, batch + (M, out_n), np.dtype(out_dt).itemsize)
     biasg = None if bias is None else gm_tensor(gm, ctx.operand_names[2], bias.shape, bias.dtype.itemsize)
     if folds_batch(a.shape, b.shape, transpose_a):
         # The cube runs one [batch * M, K] problem (B read once, rows of several batch items in a base block);
         # the arithmetic below stays per batch item: every element's k blocks and their order are the same.
         # A, C (and a bias of rows) as the one matrix each the folded problem reads or writes
         ag = gm_tensor(gm, an, (nbat * M, K), isz)
-        og = gm_tensor(gm, on, (nbat * M, N), np.dtype(out_dt).itemsize)
+        og = gm_tensor(gm, on, (nbat * M, out_n), np.dtype(out_dt).itemsize)
         bias_shape = None if bias is None else bias.shape
         if bias is not None and bias.ndim >= 2 and any(d != 1 for d in bias.shape[:-1]):
             bias_shape = (nbat * M, bias.shape[-1])
             biasg = gm_tensor(gm, ctx.operand_names[2], bias_shape, bias.dtype.itemsize)
         one = np.zeros(1, dtype=np.int64)
         g = _grid(tiling, target, nbat * M, N, K, one, one, False, transpose_b, nbat * M, b.shape[-2],
-                  ctx.cores.count)
+                  ctx.cores.count, glu != "none")
     else:
         bias_shape = None if bias is None else bias.shape
         g = _grid(tiling, target, M, N, K, a_of, b_of, transpose_a, transpose_b, a.shape[-2], b.shape[-2],
-                  ctx.cores.count)
-    _time(ctx, g, tiling, ag, bg, og, biasg, bias_shape, isz, dname, activation)
+                  ctx.cores.count, glu != "none")
+    _time(ctx, g, tiling, ag, bg, og, biasg, bias_shape, isz, dname, activation, glu)
 
     if not ctx.compute:
-        return np.empty(batch + (M, N), dtype=out_dt)
+        return np.empty(batch + (M, out_n), dtype=out_dt)
     return _compute(A, B, bias, batch, k, m, out_dt, epilogue)
 
 def _compute(A: np.ndarray, B: np.ndarray, bias: np.ndarray | None, batch: tuple, k: int, m: int,
@@ -184,7 +199,7 @@ def _compute(A: np.ndarray, B: np.ndarray, bias: np.ndarray | None, batch: tuple
     """
     M, K = A.shape[-2:]
     N = B.shape[-1]
-    out = np.empty(batch + (M, N), dtype=out_dt)
+    out = None  # its columns are the epilogue's (a glu halves them)
     # row slabs of whole m blocks, sized so the f32 accumulator stays around 64 MiB
     slab = max(m, (16 * 2**20 // max(N * max(math.prod(batch), 1), 1)) // m * m)
     bias_full = None if bias is None else np.broadcast_to(bias, batch + (M, N))
@@ -195,6 +210,8 @@ def _compute(A: np.ndarray, B: np.ndarray, bias: np.ndarray | None, batch: tuple
             acc += np.matmul(A[..., r0:r1, k0:k0 + k].astype(_F32), B[..., k0:k0 + k, :].astype(_F32))
         if epilogue is not None:
             acc = epilogue(acc, None if bias_full is None else bias_full[..., r0:r1, :])
+        if out is None:
+            out = np.empty(batch + (M, acc.shape[-1]), dtype=out_dt)
         out[..., r0:r1, :] = round_to(acc, out_dt)
     return out
 
@@ -245,6 +262,7 @@ class _Grid:
     transpose_b: bool = False
     ra: int = 0  # stored rows of one matrix of A, B
     rb: int = 0
+    pair: int = 1  # cube columns per result column: 2 with a glu (N, n count result columns; B's up half is N on)
 
     @property
     def units(self) -> int:
@@ -252,22 +270,25 @@ class _Grid:
 
 
 def _grid(t: MatmulTiling, target: Target, M: int, N: int, K: int, a_of: np.ndarray, b_of: np.ndarray,
-          transpose_a: bool, transpose_b: bool, ra: int, rb: int, count: int) -> _Grid:
-    """The launch's grid: the tiling's blocks on this problem (a single_core size of 0 is decided here)."""
-    m, n = t.base_m, t.base_n
+          transpose_a: bool, transpose_b: bool, ra: int, rb: int, count: int, glu: bool = False) -> _Grid:
+    """The launch's grid: the tiling's blocks on this problem (a single_core size of 0 is decided here). With a glu
+    the grid is the result's: N / 2 columns, base_n / 2 of them a block (each with its base_n / 2 up columns)."""
+    pair = 2 if glu else 1
+    m, n = t.base_m, t.base_n // pair
+    N //= pair
     step = min(t.step_ka, t.step_kb)  # a load of each operand per L1 step (the rules make the steps equal)
     kg = step * t.base_k
     tm, tn = -(-M // m), -(-N // n)
     nbat = len(a_of)
     if t.single_core_m and t.single_core_n:
-        sm, sn = max(min(t.single_core_m // m, tm), 1), max(min(t.single_core_n // n, tn), 1)
+        sm, sn = max(min(t.single_core_m // m, tm), 1), max(min(t.single_core_n // t.base_n, tn), 1)
     else:
         split = core_split(nbat, M, N, m, n, count)
         sm, sn = split.single_core_m // m, split.single_core_n // n
     order = _order(nbat, tm, tn, sm, sn, t.iterate_order, count)
     return _Grid(M, N, K, m, n, kg, t.base_k, step, tm, tn, max(-(-K // kg), 1),
                  min(t.l1_buffers_a, t.l1_buffers_b), t.buffers, l0c_slots(m, n, target), order, a_of, b_of,
-                 transpose_a, transpose_b, ra, rb)
+                 transpose_a, transpose_b, ra, rb, pair)
 
 
 def _order(nbat: int, tm: int, tn: int, sm: int, sn: int, iterate_order: int, count: int) -> np.ndarray:
@@ -294,19 +315,30 @@ def _order(nbat: int, tm: int, tn: int, sm: int, sn: int, iterate_order: int, co
 
 
 def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: GmTensor, og: GmTensor,
-          biasg: GmTensor | None, bias_shape: tuple[int, ...] | None, isz: int, dname: str, activation: str) -> None:
-    """Issue every wave's instructions on ctx.cores and its moves on ctx.gm (the kernel's timing)."""
+          biasg: GmTensor | None, bias_shape: tuple[int, ...] | None, isz: int, dname: str, activation: str,
+          glu: str = "none") -> None:
+    """Issue every wave's instructions on ctx.cores and its moves on ctx.gm (the kernel's timing).
+
+    A glu epilogue (ops-transformer's grouped_matmul_swiglu_quant: the gate-up matmul and SwiGLU in one kernel)
+    runs the cube over both halves of each block (g.pair columns per result column), drains the f32 block, runs
+    the gate's activation and the Mul per result element (kernels/glu.py's count) and the cast, and stores the
+    result tile: half the product's bytes."""
     target, cores, waits = ctx.target, ctx.cores, ctx.waits
     count = cores.count
     mix = tiling.template == MIX_EPILOGUE
-    vector_act = activation != "none"
-    act_passes = (elementwise_passes(_ACTIVATION_OPS[activation]) if vector_act else 0) + 1  # + the cast
+    vector_act = activation != "none" or glu != "none"
+    if glu != "none":
+        act_passes = elementwise_passes(GATE_ACTIVATIONS[glu][0]) + MUL_PASSES + 1  # + the cast
+        activation = f"{glu} glu"
+    else:
+        act_passes = (elementwise_passes(_ACTIVATION_OPS[activation]) if vector_act else 0) + 1  # + the cast
+    pair = g.pair
     fm, fk, fn = target.cube_fractal(dname)
     onchip = target.memory.onchip_bytes_per_cycle
     latency = target.memory.dma_latency_cycles
     sync = target.overhead("cross_core_sync_cycles") if mix else 0.0
     moves = _Moves(ctx, g, ag, bg, og, biasg, bias_shape)
-    ws = _Workspace(ctx, og.name, len(g.order), g.m * g.n * 4) if mix else None
+    ws = _Workspace(ctx, og.name, len(g.order), g.m * g.n * pair * 4) if mix else None
     lanes_all = np.arange(len(g.order))
     l1_free = np.zeros((g.l1_slots, count))  # an L1 buffer (A's and B's of one load): free once MTE1 took its last slice
     l0_free = np.zeros((g.l0_slots, count))  # an L0A / L0B half: free once the cube used it
@@ -330,8 +362,8 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
             # per base_k slice: MTE1's and the cube's cycles [slice, lane]
             kk = np.arange(-(-g.K // g.base_k) if g.K else 1)
             k_eff = np.maximum(np.minimum(g.K - kk * g.base_k, g.base_k), 0)
-            to_l0 = np.ceil((m_eff + n_eff)[None, :] * k_eff[:, None] * isz / onchip)
-            mmad = ((-(-m_eff // fm) * -(-n_eff // fn))[None, :] * -(-k_eff // fk)[:, None]).astype(np.float64)
+            to_l0 = np.ceil((m_eff + pair * n_eff)[None, :] * k_eff[:, None] * isz / onchip)
+            mmad = ((-(-m_eff // fm) * pair * -(-n_eff // fn))[None, :] * -(-k_eff // fk)[:, None]).astype(np.float64)
             on_chip[key] = (to_l0, mmad)
         to_l0, mmad = on_chip[key]
         bias_ready = None
@@ -358,10 +390,10 @@ def _time(ctx: LaunchContext, g: _Grid, tiling: MatmulTiling, ag: GmTensor, bg: 
         if mix:
             ss = w % WORKSPACE_SLOTS
             l0c_free[cs, lanes], ws_free[ss, lanes], ub_free[us, lanes] = _mix_drain(
-                cores, waits, ws, lanes, ss, mm, m_eff, n_eff, store, ws_free[ss, lanes], ub_free[us, lanes], sync,
-                latency, vector_cycles(target, -(-m_eff // 2) * n_eff * 4, act_passes), activation)
+                cores, waits, ws, lanes, ss, mm, m_eff, pair * n_eff, store, ws_free[ss, lanes], ub_free[us, lanes],
+                sync, latency, vector_cycles(target, -(-m_eff // 2) * n_eff * 4, act_passes), activation)
         elif vector_act:
-            to_ub = issue(cores, waits, "FIXP", lanes, np.ceil(m_eff * n_eff * 4 / onchip), [mm],
+            to_ub = issue(cores, waits, "FIXP", lanes, np.ceil(m_eff * pair * n_eff * 4 / onchip), [mm],
                           [ub_free[us, lanes]], name="L0C to UB")
             l0c_free[cs, lanes] = to_ub
             act = issue(cores, waits, "VECTOR", lanes, vector_cycles(target, m_eff * n_eff * 4, act_passes),
@@ -444,7 +476,8 @@ class _Moves:
         names = [t.name for t in (ag, bg, og, biasg) if t is not None]
         on_grid = all(size % FRACTAL == 0 or size >= dim for size, dim in ((g.m, g.M), (g.n, g.N), (g.k, g.K)))
         self.sets = None
-        if len(set(names)) == len(names) and g.K > 0 and on_grid:
+        # a glu's B tile is two rectangles (gate and up columns): moved one at a time
+        if len(set(names)) == len(names) and g.K > 0 and on_grid and g.pair == 1:
             gm, m, n, k = self.gm, g.m, g.n, g.k
             self.sets = {"a": TileSets(gm, ag, k, m, swap=True) if g.transpose_a else TileSets(gm, ag, m, k),
                          "b": TileSets(gm, bg, n, k) if g.transpose_b else TileSets(gm, bg, k, n, swap=True),
@@ -497,13 +530,17 @@ class _Moves:
                 a_rect = (ba * g.ra + k0, ba * g.ra + k0 + k_eff, m0, m0 + m_eff)
             else:
                 a_rect = (ba * g.ra + m0, ba * g.ra + m0 + m_eff, k0, k0 + k_eff)
-            if g.transpose_b:
-                b_rect = (bb * g.rb + n0, bb * g.rb + n0 + n_eff, k0, k0 + k_eff)
-            else:
-                b_rect = (bb * g.rb + k0, bb * g.rb + k0 + k_eff, n0, n0 + n_eff)
             # cores loading the same block in this step share it (the first one brings it into L2)
             load_a.append(gm_read(gm, ag, rect_pieces(ag, *a_rect), key=ba * g.tm + mi))
-            load_b.append(gm_read(gm, bg, rect_pieces(bg, *b_rect), key=bb * g.tn + ni))
+            cycles = 0
+            for half in range(g.pair):  # a glu's block: the gate columns, then the up columns N further on
+                c0 = n0 + half * g.N
+                if g.transpose_b:
+                    b_rect = (bb * g.rb + c0, bb * g.rb + c0 + n_eff, k0, k0 + k_eff)
+                else:
+                    b_rect = (bb * g.rb + k0, bb * g.rb + k0 + k_eff, c0, c0 + n_eff)
+                cycles = cycles + gm_read(gm, bg, rect_pieces(bg, *b_rect), key=(bb * g.pair + half) * g.tn + ni)
+            load_b.append(cycles)
         store = gm_write(gm, self.og, rect_pieces(self.og, bo * g.M + m0, bo * g.M + m0 + m_eff, n0, n0 + n_eff))
         return np.array(load_a), np.array(load_b), store
 

@@ -371,10 +371,11 @@ def _block_and_head(m: int, n: int, K: int | None, dtype: DType, epilogue: bool,
 # --- the kernel's tiling interface (geir.kernels.base.Kernel) ----------------------------------------
 
 def _problem(sig: OpSignature) -> tuple[TensorType, TensorType, bool, bool, bool, bool]:
-    """a and b types, transposes, whether an activation runs on the vector units and whether a bias is added."""
+    """a and b types, transposes, whether an activation (or a glu) runs on the vector units and whether a bias is
+    added."""
     a, b = sig.operands[:2]
     bias = len(sig.operands) > 2
-    epilogue = sig.attr("activation", "none") != "none"
+    epilogue = sig.attr("activation", "none") != "none" or sig.attr("glu", "none") != "none"
     return a, b, bool(sig.attr("transpose_a", False)), bool(sig.attr("transpose_b", False)), epilogue, bias
 
 
@@ -477,5 +478,6 @@ def check_instance(sig: OpSignature, tiling: MatmulTiling) -> OpSignature:
         if c2.rank >= 2 and c2.shape[-2] == M:
             c2 = resized(c2, -2, m2)
         operands.append(c2)
-    results = [None if out is None else resized(resized(one_batch(out), -2, m2), -1, n2)]
+    glu = sig.attr("glu", "none") != "none"  # its result has half the product's columns
+    results = [None if out is None else resized(resized(one_batch(out), -2, m2), -1, n2 // 2 if glu else n2)]
     return with_shapes(sig, operands, results)

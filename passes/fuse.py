@@ -23,7 +23,7 @@ from geir.passes.fusion.attention_rows import FoldMaskedRowsSelect
 from geir.passes.fusion.elementwise import FuseElementwiseChain
 from geir.passes.fusion.epilogue import FuseMatmulEpilogue
 from geir.passes.fusion.gelu import FuseGelu
-from geir.passes.fusion.glu import FuseGlu, GluFromMergedMatmul
+from geir.passes.fusion.glu import FuseGlu, FuseMatmulGlu, GluFromMergedMatmul
 from geir.passes.fusion.kv_scatter import MergeIndexPutPair
 from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
@@ -45,6 +45,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
         FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts, FoldMaskedRowsSelect,
+        FuseMatmulGlu,
     )
 }
 

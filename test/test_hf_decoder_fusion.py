@@ -85,12 +85,14 @@ def test_q_k_v_are_one_matmul_per_layer_and_gate_up_another(compiled):
     splits = [op for op in ops if op.name == "ge.split"]
     qkv = [s for s in splits if len(s.results) == 3]
     assert len(qkv) == len(splits) == LAYERS
-    glus = [op for op in ops if op.name == "ge.glu"]
-    assert len(glus) == LAYERS
-    for glu in glus:  # LLaMA's gate and up projections, merged once glu took the activation and product; the glu
-        mm = glu.operands[0].owner  # reads the merged output's two halves itself (glu_merged): no split between
-        assert len(glu.operands) == 1 and mm.name == "ge.matmul"
-        assert mm.results[0].type.shape[-1] == 2 * INTERMEDIATE
+    assert not [op for op in ops if op.name == "ge.glu"]
+    # LLaMA's gate and up projections, merged once glu took the activation and product; the glu reads the merged
+    # output's two halves itself (glu_merged), then becomes that matmul's epilogue (matmul_glu): no split between
+    gate_ups = [op for op in ops if op.name == "ge.fused_matmul" and op.glu == "silu"]
+    assert len(gate_ups) == LAYERS
+    for mm in gate_ups:
+        assert mm.operands[1].type.shape[-1 if not mm.transpose_b else -2] == 2 * INTERMEDIATE
+        assert mm.results[0].type.shape[-1] == INTERMEDIATE
     for split in qkv:
         mm = split.operands[0].owner
         assert mm.name == "ge.matmul" and mm.results[0].type.shape[-1] == qkv_width

@@ -297,3 +297,61 @@ def test_rotary_pair_is_each_rotation_bit_for_bit_in_one_launch(qshape, kshape, 
     assert all(_bits_equal(a, b) for a, b in zip((qo, ko), run_op(pair, [q, cos, sin, k])))
     assert ctx.gm.gm_write_bytes == q.nbytes + k.nbytes
     assert q.nbytes + k.nbytes <= ctx.gm.gm_read_bytes <= read
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("activation, transpose_b", [("silu", False), ("gelu_tanh", True)])
+def test_matmul_glu_epilogue_is_the_glu_of_the_f32_product_rounded_once(activation, transpose_b, dtype):
+    """fused_matmul {glu}: ge.glu's own semantics on the f32 product, rounded once to the dtype. Multiples of 1/64
+    make every partial sum exact in f32 (21 bits at most), so the product the oracle hands glu is the accumulator
+    whatever the k order, and one that f16 cannot hold (a product rounded first would differ); the result has half
+    the product's columns."""
+    M, K, N = 70, 96, 2 * 200
+    rng = np.random.default_rng(11)
+    x = (rng.integers(-127, 128, (M, K)) / 64).astype(NP[dtype])
+    w = (rng.integers(-127, 128, (N, K) if transpose_b else (K, N)) / 64).astype(NP[dtype])
+    wt = f"tensor<{'x'.join(map(str, w.shape))}x{dtype}>"
+    attrs = f'glu = "{activation}"' + (", transpose_b = true" if transpose_b else "")
+    op = _op(f"ge.graph @main(%x: tensor<{M}x{K}x{dtype}>, %w: {wt}) -> tensor<{M}x{N // 2}x{dtype}> {{\n"
+             f"  %y = ge.fused_matmul %x, %w {{{attrs}}}\n  ge.return %y\n}}")
+    out, _ = _launch(op, [x, w])
+    product = (x.astype(np.float64) @ (w.T if transpose_b else w).astype(np.float64)).astype(np.float32)
+    glu = _op(f"ge.graph @main(%p: tensor<{M}x{N}xf32>) -> tensor<{M}x{N // 2}xf32> {{\n"
+              f"  %y = ge.glu %p {{activation = \"{activation}\"}}\n  ge.return %y\n}}")
+    want = np.asarray(run_op(glu, [product])[0]).astype(NP[dtype])
+    assert _bits_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_llama_mlp_with_the_swiglu_epilogue_passes_the_torch_compile_rule(dtype):
+    """A LLaMA MLP, (silu(x Wg) * (x Wu)) Wd, written on the merged gate-up weight: fuse makes the gate-up matmul
+    with SwiGLU as its epilogue, and the two kernels' result passes torch.compile's accuracy rule against torch in
+    float64, with torch in the dtype as the eager baseline."""
+    torch = pytest.importorskip("torch")
+    from geir.accuracy import compare
+    from geir.types import DType, TensorType
+
+    S, H, F = 37, 256, 344
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, S, H)).astype(NP[dtype])
+    wg, wu = ((rng.standard_normal((H, F)) / math.sqrt(H)).astype(NP[dtype]) for _ in range(2))
+    wd = (rng.standard_normal((F, H)) / math.sqrt(F)).astype(NP[dtype])
+    wgu = np.concatenate([wg, wu], axis=1)
+    module = parse(f"ge.graph @main(%x: tensor<1x{S}x{H}x{dtype}>, %wgu: tensor<{H}x{2 * F}x{dtype}>, "
+                   f"%wd: tensor<{F}x{H}x{dtype}>) -> tensor<1x{S}x{H}x{dtype}> {{\n"
+                   f"  %m = ge.matmul %x, %wgu\n  %h = ge.glu %m\n  %y = ge.matmul %h, %wd\n  ge.return %y\n}}")
+    diags: list = []
+    ctx = PassContext(target="ascend910b", diagnostics=DiagnosticEngine(diags.append))
+    assert PassManager(complete_pipeline(parse_pipeline("fuse,tile"))).run(module, ctx), diags
+    gate_up, down = [op for op in module.graphs[0].ops if op.name != "ge.return"]
+    assert (gate_up.name, gate_up.attr("glu"), down.name) == ("ge.fused_matmul", "silu", "ge.matmul")
+    h, _ = _launch(gate_up, [x, wgu])
+    y, _ = _launch(down, [h, wd])
+
+    def mlp(t: type) -> np.ndarray:
+        xt, g, u, d = (torch.from_numpy(a).to(t) for a in (x, wg, wu, wd))
+        return ((torch.nn.functional.silu(xt @ g) * (xt @ u)) @ d).numpy()
+
+    verdict = compare(y, mlp(torch.float64), TensorType(y.shape, DType.from_numpy(y.dtype)),
+                      mlp(torch.float32 if dtype == "f32" else torch.float16))
+    assert verdict.passed, verdict.render("y")

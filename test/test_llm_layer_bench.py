@@ -104,8 +104,9 @@ def test_a_layers_own_kernels_are_what_one_more_layer_adds(llama, llama_one_laye
     figures = llama.row[phase]
     assert figures["layer_kernels"] == figures["kernels"] - one["kernels"]
     own = figures["layer_kernels_by_type"]
-    # the config's layer: merged q/k/v, o, merged gate/up and down; q and k rotate, together in one launch; one
-    # attention; both residual adds fuse with the norm after them (the second layer's input norm takes the first
-    # layer's sum)
-    assert own["ge.matmul"] == 4 and own["ge.rotary_embedding"] == 1 and own["ge.flash_attention"] == 1
+    # the config's layer: merged q/k/v, o and down, and the merged gate/up with SwiGLU as its epilogue (no glu
+    # launch of its own); q and k rotate, together in one launch; one attention; both residual adds fuse with the
+    # norm after them (the second layer's input norm takes the first layer's sum)
+    assert own["ge.matmul"] == 3 and own["ge.fused_matmul"] == 1 and "ge.glu" not in own
+    assert own["ge.rotary_embedding"] == 1 and own["ge.flash_attention"] == 1
     assert own["ge.add_rms_norm"] == 2 and sum(own.values()) == figures["layer_kernels"]

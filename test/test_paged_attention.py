@@ -344,7 +344,7 @@ def test_a_decode_step_costs_the_same_whatever_the_pools_size():
     runs = [serve(model, _two_requests(), block_size=4, pool_bytes=blocks * 4 * kv_bytes_per_token(model),
                   timing_only=True) for blocks in (8, 4096)]
     assert [s.kind for s in runs[0].steps] == [s.kind for s in runs[1].steps]
-    # Equal but for the L2 model's few cycles (at most 0.1 %: the merged glu and add_rms_norm of a decode step
+    # Equal but for the L2 model's few cycles (at most 0.1 %: the gate-up matmul with its glu epilogue and add_rms_norm of a decode step
     # differ by about 0.02 us in 45 us, the pools' block bookkeeping); a pool copied or read whole each step would
     # add its 4096 blocks' bytes, hundreds of times the step's own
     for small, big in zip(runs[0].steps, runs[1].steps):

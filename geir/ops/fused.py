@@ -13,6 +13,7 @@ import numpy as np
 from geir.builder import create_op
 from geir.ir import Operation
 from geir.opdef import OPS, Attr, ShapeError, lookup, op, ops_with_trait
+from geir.ops.glu import GATE_ACTIVATIONS
 from geir.ops.linalg import Matmul
 from geir.ops.numerics import broadcast_dims, round_to, work
 from geir.traits import Elementwise, Fused, InPlaceCapable
@@ -102,18 +103,29 @@ class FusedElementwise(Operation):
 
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+GLUS = ("none",) + tuple(GATE_ACTIVATIONS)
 
 
 @op("ge.fused_matmul")
 class FusedMatmul(Matmul):
-    """matmul with an epilogue: `act(a @ b + bias)`, the bias and activation applied in f32 before the result is rounded."""
+    """matmul with an epilogue: `act(a @ b + bias)`, the bias and activation applied in f32 before the result is rounded;
+    or `glu(a @ b)` (`glu` names the gate's activation): the gated linear unit of the f32 product's two halves of
+    the last axis (gate, then up), N/2 columns rounded once (the gate-up matmul with SwiGLU as its epilogue)."""
 
     OPERAND_NAMES = ("a", "b", "bias?")
     TRAITS = (Fused,)
     activation = Attr(str, default="none", choices=ACTIVATIONS)
+    glu = Attr(str, default="none", choices=GLUS)
+
+    def verify(self) -> str | None:
+        if self.glu != "none" and (self.activation != "none" or len(self.operands) > 2):
+            return "a glu epilogue takes neither an activation nor a bias"
+        return super().verify()
 
     def infer(self, a: TensorType, b: TensorType, bias: TensorType | None = None) -> TensorType:
         out = super().infer(a, b)
+        if self.glu != "none":
+            return self.glu_op().infer(out)
         if bias is not None:
             if bias.dtype != out.dtype:
                 raise ShapeError(f"bias dtype {bias.dtype} differs from the matmul's {out.dtype}")
@@ -124,10 +136,20 @@ class FusedMatmul(Matmul):
     def compute(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         return self.epilogue(super().compute(a, b), bias)
 
+    def flops(self) -> float:
+        """The cube's work on the whole product: a glu epilogue's result has half its columns."""
+        return super().flops() * (2 if self.glu != "none" else 1)
+
+    def glu_op(self) -> Operation:
+        """A detached ge.glu of this op's gate activation (its semantics are the glu epilogue's)."""
+        return create_op("ge.glu", [], [], {"activation": self.glu})
+
     def epilogue(self, y: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """Bias add and activation on the f32 product (the matmul kernel runs it on each accumulator tile)."""
         if bias is not None:
             y = y + work(bias)
+        if self.glu != "none":
+            return self.glu_op().compute(y)
         act = self.activation
         if act == "none":
             return y

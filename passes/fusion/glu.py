@@ -9,6 +9,7 @@ from __future__ import annotations
 from geir.ir import Operation, Value
 from geir.passes.fusion.match import defining, named
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
+from geir.types import DType
 
 _GATES = ("ge.silu", "ge.gelu")
 
@@ -91,3 +92,40 @@ class GluFromMergedMatmul(Pattern):
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         glu = m.root
         rw.replace(glu, rw.create("ge.glu", [m.x], dict(glu.attributes), [glu.result.type], before=glu))
+
+
+class FuseMatmulGlu(Pattern):
+    """glu(matmul(a, b)) with one merged operand -> fused_matmul(a, b) {glu}: the gate-up matmul with the gated linear
+    unit as its epilogue on the f32 product (torch_npu's fused "gate-up + SwiGLU", ops-transformer's
+    grouped_matmul_swiglu_quant), so the glu's own launch and the product's round trip through GM go away."""
+
+    # below glu_merged (4), which gives the glu the merged gate-up product this rule takes into the matmul
+    NAME, ROOT, BENEFIT, EXPLAIN = "matmul_glu", "ge.glu", 3, True
+
+    def match(self, glu: Operation) -> Match | Miss | None:
+        if len(glu.operands) != 1:
+            return None  # gate and up from two tensors: not one product's halves
+        x = glu.operands[0]
+        mm = defining(x, "ge.matmul", "ge.fused_matmul")
+        if mm is None:
+            between = x.owner
+            if between is not None and between.operands and defining(between.operands[0], "ge.matmul",
+                                                                      "ge.fused_matmul"):
+                return Miss(f"{named(between)} lies between the matmul and the glu")
+            return None
+        if len(x.uses) != 1:
+            return Miss(f"the result of {named(mm)} is also used elsewhere; fusing would drop it")
+        if mm.name == "ge.fused_matmul":
+            if mm.activation != "none" or mm.glu != "none":
+                return Miss(f"{named(mm)} already has an epilogue ({mm.activation if mm.glu == 'none' else 'glu'})")
+            if len(mm.operands) > 2:
+                return Miss(f"{named(mm)} adds a bias, which the glu epilogue does not take")
+        if x.type is None or x.type.dtype not in (DType.f16, DType.bf16, DType.f32):
+            return Miss(f"{named(mm)} computes in {None if x.type is None else x.type.dtype}, not a cube dtype")
+        attrs = {k: v for k, v in mm.attributes.items() if k in ("transpose_a", "transpose_b")}
+        return Match(glu, operands=list(mm.operands[:2]), attrs={**attrs, "glu": glu.activation})
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        glu = m.root
+        rw.replace(glu, rw.create("ge.fused_matmul", m.operands, m.attrs, [glu.result.type], before=glu))
+
