@@ -391,7 +391,10 @@ def reference_schedule(monkeypatch):
     """Every kernel timed by the reference code: matmul and FlashAttention's timing, the listed pieces."""
     from geir.kernels import data_movement, flash_attention, matmul, vector
 
-    def matmul_forward(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, epilogue=None, activation="none"):
+    def matmul_forward(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, epilogue=None, activation="none",
+                       glu="none"):
+        # the reference has no glu epilogue (matmul_glu) yet: the programs this oracle times have none
+        assert glu == "none", "the reference schedule does not time a glu epilogue"
         ref.matmul_timing(a, b, bias, transpose_a, transpose_b, out_dt, tiling, ctx, activation)
         A = np.swapaxes(a, -1, -2) if transpose_a else a
         B = np.swapaxes(b, -1, -2) if transpose_b else b
