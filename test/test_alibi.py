@@ -141,6 +141,21 @@ def _bloom(dtype=None):
     return model.to(dtype) if dtype is not None else model
 
 
+def _hidden(model):
+    """The Bloom model's last hidden state from (input_ids, attention_mask): the module the tests export."""
+    torch = pytest.importorskip("torch")
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return self.m.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    return Hidden(model)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_bloom_attention_fuses_with_its_alibi_as_the_pse_and_equals_torch(dtype):
     torch = pytest.importorskip("torch")
@@ -152,20 +167,12 @@ def test_bloom_attention_fuses_with_its_alibi_as_the_pse_and_equals_torch(dtype)
     torch_dtype = {"f32": torch.float32, "f16": torch.float16}[dtype]
     model = _bloom(torch_dtype)
 
-    class Hidden(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
-
     ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0  # the second row ends in padding: ALiBi's positions come from the mask's cumsum
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module = from_module(Hidden(model), (ids, mask))
+        module = from_module(_hidden(model), (ids, mask))
     session = Session(Module([module.graph()], module.file, module.resources))
     attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
     assert len(attention) == model.config.n_layer  # every layer's attention fused
@@ -175,8 +182,8 @@ def test_bloom_attention_fuses_with_its_alibi_as_the_pse_and_equals_torch(dtype)
     program = session.program({k: v.shape for k, v in feed.items()})
     actual = np.asarray(run_program(program, feed, module.resources).outputs[0], dtype=np.float64)
     with torch.no_grad():
-        eager = Hidden(model)(ids, mask).float().numpy()
-        reference = Hidden(_bloom(torch.float64))(ids, mask).numpy()
+        eager = _hidden(model)(ids, mask).float().numpy()
+        reference = _hidden(_bloom(torch.float64))(ids, mask).numpy()
     keep = mask.numpy().astype(bool)  # padded positions' hidden states are garbage in torch too
     verdict = compare(actual[keep], reference[keep], TensorType(actual[keep].shape, DType(dtype)), eager[keep])
     assert verdict.passed, verdict.render("last_hidden_state")
@@ -196,14 +203,6 @@ def test_bloom_through_the_onnx_exporter_fuses_and_equals_torch(tmp_path):
 
     model = _bloom()
 
-    class Hidden(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
-
     ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 8, dtype=torch.long)
     out = tmp_path / "bloom.onnx"
@@ -211,7 +210,7 @@ def test_bloom_through_the_onnx_exporter_fuses_and_equals_torch(tmp_path):
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(Hidden(model), (ids, mask), dynamo=True).save(str(out))
+        torch.onnx.export(_hidden(model), (ids, mask), dynamo=True).save(str(out))
     module, weights = import_onnx(str(out))
     session = Session(Module([module.graph()], module.file, weights))
     attention = [op for op in session.generic.ops if op.name == "ge.flash_attention"]
@@ -220,8 +219,8 @@ def test_bloom_through_the_onnx_exporter_fuses_and_equals_torch(tmp_path):
     program = session.program({k: v.shape for k, v in feed.items()})
     actual = np.asarray(run_program(program, feed, weights).outputs[0], dtype=np.float64)
     with torch.no_grad():
-        eager = Hidden(model)(ids, mask).numpy()
-        reference = Hidden(_bloom(torch.float64))(ids, mask).numpy()
+        eager = _hidden(model)(ids, mask).numpy()
+        reference = _hidden(_bloom(torch.float64))(ids, mask).numpy()
     verdict = compare(actual, reference, TensorType(actual.shape, DType.f32), eager)
     assert verdict.passed, verdict.render("last_hidden_state")
 
