@@ -34,7 +34,7 @@ Goals (issue 28), each printed PASS or MISS with the measured figure:
     a layer's own kernels (kern/L where that could not be measured: --layers 1), with the kinds a LLaMA layer
     launches;
   - every attention fused, in prefill and decode, through the torch frontend (the issue also asks it of
-    torch.compile and the ONNX exporter, with generate()'s tokens equal to Hugging Face's: not measured here);
+    torch.compile and the ONNX exporter, with generate()'s tokens equal to Hugging Face's: bench/decoder_paths.py);
   - glue at most 5 % of prefill kernel time on the LLaMA-8B shape (hidden 4096, 32 heads, 8 KV heads, head dim
     128, MLP 14336, f16; a vocabulary of 1024), prompt --seq-8b tokens: judged on a decoder layer's own kernel
     time (the 2-layer run's per kernel type less the 1-layer run's: what a 32-layer model is made of), the 1-layer

@@ -195,39 +195,3 @@ def test_a_graph_geir_cannot_import_gives_eager_results_exactly(graphs):
     assert torch.equal(out, torch.cumprod(x * 2.0, dim=0) + 1.0)
     assert torch.equal(fast(x + 1), scan(x + 1))  # later calls run eagerly too, without recompiling
     assert len(graphs) == 1 and graphs[0].compiled == {}
-
-
-@pytest.mark.parametrize("kind", ["bloom", "gptj"])
-def test_bloom_and_gptj_attention_fuse_under_torch_compile(graphs, kind):
-    # Bloom's ALiBi (baddbmm on [B*N, S, L] scores) and GPT-J's interleaved rotary (repeat_interleave of sin and
-    # cos): both layers' attention reaches the NPU as ge.flash_attention, and the result follows the accuracy rule
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "bloom":
-        model = transformers.BloomModel(transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=100))
-    else:
-        model = transformers.GPTJModel(transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
-                                                               n_positions=64, vocab_size=100, bos_token_id=0,
-                                                               eos_token_id=0))
-
-    class Hidden(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, ids):
-            return self.m(input_ids=ids).last_hidden_state
-
-    hidden = Hidden().eval()
-    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GeirFallbackWarning)  # nothing may fall back
-        with torch.no_grad():
-            out = torch.compile(hidden, backend="geir")(ids)
-    compiled = [c for g in graphs for c in g.compiled.values() if c is not None]
-    assert sum(op.name == "ge.flash_attention" for c in compiled for op in c.graph.ops) == 2
-    with torch.no_grad():
-        wide = copy.deepcopy(hidden).double()(ids)
-        eager = hidden(ids)
-    verdict = compare(out.numpy(), wide.numpy(), TensorType(tuple(out.shape), DType.f32), eager.double().numpy())
-    assert verdict.passed, verdict.render("last_hidden_state")
