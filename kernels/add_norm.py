@@ -148,7 +148,8 @@ class AddNormKernel(Kernel):
                 continue
             for s in range(segments if cls.PRE_STAT_PASSES else 0):  # x2's statistics, when x2 is normalised first
                 c0, c1 = s * seg, min((s + 1) * seg, C)
-                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.PRE_STAT_PASSES + casts))
+                # x2 cast in (16-bit), nothing stored
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.PRE_STAT_PASSES + casts // 2))
                 slots.step(used, moved(on, [tensors[1]], r0, r1, c0, c1, wave * segments + s), vec,
                            after=[ready0[used]], names=("load x2 segment", f"{name} x2 statistics", ""))
             for s in range(segments):  # statistics: add, store the sum, accumulate
