@@ -33,6 +33,7 @@ FUSED_KINDS: dict[str, str] = {
     "ge.moe_gating_topk_softmax": "moe_gating",
     "ge.moe_init_routing": "moe_init_routing",
     "ge.moe_finalize_routing": "moe_finalize_routing",
+    "ge.rms_norm_add_rms_norm": "rms_norm_add_rms_norm",
 }
 # Rules of `fuse` that rewrite an op into one of the same kind (attention_native gives an imported
 # ge.flash_attention its native operands): they make no kind of their own, so they have no colour.
@@ -65,6 +66,7 @@ RULE_COLOURS: dict[str, str] = {
     "moe_gating": "#fdcdac",
     "moe_init_routing": "#cbd5e8",
     "moe_finalize_routing": "#f4cae4",
+    "rms_norm_add_rms_norm": "#e6f5c9",
 }
 ARG_COLOUR, RESULT_COLOUR = "#e0ecf4", "#fee0d2"
 MAX_ATTR_CHARS = 48  # an attribute longer than this is cut, so a tiling dictionary does not make a node wide

@@ -10,6 +10,10 @@ chosen by the row rule of kernels/vector_tiling.py with every operand and both r
 A segmented row takes two passes: the statistics pass loads each segment of x1 and x2, adds them, stores the sum
 segment and accumulates the statistics (the op's ROW_STAT_PASSES); the apply pass reads each sum segment back from GM
 and stores the normalised segment. The numbers are the op's own `compute` (geir/ops/fused.py), whole rows at a time.
+
+ge.rms_norm_add_rms_norm (x2 normalised before the add) runs the same loop with x2's norm on the row tile first
+(its ROW_PASSES count both norms); a segmented row first reads x2's segments for their statistics (the op's
+PRE_STAT_PASSES), then runs the statistics and apply passes above.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _as_norm(sig: OpSignature) -> OpSignature:
 class AddNormKernel(Kernel):
     """Residual add + RMS / layer norm over the last axis (the trailing axes for layer norm), rows a tile."""
 
-    OPS = ("ge.add_rms_norm", "ge.add_layer_norm")
+    OPS = ("ge.add_rms_norm", "ge.add_layer_norm", "ge.rms_norm_add_rms_norm")
     TILING = RowTiling
 
     def choose(self, sig: OpSignature, target: Target, buffers: int = 2) -> RowTiling | Miss:
@@ -142,9 +146,16 @@ class AddNormKernel(Kernel):
                            moved(on, [sum_gm, norm_gm], r0, r1, 0, C, write=True),
                            after=[ready0[used]], names=("load rows", name, "store rows"))
                 continue
+            for s in range(segments if cls.PRE_STAT_PASSES else 0):  # x2's statistics, when x2 is normalised first
+                c0, c1 = s * seg, min((s + 1) * seg, C)
+                # x2 cast in (16-bit), nothing stored
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.PRE_STAT_PASSES + casts // 2))
+                slots.step(used, moved(on, [tensors[1]], r0, r1, c0, c1, wave * segments + s), vec,
+                           after=[ready0[used]], names=("load x2 segment", f"{name} x2 statistics", ""))
             for s in range(segments):  # statistics: add, store the sum, accumulate
                 c0, c1 = s * seg, min((s + 1) * seg, C)
-                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4, cls.ROW_STAT_PASSES + casts))
+                vec = lanes.per_lane(on, lanes.vector(rows * (c1 - c0) * 4,
+                                                      cls.ROW_STAT_PASSES - cls.PRE_STAT_PASSES + casts))
                 slots.step(used, moved(on, streamed, r0, r1, c0, c1, wave * segments + s), vec,
                            moved(on, [sum_gm], r0, r1, c0, c1, wave * segments + s, write=True), after=[ready0[used]],
                            names=("load segments", f"{name} add and statistics", "store sum segment"))

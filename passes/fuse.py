@@ -29,6 +29,7 @@ from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMo
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.norm_cast import FoldNormCasts
+from geir.passes.fusion.norm_add_norm import FuseRmsNormAddRmsNorm
 from geir.passes.fusion.paged_attention import PagedAttentionRead
 from geir.passes.fusion.rotary import FusePartialRotary, FuseRotaryEmbedding, MergeRotaryPair
 from geir.passes.fusion.softmax import DecomposedSoftmax
@@ -45,7 +46,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
         FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts, FoldMaskedRowsSelect,
-        FuseMatmulGlu,
+        FuseMatmulGlu, FuseRmsNormAddRmsNorm,
     )
 }
 

@@ -40,7 +40,7 @@ EXPECTED = {
     traits.InPlaceCapable: ELEMENTWISE - {"ge.isinf", "ge.isnan"} | {"ge.fused_elementwise", "ge.glu"},
     traits.Fused: {"ge.fused_elementwise", "ge.fused_matmul", "ge.flash_attention", "ge.glu", "ge.rotary_embedding",
                    "ge.add_rms_norm", "ge.add_layer_norm", "ge.moe_gating_topk_softmax", "ge.moe_init_routing",
-                   "ge.moe_finalize_routing", "ge.paged_attention"},
+                   "ge.moe_finalize_routing", "ge.paged_attention", "ge.rms_norm_add_rms_norm"},
     traits.CubeOp: {"ge.matmul", "ge.fused_matmul", "ge.flash_attention", "ge.grouped_matmul", "ge.paged_attention"},
     traits.RowWise: {"ge.reduce_sum", "ge.reduce_max", "ge.reduce_mean", "ge.softmax", "ge.layer_norm", "ge.rms_norm"},
     traits.Normalization: {"ge.layer_norm", "ge.rms_norm"},
@@ -146,6 +146,7 @@ ACROSS: dict[str, tuple[int, dict[str, Any]]] = {
     "ge.rotary_embedding": (3, {"rotary_dim": 4}),  # each element with its rotation partner
     "ge.add_rms_norm": (3, {}),  # the sum's rows normalised (and the sum)
     "ge.add_layer_norm": (4, {}),
+    "ge.rms_norm_add_rms_norm": (4, {}),  # x2's rows normalised, added, the sum's rows normalised (and the sum)
 }
 
 

@@ -170,6 +170,8 @@ class _AddNorm(Operation):
     # of which the statistics pass of a segmented row does ROW_STAT_PASSES (the add included).
     ROW_PASSES: int = 0
     ROW_STAT_PASSES: int = 0
+    # passes of a segmented row's first read of x2 alone, before the statistics pass (x2 normalised first: its own)
+    PRE_STAT_PASSES: int = 0
 
     def norm_op(self) -> Operation:
         """A detached norm op with this op's attributes, whose semantics the result follows."""
@@ -212,3 +214,37 @@ class AddLayerNorm(_AddNorm):
     ROW_PASSES, ROW_STAT_PASSES = 8, 5
     axis = Attr(int, default=-1)
     epsilon = Attr(float, default=1e-5)
+
+
+@op("ge.rms_norm_add_rms_norm")
+class RmsNormAddRmsNorm(_AddNorm):
+    """`s = x1 + rms_norm(x2, x2_gamma); (s, rms_norm(s, gamma))`: a sandwich-norm block's output norm, the residual
+    add and the next block's input norm in one pass over the rows (Gemma2's post-attention norm, residual add and
+    pre-feedforward norm; its post-feedforward norm, residual add and the next layer's input norm). ops-nn's
+    AddRmsNorm (norm/add_rms_norm: x1 + x2 and its RmsNorm, both written) with x2 first normalised on the same row
+    tile, as its RmsNorm (norm/rms_norm) would. x2's norm is rounded to its dtype before the add, as the unfused
+    norm's result is; the rest is ge.add_rms_norm's semantics."""
+
+    OPERAND_NAMES = ("x1", "x2", "x2_gamma", "gamma")
+    NORM = "ge.rms_norm"
+    # x2's norm (square, sum, scale, mul gamma), then ge.add_rms_norm's 5; a segmented row first reads x2 for its
+    # statistics (square, sum: PRE_STAT_PASSES), then applies x2's norm, adds and accumulates the sum's statistics
+    # (scale, mul gamma, add, square, sum), then applies the sum's norm (scale, mul gamma)
+    ROW_PASSES, ROW_STAT_PASSES, PRE_STAT_PASSES = 9, 7, 2
+    epsilon = Attr(float, default=1e-6)
+    x2_epsilon = Attr(float, default=1e-6)
+
+    def x2_norm_op(self) -> Operation:
+        """A detached ge.rms_norm with x2's epsilon, whose semantics x2's norm follows."""
+        return create_op(self.NORM, [], [], {"epsilon": self.x2_epsilon})
+
+    def infer(self, x1: TensorType, x2: TensorType, x2_gamma: TensorType,
+              gamma: TensorType) -> tuple[TensorType, TensorType]:
+        return super().infer(x1, self.x2_norm_op().infer(x2, x2_gamma), gamma)
+
+    def compute(self, x1: np.ndarray, x2: np.ndarray, x2_gamma: np.ndarray,
+                gamma: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.x2_norm_op().compute(x2, x2_gamma)
+        if x2.dtype != np.float64:  # the unfused norm rounds its result before the add reads it
+            n = round_to(np.asarray(n), x2.dtype)
+        return super().compute(x1, n, gamma)
