@@ -17,7 +17,9 @@ the last slot. Per family and dtype the table gives:
             the layers (embedding, rotary tables, mask, final norm, LM head) are spread over them, so at 2
             layers this is an upper bound on a layer's own count;
   layer     a layer's own kernels: the program's launches less those of the same family built with one layer
-            fewer (compiled and planned for the same shapes); the kernel goal is judged on it;
+            fewer (compiled and planned for the same shapes); for a family whose layers alternate kinds (Gemma2's
+            sliding-window and full-attention layers, each kind's mask built once a step) a whole pattern more
+            than the program's, per layer; the kernel goal is judged on it;
   glue      the share of kernel time (msprof's op_summary rows of the run: every kernel task, AI CPU included)
             in kernels other than matmuls (ge.matmul, ge.fused_matmul) and attention (ge.flash_attention);
   attn      attention fused / total: `ge.flash_attention` ops after fusion over the import's attention sites
@@ -65,6 +67,10 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, VOCAB, PROMPT = 2, 64, 4, 2, 128, 100, 8
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, mlp=14336, vocab=1024)
 GOAL_DECODE_KERNELS = 9
 GOAL_GLUE = 0.05
+# Families whose layers come in a repeating pattern of kinds: Gemma2 alternates a sliding-window and a full-attention
+# layer (transformers' Gemma2Config.layer_types), and each kind's mask is built once a step, by the step, not by a
+# layer. A layer's own kernels are measured over a whole pattern more (every kind already present), per layer.
+LAYER_PERIOD = {"gemma2": 2}
 MATMUL_KERNELS = frozenset({"ge.matmul", "ge.fused_matmul"})
 ATTENTION_KERNELS = frozenset({"ge.flash_attention"})
 PHASES = ("prefill", "decode")
@@ -287,18 +293,25 @@ def measure(kind: str, dtype: str, layers: int = LAYERS, prompt: int = PROMPT) -
         if fused < sites:
             misses = [r for r in run.remarks if r.startswith("flash_attention")]  # the fusion pattern's own
             row[phase]["attention_remark"] = misses[0] if misses else "the flash_attention pattern left no remark"
-    if layers > 1:  # a layer's own launches: the same family with one layer fewer launches them all but one layer's
-        try:
-            fewer = _launches_at(kind, dtype, layers - 1, ids[:, :prompt],
-                                 {phase: out.phases[phase].shapes for phase in PHASES})
-        except Exception:  # noqa: BLE001 - the row keeps its other figures
-            fewer = {}
-        for phase, counts in fewer.items():
-            more = static_kernels(out.phases[phase].program)
-            own = {name: more.get(name, 0) - counts.get(name, 0) for name in {*more, *counts}}
-            row[phase]["layer_kernels"] = sum(own.values())
-            row[phase]["layer_kernels_by_type"] = dict(sorted(((k, n) for k, n in own.items() if n),
-                                                              key=lambda kv: (-kv[1], kv[0])))
+    period = LAYER_PERIOD.get(kind, 1)
+    planned = {phase: out.phases[phase].shapes for phase in PHASES}
+    try:
+        if period == 1 and layers > 1:  # the same family with one layer fewer launches all but one layer's kernels
+            fewer, more = _launches_at(kind, dtype, layers - 1, ids[:, :prompt], planned), None
+        elif period > 1 and layers >= period:  # every kind of layer present: a whole pattern more, per layer
+            fewer, more = None, _launches_at(kind, dtype, layers + period, ids[:, :prompt], planned)
+        else:
+            fewer = more = None
+    except Exception:  # noqa: BLE001 - the row keeps its other figures
+        fewer = more = None
+    for phase in PHASES if (fewer or more) else ():
+        this = static_kernels(out.phases[phase].program)
+        low, high = (fewer[phase], this) if fewer else (this, more[phase])
+        own = {name: (high.get(name, 0) - low.get(name, 0)) / period for name in {*high, *low}}
+        own = {name: int(n) if float(n).is_integer() else n for name, n in own.items()}
+        row[phase]["layer_kernels"] = sum(own.values())
+        row[phase]["layer_kernels_by_type"] = dict(sorted(((k, n) for k, n in own.items() if n),
+                                                          key=lambda kv: (-kv[1], kv[0])))
     return out
 
 
@@ -331,7 +344,10 @@ def _launches_at(kind: str, dtype: str, layers: int, prompt_ids: Any,
     for phase, imported in zip(PHASES, steps):
         session, _ = _compile(imported)
         args = session.generic.args
-        out[phase] = static_kernels(session.program({a.name: shape for a, shape in zip(args, planned[phase])}))
+        shapes = list(planned[phase])
+        while len(shapes) < len(args):  # a larger model's extra layers: their caches shaped as the last layer's
+            shapes.append(shapes[-2])
+        out[phase] = static_kernels(session.program({a.name: shape for a, shape in zip(args, shapes)}))
     return out
 
 
