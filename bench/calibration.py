@@ -1,6 +1,6 @@
 """GEIR's simulated times against published measurements of real Atlas A2 / A3 boards: one row per measurement.
 
-    python bench/calibration.py [--markdown | --json] [--pfa-blocks]
+    python bench/calibration.py [--markdown | --json] [--fa-tiling]
 
 Each row names its source (repository, path and commit, or URL), the shape, the chip it was measured on,
 the measured time, GEIR's simulated time for the same work, their ratio and what bounds each side (the
@@ -22,8 +22,10 @@ on an aarch64 host (the only one is this table's own floor; its x86 run is ~24 u
 the board's. Each call finds in the L2 what the calls before it left: GEIR times an FIA row as a launch that
 follows one of the same op on the same operands (runtime/single_launch.time_warm_launch), so K and V (at most
 2 MiB each) come from the L2, not from HBM.
-`--pfa-blocks` times the FIA rows as FIA's S0 > 1 path (PromptFlashAttention) splits them, on GEIR's schedule: its
-128 x 512 blocks, one 128-row unit per AIC and every core launched (README, "GEIR against silicon").
+The board's FIA calls with S0 > 1 run PromptFlashAttention, so the FIA rows are timed as PFA splits them, on GEIR's
+CV-split schedule: its 128 x 512 blocks, one 128-row unit per AIC and every core launched (README, "GEIR against
+silicon"). `--fa-tiling` times them with GEIR's own FlashAttention rules instead (FlashAttentionScore's A2 design
+document's blocks, flash-decoding where a head's query rows fit one block): a kernel the board did not run.
 
 Nothing here is fitted: the kernels' schedules and the targets' cited constants produce GEIR's column, and a
 row that misses says why in its notes.
@@ -166,10 +168,11 @@ def _pfa_us(stats, target) -> float:
     return (stats.cycles - stats.head + target.head_cycles(target.launch_cores)) / (target.clock_hz / 1e6)
 
 
-def fia_rows(target, pfa_blocks: bool = False) -> list[Row]:
+def fia_rows(target, fa_tiling: bool = False) -> list[Row]:
     """ops-transformer's FIA at B 1, one head, D 128 (BSH with one head is BNSD's layout), each timed as the benchmark
-    loop's steady state (a launch after one on the same operands: K and V in the L2), with GEIR's rules' tiling or
-    (`pfa_blocks`) as PromptFlashAttention splits it (its blocks, a unit per AIC, every core launched)."""
+    loop's steady state (a launch after one on the same operands: K and V in the L2), as PromptFlashAttention (the
+    kernel FIA runs at S0 > 1) splits it: its blocks, a unit per AIC, every core launched; or (`fa_tiling`) with
+    GEIR's own FlashAttention rules' tiling (FlashAttentionScore's A2 blocks, flash-decoding at S0 128)."""
     out = []
     clock_us = target.clock_hz / 1e6
     for s0, s1, us_measured in FIA:
@@ -177,30 +180,30 @@ def fia_rows(target, pfa_blocks: bool = False) -> list[Row]:
         sig = OpSignature("ge.flash_attention", (q, kv, kv), (q,), {"scale": 1 / math.sqrt(128)})
         pfa = _pfa_tiling(s0, s1, target)
         pfa_stats = time_warm_launch(sig, pfa, target)
-        if pfa_blocks:
-            tiling, stats, us = pfa, pfa_stats, _pfa_us(pfa_stats, target)
-        else:
+        units = -(-s0 // PFA_S1_BLOCK)
+        pfa_split = (f"128 x 512 blocks, one 128-row unit on each of {units} AIC, every core launched; GEIR's AIV pair "
+                     "shares a unit's rows where PFA's second AIV idles")
+        if fa_tiling:
             tiling = KERNELS[sig.name].choose(sig, target)
             stats = time_warm_launch(sig, tiling, target)
             us = stats.cycles / clock_us
+            models = (f"models GEIR's own FlashAttention rules ({tiling.template}, {tiling.s1} x {tiling.s2} blocks "
+                      f"on {tiling.cores} AIC), not the kernel the board ran: PromptFlashAttention ({pfa_split}) takes "
+                      f"{_pfa_us(pfa_stats, target):.1f} us")
+        else:
+            tiling, stats, us = pfa, pfa_stats, _pfa_us(pfa_stats, target)
+            models = ("models PromptFlashAttention, the kernel the board ran (FIA's S0 > 1 path), on GEIR's CV-split "
+                      f"schedule: {pfa_split}")
         # judged by the measurement alone: on the table's flat floor the host's work per call is the larger
         host = us_measured < 1.1 * FIA_FLOOR_US
         if host:
-            notes = (f"host-bound: the table's floor (~{FIA_FLOOR_US:.0f} us a call; its x86 run ~24 us lower) is the "
+            notes = (f"{models}; host-bound: the table's floor (~{FIA_FLOOR_US:.0f} us a call; its x86 run ~24 us lower) is the "
                      "host's torch_npu / aclnn work per call, for which no cited figure exists: not modelled, so the "
                      "row checks only that GEIR's device time stays under the board's "
                      f"({'holds' if us <= us_measured else 'FAILS'})")
         else:
-            units = -(-s0 // PFA_S1_BLOCK)
             x86 = FIA_X86[(s0, s1)]
-            split = (f"PFA's split on GEIR's schedule (128 x 512 blocks, one 128-row unit on each of {units} AIC, "
-                     "every core launched; GEIR's AIV pair shares a unit's rows where PFA's second AIV idles)")
-            if pfa_blocks:
-                notes = f"not reached: {split}"
-            else:
-                notes = (f"not reached: GEIR runs FlashAttentionScore's A2 blocks ({tiling.s1} x {tiling.s2} on "
-                         f"{tiling.cores} AIC); FIA's S0 > 1 path is PromptFlashAttention, and {split} takes "
-                         f"{_pfa_us(pfa_stats, target):.1f} us")
+            notes = f"{models}; not reached"
             notes += ("; each unit's work is the same at every S0, yet the board's time grows with the units (S1 8192: "
                       f"90.3 us at 8, 126.8 at 16): a limit the cores share, for which GEIR has no cited constant; the "
                       f"same sweep from an x86 host measured {x86:.1f} us ({x86 / us_measured - 1:+.0%})")
@@ -237,10 +240,11 @@ def head_row(target) -> Row:
                independent=False)
 
 
-def rows(target_name: str = "ascend910b", pfa_blocks: bool = False) -> list[Row]:
-    """Every row of the table, timed on `target_name` (the FIA rows with PFA's blocks where `pfa_blocks`)."""
+def rows(target_name: str = "ascend910b", fa_tiling: bool = False) -> list[Row]:
+    """Every row of the table, timed on `target_name` (the FIA rows as PromptFlashAttention splits them, or with
+    GEIR's own FlashAttention rules where `fa_tiling`)."""
     target = load_target(target_name)
-    return gemm_rows(target) + fia_rows(target, pfa_blocks) + add_rows(target) + [head_row(target)]
+    return gemm_rows(target) + fia_rows(target, fa_tiling) + add_rows(target) + [head_row(target)]
 
 
 def summary(table: list[Row]) -> dict:
@@ -259,7 +263,7 @@ def summary(table: list[Row]) -> dict:
             "host_floor": {"rows": len(host), "under_board": sum(r.under_board for r in host)}}
 
 
-def _render(table: list[Row], markdown: bool, pfa_blocks: bool = False) -> str:
+def _render(table: list[Row], markdown: bool, fa_tiling: bool = False) -> str:
     """The table as text or markdown, its summaries and its sources."""
     head = ("row", "shape", "chip", "measured us", "GEIR us", "GEIR / measured", "bound (board)", "bound (GEIR)",
             "notes")
@@ -275,6 +279,11 @@ def _render(table: list[Row], markdown: bool, pfa_blocks: bool = False) -> str:
         for c in [head] + cells:
             lines.append("  ".join(x.ljust(w) for x, w in zip(c, widths)) + "  " + c[-1])
     s = summary(table)
+    lines.append("")
+    lines.append("the FIA rows model " + ("GEIR's own FlashAttention rules (FlashAttentionScore's A2 tiling; --fa-tiling), "
+                                          "not the PromptFlashAttention kernel the board ran" if fa_tiling else
+                                          "PromptFlashAttention, the kernel FIA runs at S0 > 1 (its split on GEIR's "
+                                          "CV-split schedule; --fa-tiling: GEIR's own FlashAttention rules)"))
     for key, what in (("all", "every row but a constant's source"),
                       ("device_bound", "of those, rows where the board's time is the device's")):
         x = s[key]
@@ -302,16 +311,17 @@ def main(argv: list[str] | None = None) -> int:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
     out.add_argument("--json", action="store_true", help="every row and the summary as JSON")
-    parser.add_argument("--pfa-blocks", action="store_true",
-                        help="time the FIA rows as PromptFlashAttention splits them (128 x 512 blocks, a unit per "
-                             "AIC, every core launched) instead of with GEIR's rules")
+    parser.add_argument("--fa-tiling", action="store_true",
+                        help="time the FIA rows with GEIR's own FlashAttention rules (FlashAttentionScore's A2 blocks, "
+                             "flash-decoding where a head's query rows fit one block) instead of as PromptFlashAttention "
+                             "(the kernel the board ran) splits them")
     args = parser.parse_args(argv)
-    table = rows(args.target, args.pfa_blocks)
+    table = rows(args.target, args.fa_tiling)
     if args.json:
         print(json.dumps({"rows": [dict(attrs.asdict(r), ratio=r.ratio) for r in table], "summary": summary(table)},
                          indent=2))
     else:
-        print(_render(table, args.markdown, args.pfa_blocks))
+        print(_render(table, args.markdown, args.fa_tiling))
     return 0
 
 

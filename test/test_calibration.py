@@ -67,14 +67,21 @@ def test_fia_rows_are_judged_by_what_the_board_timed():
     assert host["under_board"] == sum(r.geir_us <= r.measured_us for r in fia if not r.device_bound)
 
 
-def test_pfa_blocks_time_the_fia_rows_with_promptflashattentions_blocks(capsys):
+def test_fia_rows_model_promptflashattention_by_default_and_geirs_rules_behind_a_flag(capsys):
+    """The board's FIA calls with S0 > 1 ran PromptFlashAttention: the default table times that kernel's split;
+    --fa-tiling times GEIR's own FlashAttention rules, and each row's notes say which kernel it models."""
     cal = _calibration()
-    fia = [r for r in cal.rows(pfa_blocks=True) if r.name.startswith("FIA")]
+    fia = [r for r in cal.rows() if r.name.startswith("FIA")]
     # PFA never splits one row's keys over cores: no flash-decoding template, which GEIR's rules pick at S0 128
     assert not any("Bn2S2FD" in r.geir_bound for r in fia)
-    assert any("Bn2S2FD" in r.geir_bound for r in cal.rows() if r.name.startswith("FIA 128 x"))
-    assert cal.main(["--pfa-blocks"]) == 0
+    assert all(r.notes.startswith("models PromptFlashAttention") for r in fia)
+    ours = [r for r in cal.rows(fa_tiling=True) if r.name.startswith("FIA")]
+    assert any("Bn2S2FD" in r.geir_bound for r in ours if r.name.startswith("FIA 128 x"))
+    assert all(r.notes.startswith("models GEIR's own FlashAttention rules") for r in ours)
+    assert cal.main([]) == 0
     assert "prompt_flash_attention_tiling.cpp" in capsys.readouterr().out
+    assert cal.main(["--fa-tiling"]) == 0
+    assert "--fa-tiling" in capsys.readouterr().out
 
 
 def test_pfa_reading_is_promptflashattentions_split():
@@ -87,6 +94,6 @@ def test_pfa_reading_is_promptflashattentions_split():
         tiling = cal._pfa_tiling(s0, s1, target)
         assert (tiling.s1, tiling.s2) == (128, 512)
         assert tiling.work_units == tiling.cores == s0 // 128
-    for r in cal.rows(pfa_blocks=True):
+    for r in cal.rows():
         if r.name.startswith("FIA"):
             assert r.geir_us > 20.5, r.name
