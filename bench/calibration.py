@@ -1,6 +1,6 @@
 """GEIR's simulated times against published measurements of real Atlas A2 / A3 boards: one row per measurement.
 
-    python bench/calibration.py [--markdown | --json] [--fa-tiling]
+    python bench/calibration.py [--markdown | --json] [--fa-tiling] [--decode]
 
 Each row names its source (repository, path and commit, or URL), the shape, the chip it was measured on,
 the measured time, GEIR's simulated time for the same work, their ratio and what bounds each side (the
@@ -26,6 +26,11 @@ The board's FIA calls with S0 > 1 run PromptFlashAttention, so the FIA rows are 
 CV-split schedule: its 128 x 512 blocks, one 128-row unit per AIC and every core launched (README, "GEIR against
 silicon"). `--fa-tiling` times them with GEIR's own FlashAttention rules instead (FlashAttentionScore's A2 design
 document's blocks, flash-decoding where a head's query rows fit one block): a kernel the board did not run.
+
+`--decode` adds a whole model's step (about 30 s, so not in the default table): torchair's Qwen2-7B decode in graph
+mode at batch 1 on one Atlas 800I A2 card (`decode_anchor()`, the anchor bench/serve.py's TPOT goal answers to),
+beside GEIR serving a stand-in of that shape timing-only in graph mode, its step at the measurement's mean cache
+length.
 
 Nothing here is fitted: the kernels' schedules and the targets' cited constants produce GEIR's column, and a
 row that misses says why in its notes.
@@ -79,6 +84,16 @@ ASC_ADD = ("hicann/asc-devkit, examples/01_simd_cpp_api/05_best_practices/00_vec
            "README.md, commit 4c68db07c483e21d3d63ceb9ef38c2963da2162f")
 CATLASS_HEAD = ("hicann/catlass, docs/zh/1_Practice/evaluation/bottleneck_analysis_and_optimization.md, "
                 "commit 9c85a821a967086fa538cdb6e3016fefc1f47cba")
+# torchair's Qwen2 case: Qwen2-7B in bf16 on one card of an Atlas 800I A2 (aarch64 host), prompt padded to 1024 tokens,
+# 1024 new tokens, torch.compile with torchair's NPU backend (GE graph mode, frozen parameters), every step bracketed
+# by torch.npu.synchronize(); "增量" (decode) is the mean of the steps after the first. Its table of batch sizes in
+# graph mode: 23 ms a decode step at batch 1 (24 ms at batch 4), with its fusions (IFA / PFA, npu_apply_rotary_pos_emb,
+# npu_add_rms_norm, one QKV matmul) and a KV cache of fixed size updated in place by scatter_update_
+TORCHAIR_QWEN2 = ("Ascend/torchair, npu_tuned_model/llm/qwen/README.md, "
+                  "commit 023f5b264496f872a16580d351df2be3f3ae4711")
+# Qwen2-7B's config.json (Qwen/Qwen2-7B on Hugging Face): the shape the row builds, with stand-in weights
+QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 
 # pto-isa's fp16 GEMMs on a 24-core A3: m = k = n, measured ms and the TMATMUL (cube) and TLOAD (MTE2) ratios
 GEMMS = [(1536, 0.0388, 0.545, 0.722), (3072, 0.2067, 0.790, 0.909), (6144, 1.5060, 0.867, 0.952),
@@ -240,11 +255,103 @@ def head_row(target) -> Row:
                independent=False)
 
 
-def rows(target_name: str = "ascend910b", fa_tiling: bool = False) -> list[Row]:
+@attrs.frozen
+class DecodeAnchor:
+    """A published decode step of a 7-8B dense decoder on one Atlas A2 card: what a served 7B shape's TPOT answers to."""
+
+    source: str
+    model: str
+    dtype: str
+    chip: str
+    batch: int
+    prompt: int  # tokens the prompt was padded to
+    new_tokens: int  # the measured decode steps run from prompt + 1 to prompt + new_tokens - 1 cached tokens
+    launch: str  # "graph" or "single-op"
+    measured_ms: float
+
+    @property
+    def mean_context(self) -> int:
+        """The cached tokens of the mean decode step (attention's cost is linear in them)."""
+        return self.prompt + self.new_tokens // 2
+
+
+def decode_anchor() -> DecodeAnchor:
+    """torchair's Qwen2-7B decode step in graph mode at batch 1 on an Atlas 800I A2 (TORCHAIR_QWEN2)."""
+    return DecodeAnchor(TORCHAIR_QWEN2, "Qwen2-7B", "bf16", "Atlas 800I A2", batch=1, prompt=1024, new_tokens=1024,
+                        launch="graph", measured_ms=23.0)
+
+
+def _stand_in(config: dict, dtype) -> object:
+    """A Qwen2 causal LM of `config`'s shape whose weights are one element broadcast to each weight's shape (no bytes
+    behind them: timing only needs the shapes), its rotary table real."""
+    import torch
+    import transformers
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    cfg = transformers.Qwen2Config(**config)
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(p.shape), requires_grad=False))
+    model.model.rotary_emb = Qwen2RotaryEmbedding(cfg)
+    return model
+
+
+def decode_step_us(anchor: DecodeAnchor, target_name: str = "ascend910b") -> float:
+    """GEIR's decode step for `anchor`'s shape in microseconds (see _decode_step)."""
+    return _decode_step(anchor, target_name)[0]
+
+
+def _decode_step(anchor: DecodeAnchor, target_name: str, config: dict = QWEN2_7B) -> tuple[float, int]:
+    """GEIR's decode step for `anchor`'s shape: one request served timing-only in its launch mode, its decode step at
+    the measurement's mean cache length, on the one clock (the step's start, its submission, to its last task); and
+    the bytes of the weights a step reads (all but the input embedding's). `config`: the shape served (the anchor's; fewer layers for a quick check)."""
+    import warnings
+
+    import torch
+
+    from geir.frontends.torch import serve
+
+    model = _stand_in(config, torch.bfloat16)
+    prompt = anchor.mean_context - 1  # its first decode step attends over mean_context tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = serve(model, [(torch.arange(1, prompt + 1), 2, 0.0)], timing_only=True, launch=anchor.launch,
+                    target=target_name)
+    # its one decode step: a plan-cache miss costs GE's host time before start_us, not the step's span
+    step = next(s for s in run.steps if s.kind == "decode")
+    # a step reads every weight once but the input embedding's, of which it gathers one row a token
+    embedding = model.get_input_embeddings().weight
+    read = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    return step.end_us - step.start_us, read
+
+
+def decode_row(target_name: str = "ascend910b") -> Row:
+    """The 7B-class decode anchor beside GEIR's step for the same shape (about 30 s: a 28-layer export and plan)."""
+    a = decode_anchor()
+    us, weights = _decode_step(a, target_name)  # the bytes of the weights a step reads
+    read_us = weights / load_target(target_name).memory.hbm_bytes_per_s * 1e6
+    measured = a.measured_ms * 1000
+    verdict = "reached" if abs(us / measured - 1) <= 0.15 else "not reached"
+    return Row(f"{a.model} decode step", a.source,
+               f"{a.model} shape, {a.dtype}, batch {a.batch}, {a.mean_context} cached tokens (mean of the measured "
+               f"{a.prompt + 1}-{a.prompt + a.new_tokens - 1}), {a.launch} mode", f"{a.chip}, one card",
+               measured, us, "whole step (host-synchronised), graph mode", "whole step, graph mode",
+               notes=f"{verdict}: the board's step is {measured / read_us:.2f}x the weights' read ({weights / 1e9:.1f} "
+                     f"GB at GEIR's HBM rate, {read_us / 1000:.1f} ms), GEIR's {us / read_us:.2f}x; "
+                     "the board's cache is a fixed-size tensor updated in place and read by IncreFlashAttention under "
+                     "a padding mask, GEIR's a paged pool of 128-token blocks read by FIA's block table: the cache's "
+                     "size and the mask's cost are not in the source, so not modelled, nor is torchair's per-step "
+                     "input preparation on the host")
+
+
+def rows(target_name: str = "ascend910b", fa_tiling: bool = False, decode: bool = False) -> list[Row]:
     """Every row of the table, timed on `target_name` (the FIA rows as PromptFlashAttention splits them, or with
-    GEIR's own FlashAttention rules where `fa_tiling`)."""
+    GEIR's own FlashAttention rules where `fa_tiling`; the 7B decode anchor where `decode`: about 30 s)."""
     target = load_target(target_name)
-    return gemm_rows(target) + fia_rows(target, fa_tiling) + add_rows(target) + [head_row(target)]
+    out = gemm_rows(target) + fia_rows(target, fa_tiling) + add_rows(target) + [head_row(target)]
+    return out + [decode_row(target_name)] if decode else out
 
 
 def summary(table: list[Row]) -> dict:
@@ -315,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the FIA rows with GEIR's own FlashAttention rules (FlashAttentionScore's A2 blocks, "
                              "flash-decoding where a head's query rows fit one block) instead of as PromptFlashAttention "
                              "(the kernel the board ran) splits them")
+    parser.add_argument("--decode", action="store_true",
+                        help="add the 7B-class decode anchor's row (torchair's Qwen2-7B step; about 30 s: a 28-layer "
+                             "timing-only export and plan)")
     args = parser.parse_args(argv)
-    table = rows(args.target, args.fa_tiling)
+    table = rows(args.target, args.fa_tiling, args.decode)
     if args.json:
         print(json.dumps({"rows": [dict(attrs.asdict(r), ratio=r.ratio) for r in table], "summary": summary(table)},
                          indent=2))

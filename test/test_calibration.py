@@ -97,3 +97,36 @@ def test_pfa_reading_is_promptflashattentions_split():
     for r in cal.rows():
         if r.name.startswith("FIA"):
             assert r.geir_us > 20.5, r.name
+
+
+def test_the_decode_anchor_is_a_cited_graph_mode_step_of_a_7b_class_decoder():
+    """The anchor bench/serve.py's TPOT goal answers to: a published 7-8B dense decoder's decode step on one card, with
+    the conditions GEIR needs to serve the same work (batch, the cache lengths its steps ran over, the launch mode)."""
+    cal = _calibration()
+    a = cal.decode_anchor()
+    assert SOURCE.search(a.source) and a.measured_ms > 0
+    assert a.batch == 1 and a.launch == "graph" and "A2" in a.chip
+    # the measured steps run over prompt + 1 .. prompt + new - 1 cached tokens; attention is linear in them
+    assert a.prompt + 1 < a.mean_context < a.prompt + a.new_tokens - 1
+    # the stand-in has Qwen2-7B's size: about 7.6e9 parameters (Qwen's model card), with no bytes behind them
+    import torch
+
+    model = cal._stand_in(cal.QWEN2_7B, torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert 7.5e9 < params < 7.7e9
+    assert all(p.stride() == (0,) * p.dim() for p in model.parameters())
+    # behind a flag: the default table stays quick, and its rows are the single-operator ones
+    assert not any("decode" in r.name for r in cal.rows())
+
+
+def test_geirs_decode_step_for_the_anchor_is_a_served_step_no_faster_than_its_weights_read():
+    """GEIR's side of the anchor's row, on 2 of Qwen2-7B's 28 layers (the full shape is the same path, ~30 s): a decode
+    step served in graph mode reads every weight once (the input embedding's one row a token), so it takes at least
+    those bytes over the chip's HBM rate."""
+    cal = _calibration()
+    a = cal.decode_anchor()
+    us, weights = cal._decode_step(a, "ascend910b", dict(cal.QWEN2_7B, num_hidden_layers=2))
+    hbm = cal.load_target("ascend910b").memory.hbm_bytes_per_s
+    # 2 layers (2 x 233 M parameters) and the LM head (545 M), in bf16: the input embedding is gathered, not read
+    assert 1.0e9 * 2 < weights < 1.02e9 * 2
+    assert us >= weights / hbm * 1e6
