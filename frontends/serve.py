@@ -484,7 +484,8 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
-    `buckets`: the decode cache's slot gears (generate's rule), whole blocks when None. `timing_only`: every run
+    `buckets`: the slot gears (generate's rule) of a prefill's rows and of the decode table's one width (the
+    longest request's gear), whole blocks when None. `timing_only`: every run
     timed by the kernels' cost models without the arithmetic (the schedule does not depend on the tokens, so the
     device figures are the full run's); the new tokens are then unknown, -1. ValueError, before anything runs,
     for a bad argument or a request that could never fit the pool. `progress(done, total)`: told each time a
