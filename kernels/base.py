@@ -9,7 +9,7 @@ relative to other tasks: the Runtime orders launches.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Hashable, Iterable, Iterator
 
 import attrs
 import numpy as np
@@ -119,6 +119,11 @@ class Kernel:
         inputs: the Runtime hands their values in `LaunchContext.host_values` where the host knows them. None by
         default."""
         return ()
+
+    def timing_values(self, tiling: KernelTiling | None, host_values: tuple) -> Hashable:
+        """What of the value-depend operands' values the launch's timing reads (the launch memo's key): by default
+        the values themselves."""
+        return tuple(None if v is None else (v.dtype.str, v.shape, v.tobytes()) for v in host_values)
 
     def needs_tiling(self, sig: OpSignature) -> bool:
         """Whether this op becomes a launch that needs a tiling (a reshape of ND data is a view: no)."""

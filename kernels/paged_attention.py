@@ -48,6 +48,13 @@ class PagedAttentionKernel(Kernel):
     def value_depend(self, op: Operation) -> tuple[int, ...]:
         return (4,) if op.actual_seq_lengths_kv is not None else ()
 
+    def timing_values(self, tiling: PagedTiling | None, host_values: tuple) -> tuple:
+        """The key tiles each row reads: rows of other lengths that span the same tiles time alike."""
+        lengths = host_values[4] if len(host_values) > 4 else None
+        if lengths is None or tiling is None:
+            return super().timing_values(tiling, host_values)
+        return tuple(-(-np.asarray(lengths, dtype=np.int64).reshape(-1) // tiling.s2))
+
     def schedule_problem(self, tiling: PagedTiling, target: Target) -> str | None:
         return schedule_problem(tiling.as_flash(), target)
 

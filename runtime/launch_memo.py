@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
+from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, no_bytes
 from geir.kernels.tiling import KernelTiling
 from geir.target_npu.sim import GlobalMemory, PipeInterval
@@ -103,7 +104,7 @@ class LaunchMemo:
         states = tuple(s.key() for s in self._states(ctx.gm, bases))
         pattern = tuple(bases.index(n) for n in ctx.operand_names + ctx.result_names)
         # a value-depend operand's values shape the schedule (paged attention's per-row lengths): part of the key
-        values = tuple(None if v is None else (v.dtype.str, v.shape, v.tobytes()) for v in ctx.host_values)
+        values = KERNELS[launch.kernel].timing_values(tiling, ctx.host_values) if ctx.host_values else ()
         return (self._static_key(launch), repr(tiling), ctx.cores.count, ctx.cores.record,
                 ctx.waits is not None, pattern, states, values)
 

@@ -402,3 +402,18 @@ def test_a_row_with_a_shorter_length_reads_only_its_own_blocks(target):
     # the cube's work is per tile read (the two matmuls of each): it shrinks as the tiles do
     cube = lambda c: c.cores.busy[PIPE_INDEX["CUBE"]].sum()  # noqa: E731
     assert cube(ctx) / cube(full_ctx) == pytest.approx(sum(tiles) / sum(_tiles_read(wide, tiling, nk)))
+
+
+def test_the_launch_memo_keys_a_paged_launch_by_the_tiles_its_rows_read():
+    """Timing-only runs replay a launch timed before when its timing reads the same: for the lengths, the tiles
+    ceil(length / s2) each row spans, so lengths within the same tiles share a key and others do not."""
+    b, n, nkv, d, bs = 2, 8, 2, 64, 16
+    kc, vc, table = pool_and_table(b, nkv, d, bs, [256, 256], 40, np.float16)
+    q = np.zeros((b, n, 1, d), np.float16)
+    op = paged_op(q, kc, vc, table, [1, 1], nkv)
+    tiling = choose(OpSignature.of(op), load_target("ascend910b"))
+    kernel = PagedAttentionKernel()
+    key = lambda lengths: kernel.timing_values(tiling, (None,) * 4 + (np.asarray(lengths),))  # noqa: E731
+    s2 = tiling.s2
+    assert key([1, s2]) == key([s2, 2]) == (1, 1)
+    assert key([s2 + 1, 5]) == (2, 1) != key([s2, 5])
