@@ -16,14 +16,15 @@ What is modelled, and what is not:
 - The pool (geir.runtime.kv_pool): every sequence holds blocks of `block_size` tokens, allocated as it grows and
   freed when it finishes or is preempted; admission and preemption follow it, and the run reports its bytes,
   peak and waste. Rows joining or leaving the batch, or growing a block, move no cache: the block tables change.
-  A decode step's table width is the longest row's blocks (`buckets`' gear, in blocks); each row's keys past its
-  length are masked, and the kernel reads every block of the width (skipping a shorter row's tail is not
-  modelled); a prefill's table likewise.
+  A decode step's block table has one width for the whole run, as vLLM's (max blocks per sequence: the longest
+  request's, or its `buckets` gear), and each row's key count is a run-time input (FIA's actual_seq_lengths_kv,
+  known on the host as vllm-ascend's seq_lens are): the kernel reads each row's own tiles of whole blocks and
+  stops there, its keys past its length masked. A prefill's table is as wide as its longest row's blocks.
 - GE's gears: a prefill's batch is padded to a power of two (rows repeating the first, results dropped) and its
   rows to the longest row's whole blocks (pads after each row's tokens, masked; a shorter row's pads past its own
   blocks write into scratch slots past the pool's), so a plan serves every set of prompts of that (batch, blocks);
-  a decode step's batch is padded to a power of two likewise. GE re-plans only on a new (batch, slots) bucket;
-  the pads cost compute.
+  a decode step's batch is padded to a power of two likewise. GE re-plans a prefill only on a new (batch, slots)
+  bucket, a decode step only on a new batch gear (its table's width is fixed); the pads cost compute.
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
   requests that have arrived and whose blocks fit, first come first served, within a token budget (vLLM's
   max_num_batched_tokens, counted here as the prefill's batch gear x slots: the work it runs, pads included; a
@@ -435,6 +436,33 @@ def _decode_inputs(rows: list[_Sequence], tables: list[list[int]], blocks: int,
     return ids, mask, torch.tensor([slots - 1]), torch.tensor([[n] for n in at]), write, table
 
 
+def _kv_lengths(rows: list[_Sequence]) -> np.ndarray:
+    """A decode step's keys per row (its cached tokens and the one it feeds): FIA's actual_seq_lengths_kv."""
+    return np.array([len(r.tokens) for r in rows], dtype=np.int64)
+
+
+def _bind_kv_lengths(graph: Any) -> str | None:
+    """Give the decode step's attention each row's key count as a run-time input, as vllm-ascend's attention
+    backend hands FusedInferAttentionScore the block table and `actual_seq_lengths_kv` together (the scheduler's
+    sequence lengths, a host list; vllm_ascend/attention/attention_v1.py): a graph argument `kv_lengths` [B],
+    appended after the pools, becomes every ge.paged_attention's actual_seq_lengths_kv. Serve knows that the mask
+    it feeds keeps exactly each row's first kv_lengths keys, so the numbers are the same (the op drops keys past
+    the length, then applies the mask) and the kernel stops at each row's blocks instead of reading the table's
+    width. The argument's name, or None when GE's fuse pass made no ge.paged_attention (nothing to bind)."""
+    from geir.ir import Value
+    from geir.types import DType
+
+    attentions = [op for op in graph.ops if op.name == "ge.paged_attention" and op.actual_seq_lengths_kv is None]
+    if not attentions:
+        return None
+    lengths = Value(TensorType((None,), DType.i64), "kv_lengths")
+    graph.args.append(lengths)
+    for op in attentions:
+        op.operands.insert(4, lengths)
+        lengths.uses.append(op)
+    return lengths.name
+
+
 def _donate_pools(graph: Any, first: int) -> None:
     """The pool arguments (from `first` on) are donated to the step: each one's update at the step's slots writes in
     place (ge.index_put's in_place: only the slots written move, as vllm-ascend's cache write does), since serve
@@ -456,7 +484,8 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
-    `buckets`: the decode cache's slot gears (generate's rule), whole blocks when None. `timing_only`: every run
+    `buckets`: the slot gears (generate's rule) of a prefill's rows and of the decode table's one width (the
+    longest request's gear), whole blocks when None. `timing_only`: every run
     timed by the kernels' cost models without the arithmetic (the schedule does not depend on the tokens, so the
     device figures are the full run's); the new tokens are then unknown, -1. ValueError, before anything runs,
     for a bad argument or a request that could never fit the pool. `progress(done, total)`: told each time a
@@ -521,6 +550,13 @@ class _Server:
         self.pipeline = pipeline
         self.listeners = listeners
         self.loop = _Loop(*self._programs(model, seqs[0].prompt), target, pipeline, listeners, launch)
+        # each row's key count, an input of the decode step's attention (FIA's actual_seq_lengths_kv)
+        self.kv_lengths = _bind_kv_lengths(self.loop.sessions["decode"][0].generic)
+        # the decode step's block table has one width for the whole run, as vLLM's (vllm/v1/worker/block_table.py:
+        # max_num_blocks_per_req = cdiv(max_model_len, block_size)), the longest sequence served standing for
+        # max_model_len (or its `buckets` gear): its shape, the mask's and every other input's depend on the batch
+        # gear only, so GE plans the decode step once per batch gear; each row's length says where it stops
+        self.decode_blocks = pool.blocks_for(self._slots(max(s.most_slots for s in seqs)))
         self.names = {phase: [a.name for a in session.generic.args]
                       for phase, (session, _) in self.loop.sessions.items()}
         self.regroups = 0  # none: attention reads the pool's blocks in place (ge.paged_attention)
@@ -657,7 +693,7 @@ class _Server:
         """One decode step over the running rows (`live`: the rows whose tokens count; static batching keeps
         finished rows in the batch, their results dropped), each attending over its own blocks of the pools."""
         batch = _batch_gear(len(rows))
-        blocks = -(-self._slots(max(len(r.tokens) for r in rows)) // self.pool.block_size)
+        blocks = self.decode_blocks  # the table's fixed width: the step's program depends on its batch gear only
         slots = blocks * self.pool.block_size
         names = self.names["decode"]
         # the padded rows repeat the first row (its slot written twice with the same values); their results dropped
@@ -665,6 +701,8 @@ class _Server:
         tables = [self.pool.tables[r.index] for r in padded]
         feed = {k: to_numpy(t) for k, t in zip(names, _decode_inputs(padded, tables, blocks, self.pool.block_size))}
         feed.update(zip(names[DECODE_INPUTS:], self.pools))
+        if self.kv_lengths is not None:
+            feed[self.kv_lengths] = _kv_lengths(padded)
         run = self.loop.plan_and_run("decode", feed, self.timing_only)
         self.pools = self._results(run.program, run.result)[1:]
         for r in rows:

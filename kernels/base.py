@@ -9,7 +9,7 @@ relative to other tasks: the Runtime orders launches.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Hashable, Iterable, Iterator
 
 import attrs
 import numpy as np
@@ -52,6 +52,10 @@ class LaunchContext:
     # the vector units a kernel that deals its tiles to them one by one (VectorLanes) gave work to; 0: not counted
     # (every vector unit of a lane that worked)
     vector_units: int = 0
+    # per operand, its values where the host knows them (an input the host copied in this run) and the kernel's
+    # schedule reads them (`Kernel.value_depend`: GE's value-depend inputs, as IncreFlashAttention's
+    # actual_seq_lengths, which its host tiling reads), else None; known in a timing-only run too
+    host_values: tuple = ()
 
 
 @attrs.define
@@ -109,6 +113,17 @@ class Kernel:
             if t is not None and t.dtype.value not in target.aicore_dtypes:
                 return f"the AI Core of {target.name} has no {t.dtype} unit"
         return None
+
+    def value_depend(self, op: Operation) -> tuple[int, ...]:
+        """The operands whose values (not only shapes) the launch's schedule reads on the host, as GE's value-depend
+        inputs: the Runtime hands their values in `LaunchContext.host_values` where the host knows them. None by
+        default."""
+        return ()
+
+    def timing_values(self, tiling: KernelTiling | None, host_values: tuple) -> Hashable:
+        """What of the value-depend operands' values the launch's timing reads (the launch memo's key): by default
+        the values themselves."""
+        return tuple(None if v is None else (v.dtype.str, v.shape, v.tobytes()) for v in host_values)
 
     def needs_tiling(self, sig: OpSignature) -> bool:
         """Whether this op becomes a launch that needs a tiling (a reshape of ND data is a view: no)."""

@@ -131,10 +131,15 @@ def schedule_problem(tiling: FlashTiling, target: Target) -> str | None:
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
                             scale: float, tiling: FlashTiling, ctx: LaunchContext, *,
-                            softcap: float = 0.0, pse: np.ndarray | None = None) -> np.ndarray:
+                            softcap: float = 0.0, pse: np.ndarray | None = None,
+                            kv_tiles: np.ndarray | None = None) -> np.ndarray:
     """The kernel proper on BNSD arrays: the numbers, and their timing on ctx.cores and ctx.gm (`softcap` > 0:
     the scores capped, cap * tanh(s / cap), on the vector units before the mask; `pse`: a bias added to the
-    scaled scores, ops-transformer's pse with pseType 0, one more vector pass over each score tile)."""
+    scaled scores, ops-transformer's pse with pseType 0, one more vector pass over each score tile).
+    `kv_tiles` [B]: the key tiles (of s2) each batch row reads, the rest of its keys lying past its actual length
+    (IncreFlashAttention's actual_seq_lengths_kv): a unit stops there, neither loading nor computing the tiles
+    after. The mask hides those keys, so the numbers are the same: a tile whose every score is -inf adds exactly 0
+    to the running sum and the output and leaves the running max as it was."""
     target = ctx.target
     B, N, Sq, D = q.shape
     Skv = k.shape[2]
@@ -182,14 +187,14 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
                  ("o", ctx.result_names[0], grid["o"])]
         names = _role_names(ctx.gm, roles)
         time_cv_split(q_grid, k.shape, q.dtype, mask, causal, s1, s2, v_rows, preload, ctx, names, nbuf, parts,
-                      causal_rows, softcap, pse_bytes=pse_bytes)
+                      causal_rows, softcap, pse_bytes=pse_bytes, kv_tiles=kv_tiles)
         if parts > 1:
             # on the AIVs, loading with their own engine
             _time_combine(ctx, names[4], grid["o"] // parts, parts, s1, D, _bytes(q.dtype), "AIV_MTE2")
         segments = parts  # the CV schedule's own blocks hold a whole key row segment per unit
     else:
         _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows, softcap,
-                    pse_bytes=pse_bytes)
+                    pse_bytes=pse_bytes, kv_tiles=kv_tiles)
     if not ctx.compute:
         return np.empty((B, N, Sq, v.shape[-1]), dtype=q.dtype)
     return _compute(q, k, v, mask, causal, scale, s1, s2, segments, softcap, pse)
@@ -346,11 +351,12 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,
                 ctx: LaunchContext, causal_rows: int | None = None, softcap: float = 0.0, *,
-                pse_bytes: int = 0) -> None:
+                pse_bytes: int = 0, kv_tiles: np.ndarray | None = None) -> None:
     """Issue every tile's instructions, wave by wave, for the cores that run them (the kernel's timing).
 
     `causal_rows`: the rows are stacked heads whose query positions all lie below it (flash-decoding),
-    so a causal mask hides the same key blocks from every row block.
+    so a causal mask hides the same key blocks from every row block. `kv_tiles` [B]: the key tiles each batch
+    row reads (its actual length's); a unit stops there.
     """
     target, cores, gm, waits = ctx.target, ctx.cores, ctx.gm, ctx.waits
     B, N, Sq, D = q_shape
@@ -389,6 +395,8 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
         t1 = np.minimum(t0 + per_seg, nk)
         if causal:  # blocks wholly above the diagonal are skipped
             t1 = np.minimum(t1, -(-(causal_rows if causal_rows is not None else (qi + 1) * s1) // s2))
+        if kv_tiles is not None:  # the row's keys end there (its actual length): the unit reads no tile after
+            t1 = np.minimum(t1, kv_tiles[b])
         trips = np.maximum(t1 - t0, 0)
         q_block = bn * nq + qi
         costs = moves.wave(q_block, (b * Nkv + nkv) * nk + t0, (bn * nq + qi) * nk + t0,

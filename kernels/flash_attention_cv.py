@@ -144,14 +144,16 @@ def cv_grid(q_shape, k_shape, s1: int, s2: int, segments: int = 1) -> dict[str, 
 
 def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, v_rows: int,
                   preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2, segments: int = 1,
-                  causal_rows: int | None = None, softcap: float = 0.0, *, pse_bytes: int = 0) -> None:
+                  causal_rows: int | None = None, softcap: float = 0.0, *, pse_bytes: int = 0,
+                  kv_tiles: np.ndarray | None = None) -> None:
     """Issue the CV-split schedule of every work unit (batch, head, query row block, key part) on the cores that
     run them.
 
     `segments` > 1: flash-decoding's key parts, each unit storing its partial O with its row max and sum (f32) for
     the caller's combine; `causal_rows`: the rows are stacked heads whose query positions all lie below it, so a
     causal mask hides the same key blocks from every row block. `pse_bytes`: a pse's bytes per block, read with the
-    mask's tile (names[3] names the mask, or the pse where there is no mask).
+    mask's tile (names[3] names the mask, or the pse where there is no mask). `kv_tiles` [B]: the key tiles each
+    batch row reads (its actual length's: IncreFlashAttention's actual_seq_lengths_kv); a unit stops there.
     """
     target, cores, gm = ctx.target, ctx.cores, ctx.gm
     B, N, Sq, D = q_shape
@@ -172,14 +174,17 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     if causal:  # key blocks wholly above the diagonal are skipped
         limit = causal_rows if causal_rows is not None else (rows % nq + 1) * s1
         t1 = np.minimum(t1, -(-limit // s2))
-    trips = np.maximum(t1 - t0, 0)
     bn = rows // nq
+    if kv_tiles is not None:  # the row's keys end there (its actual length): the unit reads no tile after
+        t1 = np.minimum(t1, np.asarray(kv_tiles)[bn // N])
+    trips = np.maximum(t1 - t0, 0)
     kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk + t0  # a unit's first K/V block
     blocks = _UnitBlocks(q=rows, mask=rows * nk + t0, o=u if segments > 1 else rows)
     mask_bytes = (0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize) + pse_bytes
     # A core walking one head keeps that head's K and V in the L2 only while the heads all cores walk at once fit
     # beside the workspace; otherwise the cores take turns on each head's row blocks, sharing its K and V
-    heads_at_once = min(cores.count, B * Nkv) * 2 * Skv * D * isz
+    read = Skv if kv_tiles is None else min(Skv, int(np.max(kv_tiles, initial=0)) * s2)  # the keys a head reads
+    heads_at_once = min(cores.count, B * Nkv) * 2 * read * D * isz
     if heads_at_once <= gm.l2_bytes:
         assignment = contiguous(trips, cores.count)
     else:

@@ -6,6 +6,12 @@ the bytes of its blocks and nothing else, the same bytes the dense kernel moves 
 tile order, the online softmax and the flash-decoding combine are FlashAttention's (kernels/flash_attention.py),
 over the same s1, s2 and key parts, so a paged call's numbers equal the dense kernel's on the gathered blocks bit
 for bit. Keys past a row's `actual_seq_lengths_kv` are masked on chip from the lengths (no mask tensor is read).
+
+The lengths are a value-depend input, as IncreFlashAttention's actual_seq_lengths are (its host tiling reads
+them; vllm-ascend passes them as a host list, attn_metadata.seq_lens, beside the block table, and in graph mode
+updates them in the captured task before each replay): where the host knows them (an input it copied in), each
+row's work units stop after the key tiles its length spans, so a row reads and computes its own blocks, not the
+table's width. Where they are computed on the device, the kernel reads every tile of the table (and masks).
 """
 
 from __future__ import annotations
@@ -39,6 +45,16 @@ class PagedAttentionKernel(Kernel):
     def budget(self, tiling: PagedTiling, sig: OpSignature, target: Target) -> Budget:
         return rules.budget(tiling, sig, target)
 
+    def value_depend(self, op: Operation) -> tuple[int, ...]:
+        return (4,) if op.actual_seq_lengths_kv is not None else ()
+
+    def timing_values(self, tiling: PagedTiling | None, host_values: tuple) -> tuple:
+        """The key tiles each row reads: rows of other lengths that span the same tiles time alike."""
+        lengths = host_values[4] if len(host_values) > 4 else None
+        if lengths is None or tiling is None:
+            return super().timing_values(tiling, host_values)
+        return tuple(-(-np.asarray(lengths, dtype=np.int64).reshape(-1) // tiling.s2))
+
     def schedule_problem(self, tiling: PagedTiling, target: Target) -> str | None:
         return schedule_problem(tiling.as_flash(), target)
 
@@ -57,8 +73,18 @@ class PagedAttentionKernel(Kernel):
         mask_name = names[len(inputs) - 1] if op.mask is not None and len(names) == len(inputs) else None
         flash_ctx = attrs.evolve(ctx, operand_names=[*names[:3], mask_name])
         out = flash_attention_forward(q, k, v, mask, op.causal, op.as_flash_attention().effective_scale(q.shape[-1]),
-                                      tiling.as_flash(), flash_ctx)
+                                      tiling.as_flash(), flash_ctx, kv_tiles=read_tiles(ctx, tiling, k.shape[2]))
         return [out]
+
+
+def read_tiles(ctx: LaunchContext, tiling: PagedTiling, keys: int) -> np.ndarray | None:
+    """Per batch row, the key tiles its actual length spans (at most the table's), where the host knows the lengths
+    (`value_depend`); None: every row reads the whole table."""
+    lengths = ctx.host_values[4] if len(ctx.host_values) > 4 else None
+    if lengths is None:
+        return None
+    spans = -(-np.clip(np.asarray(lengths, dtype=np.int64).reshape(-1), 0, keys) // tiling.s2)
+    return spans
 
 
 def _shapes_only(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -159,6 +159,7 @@ class Runtime:
         # kept across runs, so a session's later steps replay what earlier ones timed (pass one LaunchMemo to
         # several Runtimes to share it; memo=False times every launch)
         self.memo = None if not timing_only or memo is False else (memo if isinstance(memo, LaunchMemo) else LaunchMemo())
+        self._host_known: dict[int, np.ndarray] = {}  # the run's host-known inputs by their device copy (run())
 
     def run(self, program: Graph, inputs: Mapping[str, np.ndarray],
             resources: Mapping[str, np.ndarray] | None = None, resident: Iterable[str] = (),
@@ -228,6 +229,13 @@ class Runtime:
                 listener.copied(tasks[-1])
 
         tilings = self._tilings(program)
+        # the inputs' values the host holds (given as host arrays: not a resident DeviceTensor), by the device copy
+        # each goes to: a kernel's value-depend operands read them on the host, in a timing-only run too
+        self._host_known = {}
+        for op in program.walk("rt.h2d"):
+            value = inputs.get(op.operands[0].name) if op.operands[0].name not in resident else None
+            if isinstance(value, np.ndarray):
+                self._host_known[id(op.result)] = value
         for arg in program.args if not self.timing_only else ():
             if arg.name not in inputs:
                 raise RuntimeFailure(f"no input given for argument '%{arg.name}'")
@@ -448,9 +456,11 @@ class Runtime:
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
         # the launch is timed in a frame of its own, from 0, and then placed at its start on the timeline
         frame = Cores(cores.count, record=cores.record)
+        depend = kernel.value_depend(kernel_op)
+        host_values = tuple(self._host_known.get(id(v)) if i in depend else None for i, v in enumerate(op.operands))
         ctx = LaunchContext(self.target, frame, gm, [_gm_name(where[id(v)]) for v in op.operands],
                             [_gm_name(o) for o in op.offsets], fault, PipeWaits() if self.count_waits else None,
-                            compute=not self.timing_only)
+                            compute=not self.timing_only, host_values=host_values if depend else ())
         # timing only, no faults: a launch identical to one timed before (in what its timing reads) is replayed
         memo = self.memo if self.timing_only and not self.faults else None
         key = memo.key(op, tiling, ctx) if memo is not None else None

@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from geir.ir import Operation
+from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, no_bytes
 from geir.kernels.tiling import KernelTiling
 from geir.target_npu.sim import GlobalMemory, PipeInterval
@@ -102,8 +103,10 @@ class LaunchMemo:
         bases = _bases(ctx)
         states = tuple(s.key() for s in self._states(ctx.gm, bases))
         pattern = tuple(bases.index(n) for n in ctx.operand_names + ctx.result_names)
+        # a value-depend operand's values shape the schedule (paged attention's per-row lengths): part of the key
+        values = KERNELS[launch.kernel].timing_values(tiling, ctx.host_values) if ctx.host_values else ()
         return (self._static_key(launch), repr(tiling), ctx.cores.count, ctx.cores.record,
-                ctx.waits is not None, pattern, states)
+                ctx.waits is not None, pattern, states, values)
 
     def replay(self, key: Hashable, launch: Operation, ctx: LaunchContext) -> tuple[list[np.ndarray], KernelStats] | None:
         """The launch's results and statistics as its timed twin left them, applied to ctx; None if none was timed."""

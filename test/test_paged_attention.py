@@ -23,7 +23,7 @@ from geir.kernels.paged_attention import PagedAttentionKernel
 from geir.kernels.paged_attention_tiling import INCRE, PROMPT, PagedTiling, choose
 from geir.kernels.tiling import Miss, OpSignature
 from geir.target_npu import load_target
-from geir.target_npu.sim import Cores, GlobalMemory
+from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory
 from geir.types import DType, TensorType
 
 torch = pytest.importorskip("torch")
@@ -349,3 +349,71 @@ def test_a_decode_step_costs_the_same_whatever_the_pools_size():
     # add its 4096 blocks' bytes, hundreds of times the step's own
     for small, big in zip(runs[0].steps, runs[1].steps):
         assert big.kernel_time_us == pytest.approx(small.kernel_time_us, rel=1e-3)
+
+
+# --- each row stops at its own length (FIA's actual_seq_lengths_kv, a value-depend input) --------------------------
+
+def _tiles_read(lengths, tiling, nk):
+    """Key tiles each (row, key part) unit reads when a row stops after the tiles its length spans: FlashAttention's
+    parts of whole tiles (ceil(nk / parts) each), cut at ceil(length / s2)."""
+    parts = max(tiling.segments, 1)
+    per = -(-nk // parts)
+    return [max(0, min((p + 1) * per, nk, -(-n // tiling.s2)) - p * per) for n in lengths for p in range(parts)]
+
+
+@pytest.mark.parametrize("target", ["ascend910a", "ascend910b"])
+def test_a_row_with_a_shorter_length_reads_only_its_own_blocks(target):
+    """With the lengths known on the host (GE's value-depend input), a table as wide as the longest row costs a short
+    row only its own tiles: the K and V bytes read are sum over rows of Nkv x (its tiles) x s2 x D x itemsize each,
+    and its numbers are the dense kernel's over the whole table (the keys past its length masked), bit for bit."""
+    b, n, nkv, d, bs = 2, 8, 2, 64, 16
+    wide, lengths = [256, 256], [256, 40]
+    kc, vc, table = pool_and_table(b, nkv, d, bs, wide, 40, np.float16)
+    q = np.random.default_rng(5).standard_normal((b, n, 1, d)).astype(np.float16)
+    op = paged_op(q, kc, vc, table, lengths, nkv)
+    assert PagedAttentionKernel().value_depend(op) == (4,)
+    t = load_target(target)
+    tiling = choose(OpSignature.of(op), t)
+    inputs = [q, kc, vc, table, np.asarray(lengths)]
+
+    def launch(known):
+        ctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), [a.name for a in op.operands], ["o"],
+                            host_values=(None,) * 4 + (known,))
+        return PagedAttentionKernel().run(op, inputs, tiling, ctx)[0], ctx
+
+    full, full_ctx = launch(None)  # lengths computed on the device: every tile of the table is read
+    short, ctx = launch(np.asarray(lengths))
+    k, v = gathered_by_hand(kc, table, nkv, d, bs), gathered_by_hand(vc, table, nkv, d, bs)
+    keep = np.arange(k.shape[2])[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
+    dctx = LaunchContext(t, Cores(t.cube_cores), GlobalMemory(t), ["q", "k", "v", None], ["o"])
+    dense = flash_attention_forward(q, k, v, np.broadcast_to(keep, (b, n, 1, k.shape[2])), False, 1 / math.sqrt(d),
+                                    tiling.as_flash(), dctx)
+    assert np.array_equal(short, dense) and np.array_equal(full, dense)
+    nk = table.shape[1] * bs // tiling.s2
+    tiles = _tiles_read(lengths, tiling, nk)
+    assert sum(tiles) < sum(_tiles_read(wide, tiling, nk))  # the short row's tail is a real saving
+    if target == "ascend910a":  # the on-chip schedule: the reads are K, V, q and the parts' partials
+        kv = 2 * nkv * sum(tiles) * tiling.s2 * d * 2
+        q_bytes = b * n * d * 2 * tiling.segments
+        partials = b * nkv * tiling.segments * tiling.s1 * (d + 2) * 4 if tiling.segments > 1 else 0
+        assert ctx.gm.gm_read_bytes == kv + q_bytes + partials
+    else:  # the CV split adds its GM workspace traffic; K and V are still only the tiles read
+        assert ctx.gm.gm_read_bytes < full_ctx.gm.gm_read_bytes
+    # the cube's work is per tile read (the two matmuls of each): it shrinks as the tiles do
+    cube = lambda c: c.cores.busy[PIPE_INDEX["CUBE"]].sum()  # noqa: E731
+    assert cube(ctx) / cube(full_ctx) == pytest.approx(sum(tiles) / sum(_tiles_read(wide, tiling, nk)))
+
+
+def test_the_launch_memo_keys_a_paged_launch_by_the_tiles_its_rows_read():
+    """Timing-only runs replay a launch timed before when its timing reads the same: for the lengths, the tiles
+    ceil(length / s2) each row spans, so lengths within the same tiles share a key and others do not."""
+    b, n, nkv, d, bs = 2, 8, 2, 64, 16
+    kc, vc, table = pool_and_table(b, nkv, d, bs, [256, 256], 40, np.float16)
+    q = np.zeros((b, n, 1, d), np.float16)
+    op = paged_op(q, kc, vc, table, [1, 1], nkv)
+    tiling = choose(OpSignature.of(op), load_target("ascend910b"))
+    kernel = PagedAttentionKernel()
+    key = lambda lengths: kernel.timing_values(tiling, (None,) * 4 + (np.asarray(lengths),))  # noqa: E731
+    s2 = tiling.s2
+    assert key([1, s2]) == key([s2, 2]) == (1, 1)
+    assert key([s2 + 1, 5]) == (2, 1) != key([s2, 5])

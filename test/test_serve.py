@@ -144,6 +144,23 @@ def test_ge_plans_once_per_gear_not_per_prompt_length(runs, name):
         assert any(s.batch == 1 for s in run.steps if s.kind == "decode")
 
 
+@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+def test_the_decode_step_is_planned_once_per_batch_gear_while_its_rows_grow_blocks(runs, name):
+    """The decode step's block table is one width for the run (the longest request's blocks: prompt + new tokens - 1
+    cached at most, vLLM's max blocks per sequence), so its program depends on the batch gear alone: GE plans it
+    once per power-of-two batch gear that occurs, however many blocks its rows hold."""
+    run, trace = runs[name], runs["trace"]
+    bs = run.block_size
+    width = max(-(-(len(ids) + new - 1) // bs) for ids, new, _ in trace)
+    decodes = [s for s in run.steps if s.kind == "decode"]
+    assert all(s.slots == width * bs for s in decodes)
+    gears = {1 << (len(set(s.requests)) - 1).bit_length() for s in decodes if name != "static"}
+    assert name == "static" or {s.batch for s in decodes} == gears
+    assert [s.plan_cache for s in decodes].count("miss") == len({s.batch for s in decodes})
+    # the rows did grow blocks meanwhile: some request ends on more blocks than its prompt took
+    assert any(-(-len(ids) // bs) < -(-(len(ids) + new - 1) // bs) for ids, new, _ in trace)
+
+
 def test_one_step_prefills_every_admitted_prompt_whatever_their_lengths(llama):
     from geir.runtime.interpreter import RuntimeListener
 
