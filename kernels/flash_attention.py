@@ -19,6 +19,7 @@ combined by log-sum-exp.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -234,13 +235,19 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     qf, kff, vff, of = flat(qg), flat(kf), flat(vf), flat(out)
     mf = None if mg is None else flat(mg)
     pf = None if pg is None else flat(pg)
+    # one set of tile-sized buffers for every chunk and key block: a fresh 2 MiB temporary per step costs more in
+    # page faults than its arithmetic (the values are the same: each op writes where its result would have gone)
+    rows_at_once = min(heads, B * Nkv) * min(chunk, R)
+    tile = rows_at_once * min(s2, Skv)
+    buffers = _Buffers(np.empty(tile, dtype=_F32), np.empty(tile, dtype=_F32) if _bytes(q.dtype) < 4 else None,
+                       np.empty(rows_at_once * Dv, dtype=_F32))
     for h0 in range(0, B * Nkv, heads):
         h = slice(h0, min(h0 + heads, B * Nkv))
         for c0 in range(0, R, chunk):
             c1 = min(c0 + chunk, R)
-            of[h, :, c0:c1] = _rows(qf[h, :, c0:c1], kff[h], vff[h], None if mf is None else mf[h, :, c0:c1],
-                                    rows[c0:c1], causal, scale, q.dtype, s1, s2, segments, softcap,
-                                    None if pf is None else pf[h, :, c0:c1])
+            _rows(qf[h, :, c0:c1], kff[h], vff[h], None if mf is None else mf[h, :, c0:c1], rows[c0:c1], causal,
+                  scale, q.dtype, s1, s2, segments, softcap, None if pf is None else pf[h, :, c0:c1], buffers,
+                  of[h, :, c0:c1])
     return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 
@@ -258,10 +265,19 @@ def _scale_folds(dt: np.dtype, scale: float) -> bool:
 _CACHE_SCORES = 1 << 19
 
 
+class _Buffers(NamedTuple):
+    """Flat f32 buffers of the row loop, each as large as the largest chunk's: the score tile (which becomes P),
+    P rounded to the inputs' dtype (None for f32 inputs) and P V."""
+
+    scores: np.ndarray
+    rounded: np.ndarray | None
+    pv: np.ndarray
+
+
 def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: int, s2: int,
-          segments: int, softcap: float = 0.0, pg=None) -> np.ndarray:
-    """Attention output (f32) of one chunk of stacked query rows, over every key block in order (`pg`: the pse
-    rows of the chunk, added to the scaled and capped scores before the mask)."""
+          segments: int, softcap: float, pg, buffers: _Buffers, out: np.ndarray) -> None:
+    """Attention output (f32, into `out`) of one chunk of stacked query rows, over every key block in order (`pg`:
+    the pse rows of the chunk, added to the scaled and capped scores before the mask)."""
     B, Nkv, R, D = qg.shape
     Skv = kf.shape[2]
     half = _bytes(dt) < 4
@@ -269,12 +285,7 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
     per_seg = -(-nk // segments)
     scale32, cap32 = _F32(scale), _F32(softcap)
     Dv = vf.shape[-1]
-    # one set of tile-sized buffers for every key block: a fresh 2 MiB temporary per step costs more in page faults
-    # than its arithmetic (the values are the same: each op writes where its result would have gone)
-    tile = B * Nkv * R * min(s2, Skv)
-    scores = np.empty(tile, dtype=_F32)
-    rounded, spare = (np.empty(tile, dtype=_F32), np.empty(tile, dtype=_F32)) if half else (None, None)
-    pv_out = np.empty(B * Nkv * R * Dv, dtype=_F32)
+    scores, rounded, pv_out = buffers
 
     def buffer(flat: np.ndarray, *shape: int) -> np.ndarray:
         return flat[:math.prod(shape)].reshape(shape)
@@ -322,17 +333,18 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
             sc -= m_safe[..., None]
             p = np.exp(sc, out=sc)  # in place: the score tile becomes P
             alpha = np.exp(m_old - m_safe)
-            # the cube takes P in the inputs' dtype
-            p_in = round_in_f32(p, dt, probabilities=True, out=buffer(rounded, *shape),
-                                scratch=buffer(spare, *shape)) if half else p
+            p_sum = p.sum(axis=-1)  # before the rounding below, which consumes P
+            # the cube takes P in the inputs' dtype; the rounding's temporary is P's own tile (two tiles, not three,
+            # pass through the host's cache)
+            p_in = round_in_f32(p, dt, probabilities=True, out=buffer(rounded, *shape), scratch=p) if half else p
             pv = np.matmul(p_in, vb, out=buffer(pv_out, *shape[:3], Dv))
             if causal:
-                l[:, :, sel] = l[:, :, sel] * alpha + p.sum(axis=-1)
+                l[:, :, sel] = l[:, :, sel] * alpha + p_sum
                 acc[:, :, sel] = acc[:, :, sel] * alpha[..., None] + pv
                 m[:, :, sel] = m_new
             else:
                 l *= alpha
-                l += p.sum(axis=-1)
+                l += p_sum
                 acc *= alpha[..., None]
                 acc += pv
                 m = m_new
@@ -340,13 +352,14 @@ def _rows(qg, kf, vf, mg, rows, causal: bool, scale: float, dt: np.dtype, s1: in
     with np.errstate(invalid="ignore", divide="ignore"):
         if segments == 1:
             acc, _, l = partials[0]
-            return acc / l[..., None]
+            np.divide(acc, l[..., None], out=out)
+            return
         # log-sum-exp combine of the key segments
         top = np.max([m for _, m, _ in partials], axis=0)
         top = np.where(np.isneginf(top), _F32(0), top)
         num = sum(acc * np.exp(m - top)[..., None] for acc, m, _ in partials)
         den = sum(l * np.exp(m - top) for _, m, l in partials)
-        return num / den[..., None]
+        np.divide(num, den[..., None], out=out)
 
 
 def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, nbuf: int, segments: int,

@@ -136,7 +136,8 @@ def round_in_f32(a: np.ndarray, dt: np.dtype, *, probabilities: bool = False, ou
     removing 0.75 (whose ulp is 2^-24) rounds to. bf16 rounds the mantissa on the f32 bits.
     `probabilities` promises values in [0, 1] or NaN (FlashAttention's P): no overflow or sign to mind.
     `out` and `scratch` (f32 arrays of a's shape, optional) take the result and the temporary, so a caller that
-    rounds a tile per step reuses two buffers instead of faulting in fresh pages each time.
+    rounds a tile per step reuses two buffers instead of faulting in fresh pages each time. With `probabilities`
+    and f16, `scratch` may be `a` itself: a is then consumed (overwritten), one tile less for the host's cache.
     """
     a = np.asarray(a, dtype=np.float32)
     if not a.flags.c_contiguous:
@@ -164,21 +165,24 @@ def _round_f16_in_f32(a: np.ndarray, probabilities: bool, out: np.ndarray | None
                       scratch: np.ndarray | None = None) -> np.ndarray:
     """`a.astype(float16).astype(float32)` in f32 arithmetic (see round_in_f32)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        out = np.multiply(a, _F16_SPLITTER, out=out)
-        t = np.subtract(out, a, out=scratch)
-        out -= t  # a NaN stays NaN; an overflow or inf turns into NaN, put right below
+        # the subnormals first, from a as given (scratch may be a itself, consumed by the split below)
         if probabilities:
             # one reduction (NaN-blind, as the comparison is) decides whether any subnormal needs the patch
             small = np.less(a, _F16_TINY) if a.size and np.fmin.reduce(a, axis=None) < _F16_TINY else None
         else:
             small = np.abs(a) < _F16_TINY
         at = None if small is None else np.flatnonzero(small)  # (one pass: an any() first would be a second)
+        sub = None
         if at is not None and at.size:
             # a gather of the few subnormals is cheaper than a masked copy over the whole tile
             flat = a.reshape(-1)
             sub = flat[at] + np.float32(0.75)
             sub -= np.float32(0.75)
             np.copysign(sub, flat[at], out=sub)  # a tiny negative that rounds to zero (or -0.0) is -0.0
+        out = np.multiply(a, _F16_SPLITTER, out=out)
+        t = np.subtract(out, a, out=scratch)
+        out -= t  # a NaN stays NaN; an overflow or inf turns into NaN, put right below
+        if sub is not None:
             out.reshape(-1)[at] = sub
         if not probabilities and out.size and not (np.fmax.reduce(a, axis=None) < _F16_INF_FROM
                                                    and np.fmin.reduce(a, axis=None) > -_F16_INF_FROM):
