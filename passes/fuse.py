@@ -21,7 +21,7 @@ from geir.passes.fusion.attention_layout import FoldAttentionTransposes, SinkHea
 from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
 from geir.passes.fusion.attention_rows import FoldMaskedRowsSelect
 from geir.passes.fusion.elementwise import FuseElementwiseChain
-from geir.passes.fusion.epilogue import FuseMatmulEpilogue
+from geir.passes.fusion.epilogue import FuseMatmulEpilogue, FuseMatmulResidual
 from geir.passes.fusion.gelu import FuseGelu
 from geir.passes.fusion.glu import FuseGlu, FuseMatmulGlu, GluFromMergedMatmul
 from geir.passes.fusion.kv_scatter import MergeIndexPutPair
@@ -46,7 +46,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
         FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts, FoldMaskedRowsSelect,
-        FuseMatmulGlu, DeinterleaveQkvHeads,
+        FuseMatmulGlu, DeinterleaveQkvHeads, FuseMatmulResidual,
     )
 }
 
@@ -62,7 +62,7 @@ def _instantiate(rule: type[Pattern], target: Target, resources: Mapping[str, np
     # rules whose decision depends on the chip (a kernel's shape guards) take the target, and the module's
     # weights (a mask may be a dense_resource constant)
     return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs, MergeSiblingMatmuls,
-                                                    DeinterleaveQkvHeads) else rule()
+                                                    DeinterleaveQkvHeads, FuseMatmulResidual) else rule()
 
 
 def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:

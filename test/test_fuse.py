@@ -206,3 +206,28 @@ def test_qkv_heads_reorders_weight_rows_so_the_pieces_are_the_same_elements(cut:
     inputs = _inputs(before)
     for a, c in zip(run_graph(before, inputs, float64=True), run_graph(after, inputs, float64=True)):
         np.testing.assert_allclose(c, a, rtol=1e-12)
+
+
+def test_matmul_residual_with_both_biases_folded_computes_the_parallel_residual() -> None:
+    """matmul_residual on GPT-NeoX's mlp + attn with both projections biased: the down matmul takes the attention
+    output as its addend, and the attention projection both biases summed. Oracle: the unfused graph in float64."""
+    rng = np.random.default_rng(9)
+    dense = lambda a: np.array2string(a, separator=", ", floatmode="unique", threshold=10**6).replace("\n", "")  # noqa: E731
+    wo, wd = rng.standard_normal((4, 3)), rng.standard_normal((4, 5))
+    bo, bd = rng.standard_normal(4), rng.standard_normal(4)
+    text = f"""ge.graph @main(%a: tensor<2x3x3xf64>, %m: tensor<2x3x5xf64>) -> tensor<2x3x4xf64> {{
+  %wo = ge.const dense<{dense(wo)}> : tensor<4x3xf64>
+  %wd = ge.const dense<{dense(wd)}> : tensor<4x5xf64>
+  %bo = ge.const dense<{dense(bo)}> : tensor<4xf64>
+  %bd = ge.const dense<{dense(bd)}> : tensor<4xf64>
+  %attn = ge.fused_matmul %a, %wo, %bo {{transpose_b = true}}
+  %mlp = ge.fused_matmul %m, %wd, %bd {{transpose_b = true}}
+  %y = ge.add %mlp, %attn
+  ge.return %y
+}}"""
+    before = parse(text).graphs[0]
+    after = _fuse(text, "infer-shapes,fuse{rules=matmul_residual}").graphs[0]
+    assert [op.name for op in after.ops if op.name not in ("ge.const", "ge.return")] == ["ge.fused_matmul"] * 2
+    inputs = _inputs(before)
+    np.testing.assert_allclose(run_graph(after, inputs, float64=True)[0], run_graph(before, inputs, float64=True)[0],
+                               rtol=1e-12)
