@@ -105,7 +105,7 @@ class DeinterleaveQkvHeads(Pattern):
                         f"what the other reader sees")
         if mm.attributes.get("glu", "none") != "none":
             return Miss(f"{named(mm)} has a glu epilogue, which pairs its output features")
-        if sum(t.shape.count(None) for t in (p.type for p in pieces[:1])) > 1:
+        if pieces[0].type.shape.count(None) > 1:
             return Miss(f"the pieces of {named(view)} have more than one dynamic size: not one reshape each")
         w = const_array(mm.operands[1], self.resources)
         if w is None or w.ndim != 2:
