@@ -12,9 +12,9 @@ one row of y (B divides N), so piece i of block (row, h) is y[row, h*B + i*E : h
 ordering W's output features as (i, h, e) instead of (h, i, e) makes piece i the run y'[row, i*H*E:(i+1)*H*E]
 in the same element order. The matmul computes the same dot products, only stored in another order: no rounding
 changes. The split on the last axis is then what qkv_merge makes: in decode (one row) a view, no kernel; the
-strided split (or Bloom's three slices, a launch each) goes. Loaders for Ascend do the same at load time (the
-fused weight cut into q, k and v for npu_fusion_attention's separate inputs); here it is the compile-time fold
-qkv_merge already makes of a weight concatenation, and like it needs the weight (and a bias) to be constants.
+strided split (or Bloom's three slices, a launch each) goes, and q, k and v reach attention as the separate inputs
+npu_fusion_attention takes. The reorder is a compile-time fold of the weight, as qkv_merge's concatenation is, and
+like it needs the weight (and a bias) to be constants.
 """
 
 from __future__ import annotations
