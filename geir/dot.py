@@ -41,12 +41,15 @@ FUSED_KINDS: dict[str, str] = {
 # one; partial_rotary makes a rotary embedding of only the first rotary_dim features; glu_merged gives a glu the merged
 # gate-up tensor; rotary_pair rotates q and k in one rotary embedding; norm_cast makes a norm computed in f32 between
 # two casts the norm of the 16-bit tensor, a layer norm as well as an RMS norm; masked_rows has flash_attention zero
-# the rows its mask hides wholly; matmul_glu takes a glu into the gate-up matmul as its epilogue)
+# the rows its mask hides wholly; matmul_glu takes a glu into the gate-up matmul as its epilogue; qkv_heads reorders a
+# fused q/k/v projection's head-interleaved weight rows so that its pieces are runs of its last axis; matmul_residual
+# takes a residual add into a linear layer's epilogue)
 REFINING_RULES: dict[str, str] = {"attention_native": "ge.flash_attention", "attention_layout": "ge.flash_attention",
                                   "qkv_merge": "ge.fused_matmul",
                                   "partial_rotary": "ge.rotary_embedding", "glu_merged": "ge.glu",
                                   "rotary_pair": "ge.rotary_embedding", "norm_cast": "ge.rms_norm",
-                                  "masked_rows": "ge.flash_attention", "matmul_glu": "ge.fused_matmul"}
+                                  "masked_rows": "ge.flash_attention", "matmul_glu": "ge.fused_matmul",
+                                  "qkv_heads": "ge.fused_matmul", "matmul_residual": "ge.fused_matmul"}
 # Fill colour of the ops each rule made (ColorBrewer's Set3 pastels: black text stays readable on them).
 RULE_COLOURS: dict[str, str] = {
     "flash_attention": "#fdb462",

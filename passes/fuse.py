@@ -21,12 +21,13 @@ from geir.passes.fusion.attention_layout import FoldAttentionTransposes, SinkHea
 from geir.passes.fusion.attention import FuseFlashAttention, NativeAttentionInputs
 from geir.passes.fusion.attention_rows import FoldMaskedRowsSelect
 from geir.passes.fusion.elementwise import FuseElementwiseChain
-from geir.passes.fusion.epilogue import FuseMatmulEpilogue
+from geir.passes.fusion.epilogue import FuseMatmulEpilogue, FuseMatmulResidual
 from geir.passes.fusion.gelu import FuseGelu
 from geir.passes.fusion.glu import FuseGlu, FuseMatmulGlu, GluFromMergedMatmul
 from geir.passes.fusion.kv_scatter import MergeIndexPutPair
 from geir.passes.fusion.moe import FuseMoeFinalizeRouting, FuseMoeGating, FuseMoeInitRouting
 from geir.passes.fusion.qkv import MergeSiblingMatmuls
+from geir.passes.fusion.qkv_heads import DeinterleaveQkvHeads
 from geir.passes.fusion.norms import FuseLayerNorm, FuseRmsNorm
 from geir.passes.fusion.norm_cast import FoldNormCasts
 from geir.passes.fusion.norm_add_norm import FuseRmsNormAddRmsNorm
@@ -46,7 +47,7 @@ FUSION_RULES: dict[str, type[Pattern]] = {
         FuseFlashAttention, NativeAttentionInputs, FuseMatmulEpilogue, FuseElementwiseChain,
         FuseAddRmsNorm, FuseAddLayerNorm, MergeSiblingMatmuls, FoldAttentionTransposes, PagedAttentionRead,
         FuseMoeGating, FuseMoeInitRouting, FuseMoeFinalizeRouting, FoldNormCasts, FoldMaskedRowsSelect,
-        FuseMatmulGlu, FuseRmsNormAddRmsNorm,
+        FuseMatmulGlu, FuseRmsNormAddRmsNorm, DeinterleaveQkvHeads, FuseMatmulResidual,
     )
 }
 
@@ -61,7 +62,8 @@ COMPANIONS: dict[str, tuple[type[Pattern], ...]] = {"attention_layout": (SinkHea
 def _instantiate(rule: type[Pattern], target: Target, resources: Mapping[str, np.ndarray] | None = None) -> Pattern:
     # rules whose decision depends on the chip (a kernel's shape guards) take the target, and the module's
     # weights (a mask may be a dense_resource constant)
-    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs, MergeSiblingMatmuls) else rule()
+    return rule(target, resources) if rule in (FuseFlashAttention, NativeAttentionInputs, MergeSiblingMatmuls,
+                                                    DeinterleaveQkvHeads, FuseMatmulResidual) else rule()
 
 
 def _known_rules(instance: object, attribute: attrs.Attribute, names: list[str]) -> None:

@@ -174,3 +174,60 @@ def test_qkv_merge_concatenates_weights_in_the_order_of_its_split() -> None:
     inputs = _inputs(before)
     for a, b in zip(run_graph(before, inputs, float64=True), run_graph(after, inputs, float64=True)):
         np.testing.assert_allclose(b, a, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cut", ["split", "transpose_split", "slices"])
+def test_qkv_heads_reorders_weight_rows_so_the_pieces_are_the_same_elements(cut: str) -> None:
+    """qkv_heads (GPT-NeoX's and Bloom's fused query_key_value, features [heads, 3, head_dim]) reorders the weight and
+    bias at compile time and cuts the matmul's last axis instead: oracle, the unfused graph run by the reference on
+    the same inputs, piece for piece (H = 2 heads, D = 2, a bias, prefill's 3 positions)."""
+    rng = np.random.default_rng(28)
+    w, b = rng.standard_normal((12, 3)), rng.standard_normal(12)
+    dense = lambda a: np.array2string(a, separator=", ", floatmode="unique", threshold=10**6).replace("\n", "")  # noqa: E731
+    view, piece, tail = {"split": ("[1, 3, 2, 6]", "1x3x2x2", "%q, %k, %v = ge.split %h {axis = 3, sizes = [2, 2, 2]}"),
+                  "transpose_split": ("[1, 3, 2, 6]", "1x2x3x2", "%t = ge.transpose %h {perm = [0, 2, 1, 3]}\n"
+                                      "  %q, %k, %v = ge.split %t {axis = 3, sizes = [2, 2, 2]}"),
+                  "slices": ("[1, 3, 2, 3, 2]", "1x3x2x1x2", "%q = ge.slice %h {axes = [3], starts = [0], ends = [1]}\n"
+                             "  %v = ge.slice %h {axes = [3], starts = [2], ends = [3]}\n"
+                             "  %k = ge.slice %h {axes = [3], starts = [1], ends = [2]}")}[cut]
+    text = f"""ge.graph @main(%x: tensor<1x3x3xf64>) -> (tensor<{piece}xf64>, tensor<{piece}xf64>, tensor<{piece}xf64>) {{
+  %w = ge.const dense<{dense(w)}> : tensor<12x3xf64>
+  %b = ge.const dense<{dense(b)}> : tensor<12xf64>
+  %y = ge.fused_matmul %x, %w, %b {{transpose_b = true}}
+  %h = ge.reshape %y {{shape = {view}}}
+  {tail}
+  ge.return %q, %k, %v
+}}"""
+    before = parse(text).graphs[0]
+    after = _fuse(text, "infer-shapes,fuse{rules=qkv_heads}").graphs[0]
+    assert not any(op.name == "ge.slice" for op in after.ops)
+    split = [op for op in after.ops if op.name == "ge.split"]
+    assert len(split) == 1 and split[0].axis == -1
+    inputs = _inputs(before)
+    for a, c in zip(run_graph(before, inputs, float64=True), run_graph(after, inputs, float64=True)):
+        np.testing.assert_allclose(c, a, rtol=1e-12)
+
+
+def test_matmul_residual_with_both_biases_folded_computes_the_parallel_residual() -> None:
+    """matmul_residual on GPT-NeoX's mlp + attn with both projections biased: the down matmul takes the attention
+    output as its addend, and the attention projection both biases summed. Oracle: the unfused graph in float64."""
+    rng = np.random.default_rng(9)
+    dense = lambda a: np.array2string(a, separator=", ", floatmode="unique", threshold=10**6).replace("\n", "")  # noqa: E731
+    wo, wd = rng.standard_normal((4, 3)), rng.standard_normal((4, 5))
+    bo, bd = rng.standard_normal(4), rng.standard_normal(4)
+    text = f"""ge.graph @main(%a: tensor<2x3x3xf64>, %m: tensor<2x3x5xf64>) -> tensor<2x3x4xf64> {{
+  %wo = ge.const dense<{dense(wo)}> : tensor<4x3xf64>
+  %wd = ge.const dense<{dense(wd)}> : tensor<4x5xf64>
+  %bo = ge.const dense<{dense(bo)}> : tensor<4xf64>
+  %bd = ge.const dense<{dense(bd)}> : tensor<4xf64>
+  %attn = ge.fused_matmul %a, %wo, %bo {{transpose_b = true}}
+  %mlp = ge.fused_matmul %m, %wd, %bd {{transpose_b = true}}
+  %y = ge.add %mlp, %attn
+  ge.return %y
+}}"""
+    before = parse(text).graphs[0]
+    after = _fuse(text, "infer-shapes,fuse{rules=matmul_residual}").graphs[0]
+    assert [op.name for op in after.ops if op.name not in ("ge.const", "ge.return")] == ["ge.fused_matmul"] * 2
+    inputs = _inputs(before)
+    np.testing.assert_allclose(run_graph(after, inputs, float64=True)[0], run_graph(before, inputs, float64=True)[0],
+                               rtol=1e-12)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
+import numpy as np
+
+from geir.attributes import DenseAttr
 from geir.ir import Operation, Value
-from geir.passes.fusion.match import defining
+from geir.passes.fusion.match import const_array, defining, named
 from geir.passes.pattern import Match, Miss, Pattern, Rewriter
+from geir.target_npu.target import Target
+from geir.types import TensorType
 
 _ACTIVATIONS = ("ge.relu", "ge.gelu", "ge.silu")
+_LINEARS = ("ge.matmul", "ge.fused_matmul")
 
 
 def _activation_name(op: Operation) -> str:
@@ -61,7 +69,7 @@ class FuseMatmulEpilogue(Pattern):
                 return Miss("the matmul result is also used elsewhere; fusing would drop it")
             why = _bias_problem(bias, out)
             if why is not None:
-                return Miss(why)
+                return Miss(why) if why else None
             return Match(root, operands=[*mm.operands, bias], attrs=self._attrs(mm, activation))
         return None
 
@@ -75,3 +83,80 @@ class FuseMatmulEpilogue(Pattern):
     def rewrite(self, m: Match, rw: Rewriter) -> None:
         op = rw.create("ge.fused_matmul", m.operands, m.attrs, [m.root.result.type], before=m.root)
         rw.replace(m.root, op)
+
+
+def _zero(arr: np.ndarray | None) -> bool:
+    return arr is not None and not np.any(arr)
+
+
+class FuseMatmulResidual(Pattern):
+    """linear(x) + r, r shaped as the result -> ge.fused_matmul(x, w, r): the residual is the epilogue's addend.
+
+    catlass's MatmulEpilogue kernel (gemm/kernel/matmul_epilogue.hpp, BlockEpilogue<EpilogueAtlasA2ElemWiseOneSource>
+    with TileElemWiseAdd: D = A * B + X) adds a whole source tensor tile by tile as the accumulator drains, as the
+    fused matmul's epilogue adds a bias of rows (kernels/matmul.py reads it per output tile); the add's launch and its
+    round trip of both terms through GM go. GPT-NeoX's and GPT-J's parallel residual `x + attn + mlp` is the case: the
+    down projection takes the attention output as its addend. A linear with a constant bias of its own hands the bias
+    to the addend when the addend is another linear with a constant (or no) bias, folded there at compile time (the
+    sum of two constant vectors); the sums are then rounded once, in the epilogue's f32, where they were rounded
+    twice. Only a linear layer (a weight matrix shared by the batch): a score matmul plus a mask is attention's."""
+
+    # below matmul_epilogue (10), whose bias adds come first, and the add-norm rules (30), which take a residual add
+    # that feeds a norm with the norm
+    NAME, ROOT, BENEFIT, EXPLAIN = "matmul_residual", "ge.add", 9, True
+
+    def __init__(self, target: Target | None = None, resources: Mapping[str, np.ndarray] | None = None):
+        self.resources = resources
+
+    def _linear(self, v: Value) -> Operation | None:
+        mm = defining(v, *_LINEARS)
+        if mm is None or mm.operands[1].type is None or mm.operands[1].type.rank != 2:
+            return None
+        if mm.attributes.get("activation", "none") != "none" or mm.attributes.get("glu", "none") != "none":
+            return None
+        return mm
+
+    def match(self, add: Operation) -> Match | Miss | None:
+        out = add.result.type
+        candidates = [(side, mm) for side in (1, 0) if (mm := self._linear(add.operands[side])) is not None]
+        if not candidates or out is None:
+            return None  # no linear layer's result in the sum
+        why = None
+        for side, mm in candidates:
+            r = add.operands[1 - side]
+            if r.type is None or r.type != out or mm.results[0].type != out:
+                continue  # a term broadcast to the result: a bias (matmul_epilogue's) or no residual
+            if len(mm.results[0].uses) != 1:
+                why = why or f"the result of {named(mm)} is also read besides {named(add)}; fusing would drop it"
+                continue
+            bias = mm.operands[2] if len(mm.operands) > 2 else None
+            if bias is None or _zero(const_array(bias, self.resources)):
+                return Match(add, mm=mm, addend=r, into=None)
+            into = self._linear(r)
+            b = const_array(bias, self.resources)
+            rb = None if into is None or len(into.operands) < 3 else const_array(into.operands[2], self.resources)
+            if (b is None or into is None or len(r.uses) != 1 or (len(into.operands) > 2 and rb is None)
+                    or b.ndim > 1 or (rb is not None and rb.ndim > 1)):
+                why = why or (f"{named(mm)} has a bias of its own and the addend is not a linear layer with a constant "
+                              f"bias to take it: {named(r.owner) if r.owner else 'an argument'}")
+                continue
+            return Match(add, mm=mm, addend=r, into=into, bias=b, into_bias=rb)
+        return Miss(why) if why else None
+
+    def rewrite(self, m: Match, rw: Rewriter) -> None:
+        mm, addend = m.mm, m.addend
+        if m.into is not None:
+            into = m.into
+            total = m.bias if m.into_bias is None else m.into_bias + m.bias
+            t = into.results[0].type
+            total = np.asarray(total, dtype=t.dtype.np)
+            const = rw.create("ge.const", [], {"value": DenseAttr(np.ascontiguousarray(total))},
+                              [TensorType(total.shape, t.dtype)], before=into).result
+            attrs = {k: v for k, v in into.attributes.items() if k in ("transpose_a", "transpose_b")}
+            folded = rw.create("ge.fused_matmul", [*into.operands[:2], const], attrs, [t], before=into)
+            rw.replace(into, folded)
+            addend = folded.results[0]
+        attrs = {k: v for k, v in mm.attributes.items() if k in ("transpose_a", "transpose_b")}
+        op = rw.create("ge.fused_matmul", [*mm.operands[:2], addend], attrs, [m.root.result.type], before=m.root)
+        rw.replace(m.root, op)
+        rw.erase(mm)

@@ -2,6 +2,8 @@
 
 erf form:  0.5 * x * (1 + erf(x / sqrt(2)))          (or x * 0.7071...; factors in any order)
 tanh form: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))   (x^3 as pow or products)
+           or with x factored out of the bracket, as Bloom writes it (transformers' bloom_gelu_forward):
+           0.5 * x * (1 + tanh(sqrt(2/pi) * x * (1 + 0.044715 * x^2)))
 """
 
 from __future__ import annotations
@@ -112,14 +114,22 @@ class FuseGelu(Pattern):
         c1, factors = _product(arg, ops, top=False)
         if not close(c1, math.sqrt(2 / math.pi)):
             return f"tanh's argument is scaled by {c1:g}, not sqrt(2/pi)"
-        inner = defining(factors[0], "ge.add") if len(factors) == 1 else None
+        # x + c x^3, or x * (1 + c x^2): the same polynomial with x factored out (Bloom's spelling)
+        factored = len(factors) == 2 and any(f is x for f in factors)
+        if factored:
+            power = 2
+            inner = defining(factors[1] if factors[0] is x else factors[0], "ge.add")
+        else:
+            power = 3
+            inner = defining(factors[0], "ge.add") if len(factors) == 1 else None
         if inner is None:
             return "tanh's argument is not sqrt(2/pi) * (x + 0.044715 * x^3)"
         ops.append(inner)
         for side in (0, 1):
-            if inner.operands[side] is x:
+            term = inner.operands[side]
+            if close(scalar_constant(term), 1.0, 1e-6) if factored else term is x:
                 c2, cube = _product(inner.operands[1 - side], ops, top=False)
-                if _power_of(cube, x, ops) == 3:
+                if _power_of(cube, x, ops) == power:
                     return None if close(c2, 0.044715) else f"the cubic coefficient is {c2:g}, not 0.044715"
         return "tanh's argument is not sqrt(2/pi) * (x + 0.044715 * x^3)"
 
