@@ -48,6 +48,7 @@ from geir.kernels.tiling import Budget, Miss, OpSignature, choice
 from geir.kernels.vector_tiling import VectorTiling
 from geir.ops.indexing import index_problem
 from geir.ops.numerics import normalize_axis
+from geir.target_npu.residency import SparseResidency, resampled
 from geir.target_npu.sim import BlockSets, CapacityError, Cores, DeviceFault, GlobalMemory, spread, vector_cycles
 from geir.target_npu.target import Target
 
@@ -103,7 +104,7 @@ def gm_tensor(gm: GlobalMemory, name: str, shape: tuple[int, ...], itemsize: int
     if last is None:
         gm.ensure(name, t.blocks)
     elif len(last) < t.blocks:
-        gm.last_touch[name] = last[(np.arange(t.blocks) * len(last)) // t.blocks]
+        gm.last_touch[name] = resampled(last, t.blocks)
     return t
 
 
@@ -155,8 +156,12 @@ class TileSets(BlockSets):
         self.settle(*(self._order(x) for x in (total, lo, hi)))
 
     def _grid(self) -> np.ndarray:
-        """The tensor's residency as [matrix, fractal row, fractal column] (a view)."""
-        return self.init[:self.mats * self.BR * self.FC].reshape(self.mats, self.BR, self.FC)
+        """The tensor's residency as [matrix, fractal row, fractal column] (a view; a copy of a tensor kept as runs,
+        which `commit` writes back)."""
+        size = self.mats * self.BR * self.FC
+        if isinstance(self.init, SparseResidency):
+            return self.init[np.arange(size)].reshape(self.mats, self.BR, self.FC)
+        return self.init[:size].reshape(self.mats, self.BR, self.FC)
 
     def _order(self, x: np.ndarray) -> np.ndarray:
         """[matrix, row tile, column tile] -> set ids' order, flat."""
@@ -187,7 +192,10 @@ class TileSets(BlockSets):
         if self.any_mixed and mixed.any():  # sets never moved keep their pieces' own last touches
             keep = np.broadcast_to(mixed[:, :, None, :, None], full).reshape(pad)[:, :self.BR, :self.FC]
             new = np.where(keep, grid, new)
-        grid[...] = new
+        if isinstance(self.init, SparseResidency):
+            self.init[np.arange(grid.size)] = new.reshape(-1)
+        else:
+            grid[...] = new
 
 
 def _ints(x) -> np.ndarray:

@@ -43,8 +43,11 @@ class KVBlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
-        # the lowest block ids are handed out first (popped from the end), which keeps tables easy to read
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # the lowest block ids are handed out first, which keeps tables easy to read: blocks freed (a stack, the
+        # last freed first), then the never-used ones from `_fresh` up (not listed: a pool of millions of blocks
+        # would take the host as many list entries)
+        self._free: list[int] = []
+        self._fresh = 0
         self.tables: dict[object, list[int]] = {}
         self.tokens: dict[object, int] = {}
         self.peak_blocks = 0
@@ -66,11 +69,11 @@ class KVBlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._fresh - len(self._free)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks a sequence of `tokens` tokens needs."""
@@ -86,17 +89,20 @@ class KVBlockPool:
 
     def can_hold(self, seq: object, tokens: int) -> bool:
         """Whether the free blocks cover what `seq` needs to hold `tokens` tokens."""
-        return self.needed(seq, tokens) <= len(self._free)
+        return self.needed(seq, tokens) <= self.free_blocks
 
     def allocate(self, seq: object, tokens: int) -> list[int]:
         """Grow `seq`'s block table to hold `tokens` tokens (a new sequence gets a table); its earlier blocks stay
         where they are. All or nothing: PoolFull, with nothing allocated, when the free blocks are too few. The
         tokens stored are `store`'s to say (a reservation ahead of them, as static batching makes, is waste)."""
         need = self.needed(seq, tokens)
-        if need > len(self._free):
-            raise PoolFull(f"{seq!r} needs {need} more block(s) of {self.block_size} tokens, {len(self._free)} free")
+        if need > self.free_blocks:
+            raise PoolFull(f"{seq!r} needs {need} more block(s) of {self.block_size} tokens, {self.free_blocks} free")
         table = self.tables.setdefault(seq, [])
-        table.extend(self._free.pop() for _ in range(need))
+        reused = min(need, len(self._free))
+        table.extend(self._free.pop() for _ in range(reused))
+        table.extend(range(self._fresh, self._fresh + need - reused))
+        self._fresh += need - reused
         self.tokens.setdefault(seq, 0)
         self.peak_blocks = max(self.peak_blocks, self.used_blocks)
         return table

@@ -26,6 +26,7 @@ from geir.ir import Operation
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, no_bytes
 from geir.kernels.tiling import KernelTiling
+from geir.target_npu.residency import SparseResidency
 from geir.target_npu.sim import GlobalMemory, PipeInterval
 
 
@@ -69,7 +70,7 @@ class _NameState:
     suffix: str  # "" for the name itself, ":q" etc. for a role a kernel tracks under a name of its own
     size: int | None
     clock: float | None  # GlobalMemory.clock - tensor_clock
-    blocks: _Blocks | None  # GlobalMemory.clock - last_touch
+    blocks: _Blocks | SparseResidency | None  # GlobalMemory.clock - last_touch (runs where the tensor keeps runs)
 
     def key(self) -> Hashable:
         return (self.base, self.suffix, self.size, self.clock, None if self.blocks is None else self.blocks.key())
@@ -186,7 +187,7 @@ class LaunchMemo:
                 if clock is None and blocks is None and size is None:
                     continue
                 out.append(_NameState(i, name[len(base):], size, None if clock is None else gm.clock - clock,
-                                      None if blocks is None else _Blocks.of(gm.clock - blocks)))
+                                      None if blocks is None else _relative(gm.clock, blocks)))
         return out
 
     def _role_names(self, gm: GlobalMemory) -> dict[str, list[str]]:
@@ -203,6 +204,13 @@ class LaunchMemo:
                     roles.setdefault(base, []).append(name)
             self._roles = (len(gm.tensor_clock), roles)
         return roles
+
+
+def _relative(clock: int, blocks: np.ndarray | SparseResidency) -> _Blocks | SparseResidency:
+    """A residency relative to the byte clock, compact: runs stay runs (already a few numbers, and canonical)."""
+    if isinstance(blocks, SparseResidency):
+        return clock - blocks
+    return _Blocks.of(clock - blocks)
 
 
 def _bases(ctx: LaunchContext) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Iterable
 import attrs
 import numpy as np
 
+from geir.target_npu.residency import SparseResidency, residency
 from geir.target_npu.target import Target
 
 # AIV_MTE2: on a chip whose cube and vector units are separate cores (Atlas A2), the vector core's own
@@ -134,7 +135,7 @@ class GlobalMemory:
         self.chip_hbm_rate = mem.hbm_bytes_per_s / target.clock_hz  # bytes per cycle, whole chip
         self.latency = mem.dma_latency_cycles
         self.clock = 0  # bytes moved so far: the reuse-distance clock
-        self.last_touch: dict[str, np.ndarray] = {}
+        self.last_touch: dict[str, np.ndarray | SparseResidency] = {}  # runs for a tensor of many blocks
         self.tensor_clock: dict[str, int] = {}  # when each tensor was last touched, whatever its blocks
         self.sizes: dict[str, int] = {}  # bytes of each tensor, where declared
         self.gm_read_bytes = 0
@@ -149,7 +150,7 @@ class GlobalMemory:
         A workspace is a few slots rewritten over and over: its traffic touches no more than `nbytes` distinct
         bytes, so it does not advance the reuse-distance clock (which counts distinct bytes); while it is in
         use its lines hold that much of the L2, which holds that much less of everything else."""
-        self.last_touch[name] = np.full(blocks, -np.inf)
+        self.last_touch[name] = residency(blocks, -np.inf)
         self.tensor_clock[name] = -np.inf
         self.scratch.add(name)
         self.sizes[name] = nbytes
@@ -164,7 +165,7 @@ class GlobalMemory:
 
     def tensor(self, name: str, blocks: int, resident: bool = False) -> None:
         """Register a fresh tensor cut into `blocks` blocks; `resident` when it was just written to L2."""
-        self.last_touch[name] = np.full(blocks, self.clock if resident else -np.inf)
+        self.last_touch[name] = residency(blocks, self.clock if resident else -np.inf)
         self.tensor_clock[name] = self.clock if resident else -np.inf
 
     def forget(self, name: str) -> None:
@@ -180,7 +181,7 @@ class GlobalMemory:
         """
         known = self.last_touch.get(name)
         if known is None or len(known) != blocks:
-            self.last_touch[name] = np.full(blocks, self.tensor_clock.get(name, -np.inf))
+            self.last_touch[name] = residency(blocks, self.tensor_clock.get(name, -np.inf))
 
     def declare(self, name: str, nbytes: int) -> None:
         """The size of a tensor in global memory (the Runtime declares each operand and result)."""
