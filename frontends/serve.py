@@ -39,6 +39,11 @@ What is modelled, and what is not:
   over the same pool.
 - One clock: GE's host work (compiles and re-plans, measured on the host) overlaps the device's runs as in
   generate(); every device figure is the simulator's. A request cannot start before it arrives.
+- Startup (`warmup`): by default, before the first arrival, GE compiles both step programs and plans (in graph
+  mode, captures) the decode step at every batch gear by a dummy run, as vLLM's engine captures every size of
+  cudagraph_capture_sizes (vllm-ascend its ACL graphs) before serving; its GE and device time are reported
+  apart, not on the trace's clock (vLLM's serving benchmarks measure after startup). The prefill's (batch,
+  blocks) gears are too many to plan ahead and are planned in the trace, as vLLM runs prefills uncaptured.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.types import TensorType
 
 POLICIES = ("continuous", "static")
+WARMUPS = ("decode", "none")  # serve's warm-up before the first arrival: vLLM's (the decode gears), or none
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
 PREFILL_INPUTS, DECODE_INPUTS = 7, 6  # each step program's inputs before the pools
 # vLLM's default max_num_batched_tokens when chunked prefill is off (vllm/config.py, SchedulerConfig:
@@ -136,6 +142,13 @@ class Serving:
     plan_cache_misses: int
     regroups: int
     pool_sized_from: str = "pool_bytes"  # or "requests": no target names its device memory, so None sizes it so
+    # the warm-up before the first arrival (vLLM's engine startup): GE's host time compiling the step programs and
+    # planning (and, in graph mode, capturing) the decode step per batch gear, its plans, and the device time of
+    # its dummy runs; outside the makespan, as vLLM's serving benchmarks measure after startup
+    warmup: str = "none"
+    startup_ge_us: float = 0.0
+    startup_plans: int = 0
+    startup_device_us: float = 0.0
 
 
     @property
@@ -193,6 +206,8 @@ class Serving:
                 "pool_utilisation": self.pool_utilisation, "plan_cache_hits": self.plan_cache_hits,
                 "plan_cache_misses": self.plan_cache_misses, "regroups": self.regroups,
                 "host_ge_us": self.host_ge_us, "device_busy_us": self.device_busy_us,
+                "warmup": self.warmup, "startup_ge_us": self.startup_ge_us, "startup_plans": self.startup_plans,
+                "startup_device_us": self.startup_device_us,
                 "device_idle_us": self.device_idle_us, "preemptions": sum(r.preempted for r in self.requests)}
 
     def as_dict(self) -> dict[str, Any]:
@@ -247,6 +262,10 @@ class Serving:
         lines.append(f"KV pool: {m['pool_blocks']} blocks of {m['block_size']} tokens ({m['pool_bytes']} B{sized}), peak "
                      f"{m['pool_peak_blocks']} blocks, utilisation {100 * m['pool_utilisation']:.1f} %, waste "
                      f"{100 * m['pool_waste']:.1f} % of allocated slots; {m['preemptions']} preemption(s)")
+        if self.warmup != "none":
+            lines.append(f"startup ({m['warmup']} warm-up, before the first arrival, outside the makespan): GE "
+                         f"{m['startup_ge_us']:.0f} us, {m['startup_plans']} plans, device "
+                         f"{m['startup_device_us']:.0f} us")
         return "\n".join(lines)
 
 
@@ -480,7 +499,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
           dtype: torch.dtype | None = None, target: Target | str = DEFAULT_TARGET, timing_only: bool = False,
           pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = (),
           progress: Callable[[int, int], None] | None = None,
-          max_batched_tokens: int = MAX_BATCHED_TOKENS) -> Serving:
+          max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "decode") -> Serving:
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
@@ -490,13 +509,21 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     device figures are the full run's); the new tokens are then unknown, -1. ValueError, before anything runs,
     for a bad argument or a request that could never fit the pool. `progress(done, total)`: told each time a
     request finishes (a progress bar on long runs). `max_batched_tokens`: the most tokens (batch gear x slots, pads
-    included) one batched prefill may run, as vLLM's max_num_batched_tokens; a prompt longer runs alone."""
+    included) one batched prefill may run, as vLLM's max_num_batched_tokens; a prompt longer runs alone.
+    `warmup`: what GE does before the first arrival, as an engine's startup (WARMUPS): "decode" (the default,
+    vLLM's: both step programs compiled and the decode step planned, and in graph mode captured, by a dummy run at
+    every batch gear the pool can hold, as vLLM captures every size of cudagraph_capture_sizes and vllm-ascend its
+    ACL graphs), or "none" (every compile and plan on the trace's clock). The startup's GE and device time are
+    reported apart (Serving.startup_ge_us): the makespan counts from the first arrival, as vLLM's serving
+    benchmarks measure after startup."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {', '.join(LAUNCH_MODES)}, not {launch!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
+    if warmup not in WARMUPS:
+        raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, not {warmup!r}")
     if max_batched_tokens < 1:
         raise ValueError(f"max_batched_tokens must be at least 1, not {max_batched_tokens}")
     seqs = _requests(requests)
@@ -526,7 +553,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
     run = _Server(model, seqs, pool, policy, buckets, as_target(target), pipeline, listeners, timing_only,
-                  progress, launch, max_batched_tokens).run()
+                  progress, launch, max_batched_tokens, warmup).run()
     return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
@@ -537,8 +564,9 @@ class _Server:
                  buckets: Sequence[int] | str | None, target: Target, pipeline: str,
                  listeners: Sequence[RuntimeListener], timing_only: bool = False,
                  progress: Callable[[int, int], None] | None = None, launch: str = "single-op",
-                 max_batched_tokens: int = MAX_BATCHED_TOKENS):
+                 max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "none"):
         self.seqs = seqs
+        self.warmup = warmup
         self.max_batched_tokens = max_batched_tokens
         self.progress = progress
         self.finished = 0
@@ -565,6 +593,46 @@ class _Server:
         self.device_free = 0.0
         self.pools = self._empty_pools()
         self.admissions = 0
+        self.startup = (0.0, 0, 0.0)  # GE's host us, plans, device us
+        self.startup_misses = 0
+        if warmup == "decode":
+            self._warm_up()
+
+    def decode_gears(self) -> list[int]:
+        """Every batch gear a decode step of this run can take: 1, 2, 4, ... up to the gear of the most sequences
+        the pool can hold at once (one block each at least) or the requests, whichever is fewer: vLLM captures
+        every size of its list up to max_num_seqs (vllm/worker/model_runner.py, _BATCH_SIZES_TO_CAPTURE = [1, 2, 4]
+        and multiples of 8; capture_model), GEIR's decode batches being powers of two."""
+        most = _batch_gear(min(len(self.seqs), self.pool.num_blocks))
+        return [1 << i for i in range(most.bit_length())]
+
+    def _warm_up(self) -> None:
+        """The engine's startup, before the first arrival: both step programs compiled and the decode step planned
+        (graph mode: captured) at every batch gear by a dummy run, timing only, over stand-in pools and empty
+        tables (vLLM's capture_model: a dummy forward per capture size). Its figures are kept apart; the trace's
+        clock starts at 0 with the host and the device free."""
+        ge_us = device_us = 0.0
+        for phase in ("prefill", "decode"):
+            if phase in self.loop.uncompiled:
+                self.loop.uncompiled.discard(phase)
+                ge_us += self.loop.sessions[phase][0].compile_us
+        misses = sum(session.misses for session, _ in self.loop.sessions.values())
+        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
+        pools = [DeviceTensor(t, np.empty(0, np.uint8)) for _ in range(2 * self.layers)]
+        names = self.names["decode"]
+        for batch in self.decode_gears():
+            rows = [_Sequence(-1, self.seqs[0].prompt, 1, 0.0, list(self.seqs[0].prompt)) for _ in range(batch)]
+            tables = [[0] * self.decode_blocks for _ in rows]
+            feed = {k: to_numpy(v) for k, v in zip(names, _decode_inputs(rows, tables, self.decode_blocks,
+                                                                          self.pool.block_size))}
+            feed.update(zip(names[DECODE_INPUTS:], pools))
+            if self.kv_lengths is not None:
+                feed[self.kv_lengths] = _kv_lengths(rows)
+            run = self.loop.plan_and_run("decode", feed, timing_only=True)
+            ge_us += run.ge_us
+            device_us += run.device_us
+        self.startup_misses = sum(session.misses for session, _ in self.loop.sessions.values()) - misses
+        self.startup = (ge_us, self.startup_misses, device_us)
 
     def _pool_shape(self) -> tuple[int, int, int]:
         """One layer's key (or value) pool: [pool slots + scratch slots, Nkv, D]. The scratch slots, past the
@@ -727,7 +795,8 @@ class _Server:
         sessions = [session for session, _ in self.loop.sessions.values()]
         return Serving(records, self.steps, self.policy, self.pool.block_size, self.pool.num_blocks,
                        self.pool.pool_bytes, self.pool.peak_blocks, sum(s.hits for s in sessions),
-                       sum(s.misses for s in sessions), self.regroups)
+                       sum(s.misses for s in sessions) - self.startup_misses, self.regroups, warmup=self.warmup,
+                       startup_ge_us=self.startup[0], startup_plans=self.startup[1], startup_device_us=self.startup[2])
 
     def _waiting(self, waiting: list[_Sequence]) -> list[_Sequence]:
         """The waiting sequences first come, first served (a preempted one keeps its place by arrival)."""

@@ -54,15 +54,19 @@ def llama():
 
 @pytest.fixture(scope="module")
 def runs(llama):
-    """Both policies on one trace, a pool large enough for all (block size 8), and a pool that forces preemption."""
+    """Both policies on one trace, a pool large enough for all (block size 8), and a pool that forces preemption,
+    every plan on the trace's clock (no warm-up); and both policies after vLLM's warm-up (the default)."""
     trace = _trace()
     return {"trace": trace,
-            "continuous": serve(llama, trace, policy="continuous", block_size=8),
-            "static": serve(llama, trace, policy="static", block_size=8),
-            "tight": serve(llama, trace, policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100)}
+            "continuous": serve(llama, trace, policy="continuous", block_size=8, warmup="none"),
+            "static": serve(llama, trace, policy="static", block_size=8, warmup="none"),
+            "tight": serve(llama, trace, policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100,
+                           warmup="none"),
+            "warm continuous": serve(llama, trace, policy="continuous", block_size=8),
+            "warm static": serve(llama, trace, policy="static", block_size=8)}
 
 
-@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+@pytest.mark.parametrize("name", ["continuous", "static", "tight", "warm continuous", "warm static"])
 def test_every_request_gets_hugging_faces_greedy_tokens(runs, llama, name):
     run = runs[name]
     assert len(run.requests) == len(runs["trace"])
@@ -103,7 +107,7 @@ def _token_times(run, i):
     return [s.end_us for s in run.steps if s.kind in ("prefill", "decode") and i in s.requests]
 
 
-@pytest.mark.parametrize("name", ["continuous", "static", "tight"])
+@pytest.mark.parametrize("name", ["continuous", "static", "tight", "warm continuous", "warm static"])
 def test_times_are_read_off_the_one_clock(runs, name):
     run = runs[name]
     for a, b in zip(run.steps, run.steps[1:]):
@@ -159,6 +163,26 @@ def test_the_decode_step_is_planned_once_per_batch_gear_while_its_rows_grow_bloc
     assert [s.plan_cache for s in decodes].count("miss") == len({s.batch for s in decodes})
     # the rows did grow blocks meanwhile: some request ends on more blocks than its prompt took
     assert any(-(-len(ids) // bs) < -(-(len(ids) + new - 1) // bs) for ids, new, _ in trace)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_the_warm_up_plans_every_decode_gear_before_the_first_arrival(runs, policy):
+    """vLLM's startup: the decode step planned at every power-of-two batch up to the most sequences the pool holds
+    (here the 4 requests: gears 1, 2, 4), so no decode step of the trace waits for GE; the prefills still plan on
+    the trace's clock as before, and the device runs the same steps for the same time."""
+    warm, cold, trace = runs["warm " + policy], runs[policy], runs["trace"]
+    most = min(len(trace), warm.pool_blocks)
+    assert warm.warmup == "decode" and warm.startup_plans == (most - 1).bit_length() + 1
+    assert warm.startup_plans == 3 and warm.startup_ge_us > 0 and warm.startup_device_us > 0
+    decodes = [s for s in warm.steps if s.kind == "decode"]
+    assert decodes and all(s.plan_cache == "hit" and s.host_ge_us == 0 for s in decodes)
+    prefills = [s.plan_cache for s in warm.steps if s.kind == "prefill"]
+    assert prefills == [s.plan_cache for s in cold.steps if s.kind == "prefill"]
+    assert warm.plan_cache_misses == prefills.count("miss")
+    assert [(s.kind, s.batch, s.slots, s.device_us) for s in warm.steps] == \
+        [(s.kind, s.batch, s.slots, s.device_us) for s in cold.steps]
+    assert cold.warmup == "none" and cold.startup_plans == 0 and cold.startup_ge_us == 0
+    assert "startup (decode warm-up" in warm.render() and "startup" not in cold.render()
 
 
 def test_one_step_prefills_every_admitted_prompt_whatever_their_lengths(llama):
@@ -307,8 +331,8 @@ def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("5 requests, prompts ") and [line.split()[0] for line in out[2:4]] == ["continuous",
                                                                                                       "static"]
-    assert out[4].startswith("continuous batching: ")
-    assert out[5] == "goals (tiny shape):" and "in device time" in out[6] and "pool waste < 4 %" in out[7]
+    assert out[4].startswith("continuous batching: ") and out[5].startswith("startup (decode warm-up")
+    assert out[6] == "goals (tiny shape):" and "in device time" in out[7] and "pool waste < 4 %" in out[8]
 
 
 def test_the_schedulers_waste_is_each_sequences_last_block_tail_over_its_life():
