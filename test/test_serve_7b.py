@@ -90,3 +90,16 @@ def test_the_7b_stand_in_serves_a_few_requests_with_analytic_pool_and_byte_count
     assert decodes and all(s.kernel_time_us >= floor_us for s in decodes)
     waste = sum(s.pool_allocated_slots - s.pool_token_slots for s in run.steps)
     assert run.pool_waste == pytest.approx(waste / sum(s.pool_allocated_slots for s in run.steps))
+
+
+def test_the_batch1_graph_decode_step_lines_up_its_runs_and_reads_its_weights():
+    # bench/serve.py's idle and TPOT goals: one request in graph mode, each step one Runtime run; a cached decode
+    # step spans at least the weight matrices' read at the HBM rate, and its idle time lies within its span
+    bench = _bench()
+    model = bench.stand_in_llama(layers=1)
+    args = bench.argparse.Namespace(block_size=128)
+    step = bench.decode_step_batch1(model, args, prompt=20, new=3)
+    layer = 4 * H * H + 3 * H * MLP + 2 * H
+    floor_us = 2 * (layer - 2 * H + VOCAB * H) / HBM_BYTES_PER_US
+    assert step["decode_span_us"] >= floor_us
+    assert 0 <= step["device_idle_us"] <= step["decode_span_us"] and step["tpot_us"] == step["decode_span_us"]
