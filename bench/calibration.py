@@ -281,21 +281,26 @@ def decode_anchor() -> DecodeAnchor:
                         launch="graph", measured_ms=23.0)
 
 
-def _stand_in(config: dict, dtype) -> object:
-    """A Qwen2 causal LM of `config`'s shape whose weights are one element broadcast to each weight's shape (no bytes
-    behind them: timing only needs the shapes), its rotary table real."""
+def stand_in(causal_lm: type, config: object, rotary: type, dtype: object) -> object:
+    """A Hugging Face causal LM of `config` whose weights are one element broadcast to each weight's shape (no bytes
+    behind them: timing only needs the shapes), its rotary table real (`rotary`, computed from the config)."""
     import torch
-    import transformers
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-    cfg = transformers.Qwen2Config(**config)
     with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
+        model = causal_lm(config).to(dtype).eval()
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(p.shape), requires_grad=False))
-    model.model.rotary_emb = Qwen2RotaryEmbedding(cfg)
+    model.model.rotary_emb = rotary(config)
     return model
+
+
+def _stand_in(config: dict, dtype) -> object:
+    """A Qwen2 causal LM of `config`'s shape, stand-in weights (`stand_in`)."""
+    import transformers
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    return stand_in(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**config), Qwen2RotaryEmbedding, dtype)
 
 
 def decode_step_us(anchor: DecodeAnchor, target_name: str = "ascend910b") -> float:

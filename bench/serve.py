@@ -109,12 +109,10 @@ def stand_in_llama(layers: int = LLAMA_7B["num_hidden_layers"], dtype: Any = Non
 
     dtype = dtype or torch.float16
     config = transformers.LlamaConfig(**{**LLAMA_7B, "num_hidden_layers": layers})
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(p.shape), requires_grad=False))
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/calibration.py, also when loaded by path
+    from calibration import stand_in
+
+    model = stand_in(transformers.LlamaForCausalLM, config, LlamaRotaryEmbedding, dtype)
     if any(b.is_meta for b in model.buffers()):  # a buffer this shape left on meta would fail the export
         raise RuntimeError("the stand-in LLaMA kept a buffer without values")
     return model

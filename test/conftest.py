@@ -72,3 +72,20 @@ def geir_graphs(monkeypatch) -> list:
 
     monkeypatch.setattr(torch_compile, "GeirGraph", Recorded)
     return made
+
+
+@pytest.fixture
+def last_hidden():
+    """Wraps a Hugging Face base model as the module the tests export: (input_ids, attention_mask) to its last
+    hidden state."""
+    torch = pytest.importorskip("torch")
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    return Hidden

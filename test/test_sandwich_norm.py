@@ -96,7 +96,7 @@ def test_the_sandwich_kernel_is_faster_than_the_norm_then_the_add_norm():
     assert moved(ctx) < moved(norm_ctx) + moved(add_ctx)
 
 
-def test_gemma2_sandwich_norms_fuse_and_the_decoder_equals_torch():
+def test_gemma2_sandwich_norms_fuse_and_the_decoder_equals_torch(last_hidden):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from geir.frontends.torch import compile as geir_compile
@@ -112,20 +112,12 @@ def test_gemma2_sandwich_norms_fuse_and_the_decoder_equals_torch():
         if p.ndim == 1:
             torch.nn.init.normal_(p, std=0.5)
 
-    class Hidden(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask).last_hidden_state
-
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, 7:] = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compiled = geir_compile(Hidden(model), (ids, mask))
+        compiled = geir_compile(last_hidden(model), (ids, mask))
     kinds = [op.name for op in compiled.graph.ops]
     # per layer: post_attention -> residual add -> pre_feedforward, and post_feedforward -> residual add -> the next
     # layer's input norm (the last layer's: the final norm); only the first layer's input norm stays alone
@@ -133,7 +125,7 @@ def test_gemma2_sandwich_norms_fuse_and_the_decoder_equals_torch():
     assert kinds.count("ge.rms_norm") == 1 and "ge.add_rms_norm" not in kinds
     actual = compiled(ids, mask).numpy()
     with torch.no_grad():
-        eager = Hidden(model)(ids, mask).numpy()
-        reference = Hidden(model.double())(ids, mask).numpy()
+        eager = last_hidden(model)(ids, mask).numpy()
+        reference = last_hidden(model.double())(ids, mask).numpy()
     verdict = compare(actual, reference, TensorType(actual.shape, DType.f32), eager)
     assert verdict.passed, verdict.render("last_hidden_state")

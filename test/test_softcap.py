@@ -114,7 +114,7 @@ def test_an_unfused_capped_attention_computes_the_same():
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_gemma2_attention_fuses_with_its_softcap_and_equals_torch():
+def test_gemma2_attention_fuses_with_its_softcap_and_equals_torch(last_hidden):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from geir.frontends.torch import compile as geir_compile
@@ -127,20 +127,12 @@ def test_gemma2_attention_fuses_with_its_softcap_and_equals_torch():
     cfg._attn_implementation = "eager"  # the softcap is eager attention's: what HF runs Gemma 2 with
     model = transformers.Gemma2Model(cfg).eval()
 
-    class Hidden(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask).last_hidden_state
-
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compiled = geir_compile(Hidden(model), (ids, mask))
+        compiled = geir_compile(last_hidden(model), (ids, mask))
     attention = [op for op in compiled.graph.ops if op.name == "ge.flash_attention"]
     assert len(attention) == cfg.num_hidden_layers
     assert all(op.attr("softcap") == cfg.attn_logit_softcapping for op in attention)
@@ -148,8 +140,8 @@ def test_gemma2_attention_fuses_with_its_softcap_and_equals_torch():
     assert "ge.tanh" not in [op.name for op in compiled.graph.ops]
     actual = compiled(ids, mask).numpy()
     with torch.no_grad():
-        eager = Hidden(model)(ids, mask).numpy()
-        reference = Hidden(model.double())(ids, mask).numpy()
+        eager = last_hidden(model)(ids, mask).numpy()
+        reference = last_hidden(model.double())(ids, mask).numpy()
     verdict = compare(actual, reference, TensorType(actual.shape, DType.f32), eager)
     assert verdict.passed, verdict.render("last_hidden_state")
     assert math.isfinite(float(np.abs(actual).max()))
