@@ -247,9 +247,8 @@ def decode_step_batch1(model: Any, args: argparse.Namespace, prompt: int, new: i
     idle = _RunIdle()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # no warm-up: its dummy runs would reach the listener too, and the steps are judged on cache hits anyway
         run = serve(model, [(torch.arange(1, prompt + 1), new, 0.0)], block_size=args.block_size,
-                    timing_only=True, launch="graph", listeners=[idle.listener()], warmup="none")
+                    timing_only=True, launch="graph", listeners=[idle.listener()])
     if len(idle.runs) != len(run.steps):  # every step is one Runtime run: the two lists line up
         raise RuntimeError(f"{len(idle.runs)} runs for {len(run.steps)} steps")
     decodes = [(s, r) for s, r in zip(run.steps, idle.runs) if s.kind == "decode" and s.plan_cache == "hit"]

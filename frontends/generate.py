@@ -474,9 +474,11 @@ class _Loop:
                     for phase, (program, result) in self.last.items()}
         return Generation(tokens, steps, len(self.sessions), findings)
 
-    def plan_and_run(self, phase: str, feed: dict[str, Any], timing_only: bool = False) -> StepRun:
+    def plan_and_run(self, phase: str, feed: dict[str, Any], timing_only: bool = False,
+                     listened: bool = True) -> StepRun:
         """A step of `phase`'s program on these inputs: its plan (from the plan cache, or GE re-plans it) run on
-        the device, the results after the first (the cache) kept there."""
+        the device, the results after the first (the cache) kept there (`listened`: the listeners are told of its
+        tasks; False for an engine's warm-up runs, which are no step)."""
         session, weights = self.sessions[phase]
         misses = session.misses
         program = session.program({k: v.shape for k, v in feed.items()})
@@ -486,7 +488,8 @@ class _Loop:
             self.uncompiled.discard(phase)
             ge_us += session.compile_us
         kv_results = range(1, len(session.generic.terminator.operands))  # the cache: it stays on the device
-        result = run_program(program, feed, weights, target=self.target, keep=kv_results, listeners=self.listeners,
+        result = run_program(program, feed, weights, target=self.target, keep=kv_results,
+                             listeners=self.listeners if listened else (),
                              timing_only=timing_only, launch_mode=self.launch, graphs=self.graphs, memo=self.memo)
         ge_us += result.capture_us  # graph mode: GE loads a new program's task graph onto the device once
         split = time_split(result)

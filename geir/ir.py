@@ -122,6 +122,11 @@ class Operation:
         self.operands[i] = v
         v.uses.append(self)
 
+    def insert_operand(self, i: int, v: Value) -> None:
+        """Give the op `v` as its operand i, the later ones moving up one (an optional operand added)."""
+        self.operands.insert(i, v)
+        v.uses.append(self)
+
     def drop_operand_uses(self) -> None:
         """Forget this op's uses of its operands (before erasing it)."""
         for v in self.operands:
