@@ -114,11 +114,11 @@ def run_path(kind: str, path: str) -> dict[str, Any]:
                 if fallbacks:
                     row["stops"] = f"falls back to eager: {fallbacks[0]}"
             else:
-                module, weights = hf_models._import(model, args, path)
-                actual, graph, _ = hf_models._run(module, weights, ["input_ids", "attention_mask"], args)
+                module, weights = hf_models.import_path(model, args, path)
+                actual, graph, _ = hf_models.compile_and_run(module, weights, ["input_ids", "attention_mask"], args)
                 fused = sum(op.name == "ge.flash_attention" for op in graph.ops)
     except Exception as e:  # noqa: BLE001 - a path that stops: say where
-        row["stops"] = llm_layer._first_line(e)
+        row["stops"] = hf_models.first_line(e)
         return row
     real = args[1].numpy().astype(bool)  # the positions that hold tokens
     actual, reference, eager = actual[real], reference[real], eager[real]
@@ -144,7 +144,7 @@ def run_generate(kind: str) -> dict[str, Any]:
         try:
             run = generate(model, ids, NEW_TOKENS, buckets="pow2")
         except Exception as e:  # noqa: BLE001
-            row["stops"] = llm_layer._first_line(e)
+            row["stops"] = hf_models.first_line(e)
             return row
     row.update(runs=True, tokens_equal=bool(torch.equal(run.tokens, expected)),
                new_tokens=int(run.tokens.shape[1] - PROMPT))

@@ -101,7 +101,7 @@ class LastHidden:
         return _Wrapped()
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     import re
 
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()  # torch's exporter colours its messages
@@ -133,15 +133,15 @@ def run_case(kind: str, path: str, dtype: str, batch: int, seq: int) -> dict[str
         reference = LastHidden(build(kind).double(), names)(
             *[a.double() if a.is_floating_point() else a for a in args]).numpy()
     try:
-        module, weights = _import(model, args, path)
+        module, weights = import_path(model, args, path)
     except Exception as e:  # noqa: BLE001 - a model that stops at the door: say where
-        row["stops"] = _first_line(e)
+        row["stops"] = first_line(e)
         return row
     row["imports"] = True
     try:
-        actual, graph, program = _run(module, weights, names, args)
+        actual, graph, program = compile_and_run(module, weights, names, args)
     except Exception as e:  # noqa: BLE001
-        row["stops"] = _first_line(e)
+        row["stops"] = first_line(e)
         return row
     row["runs"] = True
     t = TensorType(tuple(actual.shape), {"f32": DType.f32, "f16": DType.f16, "bf16": DType.bf16}[dtype])
@@ -152,7 +152,7 @@ def run_case(kind: str, path: str, dtype: str, batch: int, seq: int) -> dict[str
     return row
 
 
-def _import(model, args, path: str, dynamic=None):
+def import_path(model, args, path: str, dynamic=None):
     """The GEIR module (and weights) of the model through one frontend path (`dynamic`: torch's dynamic_shapes)."""
     import torch
 
@@ -171,11 +171,11 @@ def _import(model, args, path: str, dynamic=None):
                 program = torch.onnx.export(model, args, dynamo=True, dynamic_shapes=dynamic, **kw)
                 program.save(out)
         except Exception as e:  # noqa: BLE001 - torch's exporter, before GEIR sees anything
-            raise RuntimeError(f"torch.onnx.export failed, before geimport: {_first_line(e)}") from e
+            raise RuntimeError(f"torch.onnx.export failed, before geimport: {first_line(e)}") from e
         return import_onnx(out)
 
 
-def _run(module, weights, names, args):
+def compile_and_run(module, weights, names, args):
     """Compile with GE's default pipeline and run on the simulated 910B: the output, the fused graph and the
     lowered program."""
     from geir.ir import Module
@@ -209,9 +209,9 @@ def run_dynamic(kind: str, path: str, batch: int, lengths: list[int]) -> dict[st
     model = LastHidden(build(kind), names)
     length = torch.export.Dim("S", min=2, max=64)
     try:
-        module, weights = _import(model, tuple(feed.values()), path, dynamic=(tuple({1: length} for _ in names),))
+        module, weights = import_path(model, tuple(feed.values()), path, dynamic=(tuple({1: length} for _ in names),))
     except Exception as e:  # noqa: BLE001
-        row["stops"] = _first_line(e)
+        row["stops"] = first_line(e)
         return row
     row["imports"] = True
     start = time.perf_counter()
@@ -229,7 +229,7 @@ def run_dynamic(kind: str, path: str, batch: int, lengths: list[int]) -> dict[st
             program = session.program({k: v.shape for k, v in data.items()})
             actual = np.asarray(run_program(program, data, weights).outputs[0], dtype=np.float64)
         except Exception as e:  # noqa: BLE001
-            row["stops"] = f"length {n}: {_first_line(e)}"
+            row["stops"] = f"length {n}: {first_line(e)}"
             return row
         verdict = compare(actual, reference, TensorType(tuple(actual.shape), DType.f32), eager)
         row["lengths"][n] = {"accurate": verdict.passed, "replan_ms": session.replans[-1].ms}
