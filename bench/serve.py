@@ -1,7 +1,7 @@
 """Continuous against static batching at equal KV pool memory, on a synthetic trace (geir.frontends.torch.serve).
 
     python bench/serve.py [--shape tiny|llama-7b] [--requests N] [--rate R] [--block-size B] [--pool-blocks P]
-                          [--timing-only] [--launch single-op|graph] [--warmup decode|none] [--seed 0] [--waste-only]
+                          [--timing-only] [--launch single-op|graph] [--warmup gears|decode|none] [--seed 0] [--waste-only]
                           [--json OUT.json] [--plot OUT.png]
 
 The trace: lengths log-normal with the vLLM paper's ShareGPT means (Kwon et al., SOSP 2023, section 6.1: 161
@@ -26,8 +26,9 @@ Each row: throughput (new tokens per modelled second over the makespan, GE's hos
 one clock), device throughput (new tokens per second of device busy time: the steady state once GE's plans are
 cached), mean TTFT and TPOT, device busy and idle time, pool peak, utilisation and waste, preemptions, plan-cache
 hits and misses and host GE time during the trace, and GE's startup time (`start ms`: serve's warm-up before
-the first arrival, by default vLLM's: both step programs compiled and the decode step planned, in graph mode
-captured, at every batch gear; outside the makespan, as vLLM's serving benchmarks measure after engine startup;
+the first arrival, by default vLLM's: both step programs compiled, and planned, in graph mode captured, at every
+gear a step can take: the decode step at every batch gear, the prefill at every (batch gear, power of two of
+blocks) under the token budget; outside the makespan, as vLLM's serving benchmarks measure after engine startup;
 the same for both policies). Waste is the slots allocated beyond the tokens stored, as a share of the allocated
 slots (the PagedAttention paper's measure: its Fig. 2 has 96.3 % of vLLM's KV memory holding tokens), summed over
 the run's steps; `of pool` is the same slots as a share of the whole pool's. The device figures are simulated;
@@ -300,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing-only", action="store_true", help="cost models only (no token check; llama-7b always)")
     ap.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
                     help="how each step's kernels reach the device (default single-op)")
-    ap.add_argument("--warmup", choices=("decode", "none"), default="decode",
-                    help="GE's work before the first arrival, outside the makespan (default decode: vLLM's startup, "
-                         "the decode step planned at every batch gear); none: every plan on the trace's clock")
+    ap.add_argument("--warmup", choices=("gears", "decode", "none"), default="gears",
+                    help="GE's work before the first arrival, outside the makespan (default gears: vLLM's startup, "
+                         "every prefill and decode gear planned); decode: the decode step's gears only; none: every "
+                         "plan on the trace's clock")
     ap.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     ap.add_argument("--waste-only", action="store_true",
                     help=f"only the scheduler's pool waste on this shape's trace at block sizes {PAPER_BLOCK} and "
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup != "none":
         print(f"startup ({args.warmup} warm-up, before the first arrival, outside the makespan as in vLLM's serving "
               f"benchmarks): GE {cont['startup_ge_us'] / 1e3:.0f} and {stat['startup_ge_us'] / 1e3:.0f} ms, "
-              f"{cont['startup_plans']} and {stat['startup_plans']} decode plans, device "
+              f"{cont['startup_plans']} and {stat['startup_plans']} plans, device "
               f"{cont['startup_device_us'] / 1e3:.2f} and {stat['startup_device_us'] / 1e3:.2f} ms")
     extra: dict[str, Any] = {}
     if big:

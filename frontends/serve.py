@@ -19,10 +19,11 @@ What is modelled, and what is not:
   A decode step's block table has one width for the whole run, as vLLM's (max blocks per sequence: the longest
   request's, or its `buckets` gear), and each row's key count is a run-time input (FIA's actual_seq_lengths_kv,
   known on the host as vllm-ascend's seq_lens are): the kernel reads each row's own tiles of whole blocks and
-  stops there, its keys past its length masked. A prefill's table is as wide as its longest row's blocks.
+  stops there, its keys past its length masked. A prefill's table is as wide as its gear's blocks.
 - GE's gears: a prefill's batch is padded to a power of two (rows repeating the first, results dropped) and its
-  rows to the longest row's whole blocks (pads after each row's tokens, masked; a shorter row's pads past its own
-  blocks write into scratch slots past the pool's), so a plan serves every set of prompts of that (batch, blocks);
+  rows to a power of two of blocks over the longest row's (pads after each row's tokens, masked; a row's pads past
+  its own blocks write into scratch slots past the pool's), so a plan serves every set of prompts of that (batch,
+  blocks), and a run's prefill gears are few and known before the first arrival;
   a decode step's batch is padded to a power of two likewise. GE re-plans a prefill only on a new (batch, slots)
   bucket, a decode step only on a new batch gear (its table's width is fixed); the pads cost compute.
 - Continuous batching (Orca's and vLLM's iteration-level scheduling): each iteration admits the waiting
@@ -40,10 +41,11 @@ What is modelled, and what is not:
 - One clock: GE's host work (compiles and re-plans, measured on the host) overlaps the device's runs as in
   generate(); every device figure is the simulator's. A request cannot start before it arrives.
 - Startup (`warmup`): by default, before the first arrival, GE compiles both step programs and plans (in graph
-  mode, captures) the decode step at every batch gear by a dummy run, as vLLM's engine captures every size of
-  cudagraph_capture_sizes (vllm-ascend its ACL graphs) before serving; its GE and device time are reported
-  apart, not on the trace's clock (vLLM's serving benchmarks measure after startup). The prefill's (batch,
-  blocks) gears are too many to plan ahead and are planned in the trace, as vLLM runs prefills uncaptured.
+  mode, captures) by a dummy run each the decode step at every batch gear and the prefill at every (batch,
+  blocks) gear under the token budget, as vLLM's engine compiles its model's general shape (a dummy run of
+  max_num_batched_tokens) and captures every size of cudagraph_capture_sizes (vllm-ascend its ACL graphs) before
+  serving, so that no step waits for GE in the trace, whichever the policy; its GE and device time are reported
+  apart, not on the trace's clock (vLLM's serving benchmarks measure after startup).
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
 from geir.types import TensorType
 
 POLICIES = ("continuous", "static")
-WARMUPS = ("decode", "none")  # serve's warm-up before the first arrival: vLLM's (the decode gears), or none
+# serve's warm-up before the first arrival: every gear of both step programs (vLLM's startup: no compile while
+# serving), the decode step's gears only, or none
+WARMUPS = ("gears", "decode", "none")
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
 PREFILL_INPUTS, DECODE_INPUTS = 7, 6  # each step program's inputs before the pools
 # vLLM's default max_num_batched_tokens when chunked prefill is off (vllm/config.py, SchedulerConfig:
@@ -323,7 +327,7 @@ def _requests(requests: Sequence[Any]) -> list[_Sequence]:
 
 
 def _batch_gear(rows: int) -> int:
-    """The batch a decode step runs for `rows` sequences: the next power of two (GE's gears: fewer re-plans)."""
+    """The batch a step runs for `rows` sequences: the next power of two (GE's gears: fewer re-plans)."""
     return 1 << (rows - 1).bit_length()
 
 
@@ -497,7 +501,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
           dtype: torch.dtype | None = None, target: Target | str = DEFAULT_TARGET, timing_only: bool = False,
           pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = (),
           progress: Callable[[int, int], None] | None = None,
-          max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "decode") -> Serving:
+          max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "gears") -> Serving:
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
     (None: as large as every request at its longest at once, since no target names its device memory yet).
@@ -508,12 +512,19 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     for a bad argument or a request that could never fit the pool. `progress(done, total)`: told each time a
     request finishes (a progress bar on long runs). `max_batched_tokens`: the most tokens (batch gear x slots, pads
     included) one batched prefill may run, as vLLM's max_num_batched_tokens; a prompt longer runs alone.
-    `warmup`: what GE does before the first arrival, as an engine's startup (WARMUPS): "decode" (the default,
-    vLLM's: both step programs compiled and the decode step planned, and in graph mode captured, by a dummy run at
-    every batch gear the pool can hold, as vLLM captures every size of cudagraph_capture_sizes and vllm-ascend its
-    ACL graphs), or "none" (every compile and plan on the trace's clock). The startup's GE and device time are
-    reported apart (Serving.startup_ge_us): the makespan counts from the first arrival, as vLLM's serving
-    benchmarks measure after startup."""
+    `warmup`: what GE does before the first arrival, as an engine's startup (WARMUPS). "gears" (the default,
+    vLLM's: no compile while serving): both step programs compiled, and by a dummy run each, the decode step
+    planned (in graph mode captured) at every batch gear the pool can hold and the prefill at every (batch gear,
+    slots) gear it can take under the token budget (a prefill's rows padded to a power of two of blocks, or to
+    `buckets`' gears, as vLLM pads a batch to its next captured size; the padded keys masked, so the tokens are
+    the same). vLLM's engine compiles its model before serving (vllm/v1/worker/gpu_model_runner.py: profile_run's
+    dummy run of max_num_batched_tokens tokens "triggers compilation for general shape", then compile_sizes) and
+    captures every size of cudagraph_capture_sizes (capture_model; vllm-ascend its ACL graphs), so it never
+    compiles while serving; GE then plans nothing in the trace, whichever the policy. "decode": the decode gears
+    only (each prefill gear planned on the trace's clock when it first occurs); "none": every compile and plan on
+    the trace's clock. The startup's GE and device time are reported apart (Serving.startup_ge_us,
+    startup_plans): the makespan counts from the first arrival, as vLLM's serving benchmarks measure after
+    startup."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
@@ -593,8 +604,8 @@ class _Server:
         self.admissions = 0
         self.startup = (0.0, 0, 0.0)  # GE's host us, plans, device us
         self.startup_misses = 0
-        if warmup == "decode":
-            self._warm_up()
+        if warmup != "none":
+            self._warm_up(prefill=warmup == "gears")
 
     def decode_gears(self) -> list[int]:
         """Every batch gear a decode step of this run can take: 1, 2, 4, ... up to the gear of the most sequences
@@ -604,11 +615,22 @@ class _Server:
         most = _batch_gear(min(len(self.seqs), self.pool.num_blocks))
         return [1 << i for i in range(most.bit_length())]
 
-    def _warm_up(self) -> None:
-        """The engine's startup, before the first arrival: both step programs compiled and the decode step planned
-        (graph mode: captured) at every batch gear by a dummy run, timing only, over stand-in pools and empty
-        tables (vLLM's capture_model: a dummy forward per capture size). Its figures are kept apart; the trace's
-        clock starts at 0 with the host and the device free."""
+    def prefill_gears(self) -> list[tuple[int, int]]:
+        """Every (batch gear, slots) a batched prefill of this run can take: a batch gear as a decode step's, by the
+        slots of each row length from the shortest prompt serve takes (2) to the longest sequence (a recompute
+        prefills a preempted sequence's tokens too), within the token budget (max_batched_tokens: batch gear x
+        slots) unless the prompt runs alone. vLLM's startup likewise covers every size a step can take up to its
+        max_num_batched_tokens (the general shape's compile, then compile_sizes and cudagraph_capture_sizes)."""
+        longest = max(s.most_slots for s in self.seqs)
+        slots = sorted({self._prefill_slots(t) for t in range(2, longest + 1)})
+        return [(b, n) for b in self.decode_gears() for n in slots if b == 1 or b * n <= self.max_batched_tokens]
+
+    def _warm_up(self, prefill: bool = True) -> None:
+        """The engine's startup, before the first arrival: both step programs compiled, the decode step planned
+        (graph mode: captured) at every batch gear and (`prefill`) the prefill at every gear (prefill_gears), each
+        by a dummy run, timing only, over stand-in pools and empty tables (vLLM's compile and capture_model: a
+        dummy forward per size). Its figures are kept apart; the trace's clock starts at 0 with the host and the
+        device free."""
         ge_us = device_us = 0.0
         for phase in ("prefill", "decode"):
             if phase in self.loop.uncompiled:
@@ -627,6 +649,15 @@ class _Server:
             if self.kv_lengths is not None:
                 feed[self.kv_lengths] = _kv_lengths(rows)
             run = self.loop.plan_and_run("decode", feed, timing_only=True, listened=False)  # no step
+            ge_us += run.ge_us
+            device_us += run.device_us
+        names, bs = self.names["prefill"], self.pool.block_size
+        for batch, slots in self.prefill_gears() if prefill else ():
+            rows, writes = [[0] * slots] * batch, [list(range(slots))] * batch  # full rows: no scratch slot needed
+            tables = [[0] * (slots // bs)] * batch
+            feed = {k: to_numpy(v) for k, v in zip(names, _prefill_inputs(rows, slots, writes, tables, bs))}
+            feed.update(zip(names[PREFILL_INPUTS:], pools))
+            run = self.loop.plan_and_run("prefill", feed, timing_only=True, listened=False)
             ge_us += run.ge_us
             device_us += run.device_us
         self.startup_misses = sum(session.misses for session, _ in self.loop.sessions.values()) - misses
@@ -684,9 +715,14 @@ class _Server:
         return self.pool.blocks_for(tokens) * self.pool.block_size
 
     def _prefill_slots(self, tokens: int) -> int:
-        """A prefill row's slots for up to `tokens` tokens: the slots rule's, in whole blocks (the row attends
-        through its block table, which names whole blocks)."""
-        return self.pool.blocks_for(self._slots(tokens)) * self.pool.block_size
+        """A prefill row's slots for up to `tokens` tokens, in whole blocks (the row attends through its block
+        table, which names whole blocks): `buckets`' gear, or else a power of two of blocks, as the batch is a
+        power of two of rows. So a run's prefill gears are few (log2 x log2) and known before the first arrival,
+        and the warm-up plans them all, as vLLM pads a batch's tokens to its next captured size
+        (cudagraph_capture_sizes) and GE's dynamic gears (ge.dynamicDims) pad an input to its next listed gear."""
+        if self.buckets is not None:
+            return self.pool.blocks_for(self._slots(tokens)) * self.pool.block_size
+        return _batch_gear(self.pool.blocks_for(tokens)) * self.pool.block_size
 
     def _prefill_cost(self, seqs: list[_Sequence]) -> int:
         """The tokens a batched prefill of `seqs` runs: its batch gear x its slots (pads included: the work the

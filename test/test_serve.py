@@ -130,14 +130,21 @@ def test_times_are_read_off_the_one_clock(runs, name):
     busy = sum(s.device_us for s in run.steps)
     inside = sum(s.device_us - s.kernel_time_us - s.transfer_time_us for s in run.steps)
     assert run.device_idle_us == pytest.approx(makespan - busy + inside)
-    assert run.host_ge_us == pytest.approx(sum(s.host_ge_us for s in run.steps)) and run.host_ge_us > 0
+    assert run.host_ge_us == pytest.approx(sum(s.host_ge_us for s in run.steps))
+    assert (run.host_ge_us > 0) == (run.warmup == "none")  # the default warm-up leaves GE nothing to plan here
     assert run.plan_cache_hits + run.plan_cache_misses == sum(s.kind != "regroup" for s in run.steps)
 
 
 @pytest.mark.parametrize("name", ["continuous", "static", "tight"])
 def test_ge_plans_once_per_gear_not_per_prompt_length(runs, name):
     run = runs[name]
-    # a prefill's rows are padded to whole blocks, each step runs a power-of-two batch: one plan per (batch, slots)
+    # a prefill's rows are padded to a power of two of blocks, each step runs a power-of-two batch: one plan per
+    # (batch, slots); without preemption a prefill's rows are its requests' prompts
+    bs = run.block_size
+    for s in run.steps if run.summary()["preemptions"] == 0 else ():
+        if s.kind == "prefill":
+            longest = max(len(runs["trace"][i][0]) for i in s.requests)
+            assert s.slots == bs * (1 << (-(-longest // bs) - 1).bit_length())
     for kind in ("prefill", "decode"):
         steps = [s for s in run.steps if s.kind == kind]
         assert [s.plan_cache for s in steps].count("miss") == len({(s.batch, s.slots) for s in steps})
@@ -166,23 +173,48 @@ def test_the_decode_step_is_planned_once_per_batch_gear_while_its_rows_grow_bloc
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_the_warm_up_plans_every_decode_gear_before_the_first_arrival(runs, policy):
-    """vLLM's startup: the decode step planned at every power-of-two batch up to the most sequences the pool holds
-    (here the 4 requests: gears 1, 2, 4), so no decode step of the trace waits for GE; the prefills still plan on
-    the trace's clock as before, and the device runs the same steps for the same time."""
+def test_the_warm_up_plans_every_gear_before_the_first_arrival(runs, policy):
+    """vLLM's startup (no compile while serving): the decode step planned at every power-of-two batch up to the
+    most sequences the pool holds (here the 4 requests: gears 1, 2, 4), and the prefill at every such batch by
+    every power of two of blocks up to the longest sequence's (prompt + new - 1 = 16 tokens of 8-token blocks:
+    1 and 2 blocks; the budget of 2048 cuts none): 3 + 3 x 2 = 9 plans, counted here from the trace. So no step of
+    the trace waits for GE, whatever the policy (continuous batching then admits by other times: other batches)."""
     warm, cold, trace = runs["warm " + policy], runs[policy], runs["trace"]
-    most = min(len(trace), warm.pool_blocks)
-    assert warm.warmup == "decode" and warm.startup_plans == (most - 1).bit_length() + 1
-    assert warm.startup_plans == 3 and warm.startup_ge_us > 0 and warm.startup_device_us > 0
-    decodes = [s for s in warm.steps if s.kind == "decode"]
-    assert decodes and all(s.plan_cache == "hit" and s.host_ge_us == 0 for s in decodes)
-    prefills = [s.plan_cache for s in warm.steps if s.kind == "prefill"]
-    assert prefills == [s.plan_cache for s in cold.steps if s.kind == "prefill"]
-    assert warm.plan_cache_misses == prefills.count("miss")
-    assert [(s.kind, s.batch, s.slots, s.device_us) for s in warm.steps] == \
-        [(s.kind, s.batch, s.slots, s.device_us) for s in cold.steps]
+    bs = warm.block_size
+    batch_gears = [1 << i for i in range(((min(len(trace), warm.pool_blocks) - 1).bit_length() + 1))]
+    longest = max(len(ids) + new - 1 for ids, new, _ in trace)
+    block_gears = {1 << (-(-t // bs) - 1).bit_length() for t in range(2, longest + 1)}
+    assert batch_gears == [1, 2, 4] and block_gears == {1, 2}
+    assert warm.warmup == "gears" and warm.startup_plans == len(batch_gears) * (1 + len(block_gears)) == 9
+    assert warm.startup_ge_us > 0 and warm.startup_device_us > 0
+    assert all(s.plan_cache == "hit" and s.host_ge_us == 0 for s in warm.steps)
+    assert warm.plan_cache_misses == 0 and warm.host_ge_us == 0
+    # every prefill gear a run took, with the warm-up or without (planned then in the trace, once each), is one the
+    # warm-up plans
+    planned = {(b, n * bs) for b in batch_gears for n in block_gears}
+    for run in (warm, cold):
+        assert {(s.batch, s.slots) for s in run.steps if s.kind == "prefill"} <= planned
+    cold_gears = {(s.kind, s.batch, s.slots) for s in cold.steps}
+    assert cold.plan_cache_misses == len(cold_gears)
+    if policy == "static":  # its batches do not depend on the clock: the same steps, the same device times
+        assert [(s.kind, s.batch, s.slots, s.device_us) for s in warm.steps] == \
+            [(s.kind, s.batch, s.slots, s.device_us) for s in cold.steps]
     assert cold.warmup == "none" and cold.startup_plans == 0 and cold.startup_ge_us == 0
-    assert "startup (decode warm-up" in warm.render() and "startup" not in cold.render()
+    assert "startup (gears warm-up" in warm.render() and "startup" not in cold.render()
+
+
+def test_the_decode_warm_up_leaves_each_prefill_gear_to_its_first_occurrence(runs, llama):
+    """warmup="decode": the decode gears only (3 here); each distinct prefill (batch, slots) of the trace is planned
+    on the trace's clock once, when it first occurs."""
+    trace = runs["trace"]
+    run = serve(llama, trace, policy="continuous", block_size=8, warmup="decode", timing_only=True)
+    prefills = [s for s in run.steps if s.kind == "prefill"]
+    assert run.startup_plans == 3 and all(s.plan_cache == "hit" for s in run.steps if s.kind == "decode")
+    assert run.plan_cache_misses == len({(s.batch, s.slots) for s in prefills}) > 0
+    firsts = {}
+    for s in prefills:
+        firsts.setdefault((s.batch, s.slots), s.index)
+    assert [s.index for s in prefills if s.plan_cache == "miss"] == sorted(firsts.values())
 
 
 def test_one_step_prefills_every_admitted_prompt_whatever_their_lengths(llama):
@@ -195,22 +227,22 @@ def test_one_step_prefills_every_admitted_prompt_whatever_their_lengths(llama):
             runs.append(result)
 
     # three prompts of 5, 21 and 9 tokens there at once: one prefill step (a batch of 4 rows, the longest's 3
-    # blocks of 8), each row's first token from its own last position
+    # blocks of 8 padded to 4, a power of two), each row's first token from its own last position
     trace = _trace(((5, 4, 0.0), (21, 3, 0.0), (9, 5, 0.0)), seed=3)
     run = serve(llama, trace, block_size=8, listeners=[Runs()])
     for record, (ids, new, _) in zip(run.requests, trace):
         assert torch.equal(record.tokens, _hf(llama, ids, new))
     prefills = [(s, r) for s, r in zip(run.steps, runs) if s.kind == "prefill"]
-    assert [(s.requests, s.batch, s.slots) for s, _ in prefills] == [((0, 1, 2), 4, 24)]
+    assert [(s.requests, s.batch, s.slots) for s, _ in prefills] == [((0, 1, 2), 4, 32)]
     # its attention reads each row's blocks through the table (FIA's PromptFlashAttention branch: Sq > 1)
     kernels = {t.name for t in prefills[0][1].tasks}
     assert "ge.paged_attention" in kernels and "ge.flash_attention" not in kernels
     # a token budget of 32 (batch gear x slots) splits them as vLLM's max_num_batched_tokens does, first come
-    # first served: 0 alone (8), since 0 and 1 would be 2 x 24; 1 alone (24, 2 x 24 with 2); then 2 (16)
+    # first served: 0 alone (8), since 0 and 1 would be 2 x 32; 1 alone (32, 2 x 32 with 2); then 2 (16)
     small = serve(llama, trace, block_size=8, max_batched_tokens=32)
     assert [r.tokens.tolist() for r in small.requests] == [r.tokens.tolist() for r in run.requests]
     assert [(s.requests, s.batch * s.slots) for s in small.steps if s.kind == "prefill"] == \
-        [((0,), 8), ((1,), 24), ((2,), 16)]
+        [((0,), 8), ((1,), 32), ((2,), 16)]
 
 
 def test_continuous_batching_lets_a_late_request_join_the_running_batch(runs):
@@ -274,7 +306,7 @@ def test_the_trace_has_a_track_per_request_and_the_pool_as_a_counter(runs):
 def test_timing_only_runs_the_same_schedule_with_the_same_device_times(runs, llama):
     full = runs["tight"]
     fast = serve(llama, runs["trace"], policy="continuous", block_size=4, pool_bytes=10 * 4 * PER_TOKEN + 100,
-                 timing_only=True)
+                 timing_only=True, warmup="none")  # as the full run's: the same GE on the clock
     assert [(s.kind, s.requests, s.batch, s.slots) for s in fast.steps] == \
         [(s.kind, s.requests, s.batch, s.slots) for s in full.steps]
     assert [s.device_us for s in fast.steps] == [s.device_us for s in full.steps]
@@ -331,7 +363,7 @@ def test_the_bench_compares_both_policies_on_its_stated_trace(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("5 requests, prompts ") and [line.split()[0] for line in out[2:4]] == ["continuous",
                                                                                                       "static"]
-    assert out[4].startswith("continuous batching: ") and out[5].startswith("startup (decode warm-up")
+    assert out[4].startswith("continuous batching: ") and out[5].startswith("startup (gears warm-up")
     assert out[6] == "goals (tiny shape):" and "in device time" in out[7] and "pool waste < 4 %" in out[8]
 
 
