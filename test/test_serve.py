@@ -243,6 +243,10 @@ def test_one_step_prefills_every_admitted_prompt_whatever_their_lengths(llama):
     assert [r.tokens.tolist() for r in small.requests] == [r.tokens.tolist() for r in run.requests]
     assert [(s.requests, s.batch * s.slots) for s in small.steps if s.kind == "prefill"] == \
         [((0,), 8), ((1,), 32), ((2,), 16)]
+    # the warm-up plans the prefill gears that budget allows (a row alone always): batch gears 1, 2, 4 by slots of
+    # 1, 2 and 4 blocks (the longest sequence, 21 + 3 - 1 tokens, spans 3), and the 3 decode gears
+    gears = [(b, n) for b in (1, 2, 4) for n in (8, 16, 32) if b == 1 or b * n <= 32]
+    assert small.startup_plans == len(gears) + 3 == 9 and small.plan_cache_misses == 0
 
 
 def test_continuous_batching_lets_a_late_request_join_the_running_batch(runs):
