@@ -1,8 +1,8 @@
 """Continuous against static batching at equal KV pool memory, on a synthetic trace (geir.frontends.torch.serve).
 
     python bench/serve.py [--shape tiny|llama-7b] [--requests N] [--rate R] [--block-size B] [--pool-blocks P]
-                          [--timing-only] [--launch single-op|graph] [--warmup gears|decode|none] [--seed 0] [--waste-only]
-                          [--json OUT.json] [--plot OUT.png]
+                          [--timing-only] [--launch single-op|graph] [--warmup gears|decode|none] [--seed 0]
+                          [--waste-only] [--json OUT.json] [--plot OUT.png]
 
 The trace: lengths log-normal with the vLLM paper's ShareGPT means (Kwon et al., SOSP 2023, section 6.1: 161
 prompt and 338 output tokens on average), times a scale: prompts exp(N(ln(161 s) - 1/2, 1.0)) clipped to
