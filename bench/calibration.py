@@ -99,10 +99,10 @@ TORCHAIR_QWEN2 = ("Ascend/torchair, npu_tuned_model/llm/qwen/README.md, "
 # the step's position
 TORCHAIR_QWEN2_BENCH = ("Ascend/torchair, npu_tuned_model/llm/qwen/benchmark/npu/benchmark_qwen.py, "
                         "commit e45676cff400ab7ac860d8005a9a8fa2945d8ce8")
-# IncreFlashAttention's rules on A2 (incre_flash_attention_tiling_check.cpp, IsFlashDecode / CheckCoreOkFlag: B x Nkv
-# < 0.4 x cores and, with GQA, a cache of at least 2048 keys; incre_flash_attention_tiling.cpp, SplitBNS: cores / (B x
-# Nkv) key parts, fewer while a part holds under 512 keys): at batch 1 over the 2048-key cache, 4 parts of each of the 4
-# K/V heads on 16 cores
+# IncreFlashAttention's rules on A2, GEIR's paged kernel's too (kernels/paged_attention_tiling.ifa_kv_parts:
+# incre_flash_attention_tiling_check.cpp, IsFlashDecode / CheckCoreOkFlag: B x Nkv < 0.4 x cores and, with GQA, a cache
+# of at least 2048 keys; incre_flash_attention_tiling.cpp, SplitBNS: cores / (B x Nkv) key parts, fewer while a part
+# holds under 512 keys): at batch 1 over the 2048-key cache, 4 parts of each of the 4 K/V heads on 16 cores
 OPS_IFA = ("hicann/ops-transformer, attention/incre_flash_attention/op_host/incre_flash_attention_tiling_check.cpp, "
            "commit c29bc1069d3252c641e2aa059ec88f392d3f05ac")
 OPS_IFA_SPLIT = ("hicann/ops-transformer, attention/incre_flash_attention/op_host/incre_flash_attention_tiling.cpp, "
@@ -465,8 +465,8 @@ def decode_row(target_name: str = "ascend910b", step: DecodeStep | None = None) 
                      f"{mm.us / 1e3:.1f} ms of it ({mm.launches} launches, {mm.hbm_tb_per_s:.2f} TB/s past their heads), "
                      f"{sum(k.launches for k in step.shares) / layers:.0f} launches a layer and "
                      f"{step.heads_us / 1e3:.1f} ms of heads in all. The cache is the script's 2048 positions, read whole "
-                     f"by IFA under the padding mask ({TORCHAIR_QWEN2_BENCH}); IFA's own rules split it into 4 key parts "
-                     f"on 16 cores here ({OPS_IFA}; {OPS_IFA_SPLIT}), GEIR's paged kernel by FlashAttention-2's heuristic. Not modelled, "
+                     f"by IFA under the padding mask ({TORCHAIR_QWEN2_BENCH}), split as IFA's own rules split it: 4 key "
+                     f"parts of each K/V head on 16 cores ({OPS_IFA}; {OPS_IFA_SPLIT}). Not modelled, "
                      "no cited figure: the card's SoC (the README says 800I A2 only, sold with more than one 910B: "
                      f"{ATLAS_800I_A2_SOC}) and its HBM rate; a MatMul's HBM fraction at M = 1 on A2; the task "
                      "scheduler's dispatch between a graph's tasks; torchair's host work inside the synchronised "
