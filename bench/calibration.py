@@ -29,8 +29,9 @@ document's blocks, flash-decoding where a head's query rows fit one block): a ke
 
 `--decode` adds a whole model's step (about 30 s, so not in the default table): torchair's Qwen2-7B decode in graph
 mode at batch 1 on one Atlas 800I A2 card (`decode_anchor()`, the anchor bench/serve.py's TPOT goal answers to),
-beside GEIR serving a stand-in of that shape timing-only in graph mode, its step at the measurement's mean cache
-length.
+beside GEIR serving a stand-in of that shape timing-only in graph mode, its step attending the whole 2048-position
+cache as the board's IncreFlashAttention does (the script's fixed cache, read under a padding mask), and GEIR's step
+by kernel after the table.
 
 Nothing here is fitted: the kernels' schedules and the targets' cited constants produce GEIR's column, and a
 row that misses says why in its notes.
@@ -91,6 +92,24 @@ CATLASS_HEAD = ("hicann/catlass, docs/zh/1_Practice/evaluation/bottleneck_analys
 # npu_add_rms_norm, one QKV matmul) and a KV cache of fixed size updated in place by scatter_update_
 TORCHAIR_QWEN2 = ("Ascend/torchair, npu_tuned_model/llm/qwen/README.md, "
                   "commit 023f5b264496f872a16580d351df2be3f3ae4711")
+# The same case's single-card script: the KV cache is one tensor per layer of max_position_embeddings = input_max_len +
+# max_new_tokens = 1024 + 1024 positions. The README's 7B tables predate its "IFA算子计算优化" step (actual_seq_lengths
+# and kv_padding_size, timed on Qwen2-72B only, 2024-08-20), which it adds because without them IFA computes over the
+# padding too: so each measured step's IncreFlashAttention reads all 2048 positions under the padding mask, whatever
+# the step's position
+TORCHAIR_QWEN2_BENCH = ("Ascend/torchair, npu_tuned_model/llm/qwen/benchmark/npu/benchmark_qwen.py, "
+                        "commit e45676cff400ab7ac860d8005a9a8fa2945d8ce8")
+# IncreFlashAttention's rules on A2, GEIR's paged kernel's too (kernels/paged_attention_tiling.ifa_kv_parts:
+# incre_flash_attention_tiling_check.cpp, IsFlashDecode / CheckCoreOkFlag: B x Nkv < 0.4 x cores and, with GQA, a cache
+# of at least 2048 keys; incre_flash_attention_tiling.cpp, SplitBNS: cores / (B x Nkv) key parts, fewer while a part
+# holds under 512 keys): at batch 1 over the 2048-key cache, 4 parts of each of the 4 K/V heads on 16 cores
+OPS_IFA = ("hicann/ops-transformer, attention/incre_flash_attention/op_host/incre_flash_attention_tiling_check.cpp, "
+           "commit c29bc1069d3252c641e2aa059ec88f392d3f05ac")
+OPS_IFA_SPLIT = ("hicann/ops-transformer, attention/incre_flash_attention/op_host/incre_flash_attention_tiling.cpp, "
+                 "commit c29bc1069d3252c641e2aa059ec88f392d3f05ac")
+# the card's SoC: the README names only "800I A2", whose servers ship with more than one 910B SoC (e.g. a user's
+# "Atlas 800I A2 (910B4 32G 4-card)"); GEIR's ascend910b is the 910B1 of Ascend910B1.ini
+ATLAS_800I_A2_SOC = "https://github.com/vllm-project/vllm/issues/40869"
 # Qwen2-7B's config.json (Qwen/Qwen2-7B on Hugging Face): the shape the row builds, with stand-in weights
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -268,17 +287,27 @@ class DecodeAnchor:
     new_tokens: int  # the measured decode steps run from prompt + 1 to prompt + new_tokens - 1 cached tokens
     launch: str  # "graph" or "single-op"
     measured_ms: float
+    # the positions each step's attention reads: a KV cache of fixed size read whole under a padding mask (0: only the
+    # positions cached so far, as a paged or length-aware kernel reads)
+    cache_tokens: int = 0
 
     @property
     def mean_context(self) -> int:
-        """The cached tokens of the mean decode step (attention's cost is linear in them)."""
+        """The cached tokens of the mean decode step."""
         return self.prompt + self.new_tokens // 2
+
+    @property
+    def attended(self) -> int:
+        """The keys the mean step's attention reads: the whole fixed cache where it is read whole, else the mean
+        step's cached tokens (attention's cost is linear in them)."""
+        return self.cache_tokens or self.mean_context
 
 
 def decode_anchor() -> DecodeAnchor:
-    """torchair's Qwen2-7B decode step in graph mode at batch 1 on an Atlas 800I A2 (TORCHAIR_QWEN2)."""
+    """torchair's Qwen2-7B decode step in graph mode at batch 1 on an Atlas 800I A2 (TORCHAIR_QWEN2), its IFA reading
+    the whole 2048-position cache (TORCHAIR_QWEN2_BENCH)."""
     return DecodeAnchor(TORCHAIR_QWEN2, "Qwen2-7B", "bf16", "Atlas 800I A2", batch=1, prompt=1024, new_tokens=1024,
-                        launch="graph", measured_ms=23.0)
+                        launch="graph", measured_ms=23.0, cache_tokens=1024 + 1024)
 
 
 def stand_in(causal_lm: type, config: object, rotary: type, dtype: object) -> object:
@@ -303,60 +332,154 @@ def _stand_in(config: dict, dtype) -> object:
     return stand_in(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**config), Qwen2RotaryEmbedding, dtype)
 
 
+@attrs.frozen
+class KindShare:
+    """GEIR's launches of one kernel in a decode step: how many, their span, the heads in it, the HBM bytes read."""
+
+    kernel: str
+    launches: int
+    us: float
+    head_us: float
+    hbm_read_bytes: int
+    cores: int  # the most cores one of them used
+
+    @property
+    def hbm_tb_per_s(self) -> float:
+        """The HBM read rate past the heads (0 where no byte came from HBM)."""
+        body = self.us - self.head_us
+        return self.hbm_read_bytes / body / 1e6 if body > 0 and self.hbm_read_bytes else 0.0
+
+
+@attrs.frozen
+class DecodeStep:
+    """GEIR's decode step for an anchor's shape: its span on the one clock, the weights it reads, its launches by kernel."""
+
+    us: float
+    weights_read: int  # bytes of every weight but the input embedding's (gathered one row a token)
+    shares: tuple[KindShare, ...]  # by kernel, the longest first
+
+    @property
+    def kernels_us(self) -> float:
+        """The launches' spans summed (graph mode: they run back to back, the step's span less the replay's submission)."""
+        return sum(k.us for k in self.shares)
+
+    @property
+    def heads_us(self) -> float:
+        return sum(k.head_us for k in self.shares)
+
+    def share(self, *kernels: str) -> KindShare:
+        """The launches of `kernels` together (as one KindShare)."""
+        sel = [k for k in self.shares if k.kernel in kernels]
+        return KindShare("+".join(kernels), sum(k.launches for k in sel), sum(k.us for k in sel),
+                         sum(k.head_us for k in sel), sum(k.hbm_read_bytes for k in sel), max((k.cores for k in sel), default=0))
+
+
+MATMULS = ("ge.matmul", "ge.fused_matmul")
+
+
 def decode_step_us(anchor: DecodeAnchor, target_name: str = "ascend910b") -> float:
-    """GEIR's decode step for `anchor`'s shape in microseconds (see _decode_step)."""
-    return _decode_step(anchor, target_name)[0]
+    """GEIR's decode step for `anchor`'s shape in microseconds (see decode_step)."""
+    return decode_step(anchor, target_name).us
 
 
 def _decode_step(anchor: DecodeAnchor, target_name: str, config: dict = QWEN2_7B) -> tuple[float, int]:
-    """GEIR's decode step for `anchor`'s shape: one request served timing-only in its launch mode, its decode step at
-    the measurement's mean cache length, on the one clock (the step's start, its submission, to its last task); and
-    the bytes of the weights a step reads (all but the input embedding's). `config`: the shape served (the anchor's; fewer layers for a quick check)."""
+    """decode_step's span and weight bytes (the pair the serve bench and the tests read)."""
+    step = decode_step(anchor, target_name, config)
+    return step.us, step.weights_read
+
+
+def decode_step(anchor: DecodeAnchor, target_name: str = "ascend910b", config: dict = QWEN2_7B) -> DecodeStep:
+    """GEIR's decode step for `anchor`'s shape: one request served timing-only in its launch mode, its decode step over
+    the keys the anchor's mean step attends (`anchor.attended`), on the one clock (the step's start, its submission, to
+    its last task), with its launches by kernel and the bytes of the weights it reads (all but the input embedding's).
+    `config`: the shape served (the anchor's; fewer layers for a quick check)."""
     import warnings
 
     import torch
 
     from geir.frontends.torch import serve
+    from geir.runtime.interpreter import RuntimeListener
+
+    class LastRun(RuntimeListener):
+        """The launches of the latest run (the request's decode step runs after its prefill)."""
+
+        def __init__(self) -> None:
+            self.launches: list = []
+
+        def run_started(self, program) -> None:
+            self.launches = []
+
+        def launched(self, task, stats) -> None:
+            self.launches.append(stats)
 
     model = _stand_in(config, torch.bfloat16)
-    prompt = anchor.mean_context - 1  # its first decode step attends over mean_context tokens
+    prompt = anchor.attended - 1  # its one decode step attends over `attended` keys
+    last = LastRun()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = serve(model, [(torch.arange(1, prompt + 1), 2, 0.0)], timing_only=True, launch=anchor.launch,
-                    target=target_name)
+                    target=target_name, listeners=[last])
     # its one decode step: a plan-cache miss costs GE's host time before start_us, not the step's span
     step = next(s for s in run.steps if s.kind == "decode")
     # a step reads every weight once but the input embedding's, of which it gathers one row a token
     embedding = model.get_input_embeddings().weight
     read = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
-    return step.end_us - step.start_us, read
+    cycles_per_us = load_target(target_name).clock_hz / 1e6
+    by: dict[str, list] = {}
+    for stats in last.launches:
+        if stats.cores:  # a view (reshape, split) launches nothing
+            by.setdefault(stats.name, []).append(stats)
+    shares = [KindShare(name, len(ks), sum(k.cycles for k in ks) / cycles_per_us, sum(k.head for k in ks) / cycles_per_us,
+                        sum(k.hbm_read_bytes for k in ks), max(k.cores for k in ks)) for name, ks in by.items()]
+    return DecodeStep(step.end_us - step.start_us, read, tuple(sorted(shares, key=lambda k: -k.us)))
 
 
-def decode_row(target_name: str = "ascend910b") -> Row:
-    """The 7B-class decode anchor beside GEIR's step for the same shape (about 30 s: a 28-layer export and plan)."""
+def breakdown_lines(step: DecodeStep, layers: int) -> list[str]:
+    """GEIR's decode step by kernel: launches (a layer's), time, heads and the HBM rate past them."""
+    lines = [f"GEIR's decode step by kernel: {step.us / 1e3:.2f} ms on the one clock, its launches {step.kernels_us / 1e3:.2f} ms "
+             f"back to back, {step.heads_us / 1e3:.2f} ms of it heads"]
+    for k in step.shares:
+        rate = f", {k.hbm_tb_per_s:.2f} TB/s of HBM past the heads" if k.hbm_read_bytes > 1e6 else ""
+        lines.append(f"  {k.kernel:24s} {k.launches:4d} launches ({k.launches / layers:4.1f} a layer), {k.us / 1e3:6.2f} ms, "
+                     f"heads {k.head_us / 1e3:5.2f} ms, up to {k.cores} cores{rate}")
+    return lines
+
+
+def decode_row(target_name: str = "ascend910b", step: DecodeStep | None = None) -> Row:
+    """The 7B-class decode anchor beside GEIR's step for the same shape (about 30 s: a 28-layer export and plan; or
+    `step`, timed before)."""
     a = decode_anchor()
-    us, weights = _decode_step(a, target_name)  # the bytes of the weights a step reads
+    step = step if step is not None else decode_step(a, target_name)
+    us, weights = step.us, step.weights_read
     read_us = weights / load_target(target_name).memory.hbm_bytes_per_s * 1e6
     measured = a.measured_ms * 1000
+    mm = step.share(*MATMULS)
+    layers = QWEN2_7B["num_hidden_layers"]
     verdict = "reached" if abs(us / measured - 1) <= 0.15 else "not reached"
     return Row(f"{a.model} decode step", a.source,
-               f"{a.model} shape, {a.dtype}, batch {a.batch}, {a.mean_context} cached tokens (mean of the measured "
-               f"{a.prompt + 1}-{a.prompt + a.new_tokens - 1}), {a.launch} mode", f"{a.chip}, one card",
+               f"{a.model} shape, {a.dtype}, batch {a.batch}, attention over the whole {a.attended}-position cache "
+               f"(steps {a.prompt + 1}-{a.prompt + a.new_tokens - 1}), {a.launch} mode", f"{a.chip}, one card",
                measured, us, "whole step (host-synchronised), graph mode", "whole step, graph mode",
                notes=f"{verdict}: the board's step is {measured / read_us:.2f}x the weights' read ({weights / 1e9:.1f} "
-                     f"GB at GEIR's HBM rate, {read_us / 1000:.1f} ms), GEIR's {us / read_us:.2f}x; "
-                     "the board's cache is a fixed-size tensor updated in place and read by IncreFlashAttention under "
-                     "a padding mask, GEIR's a paged pool of 128-token blocks read by FIA's block table: the cache's "
-                     "size and the mask's cost are not in the source, so not modelled, nor is torchair's per-step "
-                     "input preparation on the host")
+                     f"GB at GEIR's HBM rate, {read_us / 1000:.1f} ms), GEIR's {us / read_us:.2f}x; GEIR's matmuls take "
+                     f"{mm.us / 1e3:.1f} ms of it ({mm.launches} launches, {mm.hbm_tb_per_s:.2f} TB/s past their heads), "
+                     f"{sum(k.launches for k in step.shares) / layers:.0f} launches a layer and "
+                     f"{step.heads_us / 1e3:.1f} ms of heads in all. The cache is the script's 2048 positions, read whole "
+                     f"by IFA under the padding mask ({TORCHAIR_QWEN2_BENCH}), split as IFA's own rules split it: 4 key "
+                     f"parts of each K/V head on 16 cores ({OPS_IFA}; {OPS_IFA_SPLIT}). Not modelled, "
+                     "no cited figure: the card's SoC (the README says 800I A2 only, sold with more than one 910B: "
+                     f"{ATLAS_800I_A2_SOC}) and its HBM rate; a MatMul's HBM fraction at M = 1 on A2; the task "
+                     "scheduler's dispatch between a graph's tasks; torchair's host work inside the synchronised "
+                     "bracket (guards, GE's graph run)")
 
 
-def rows(target_name: str = "ascend910b", fa_tiling: bool = False, decode: bool = False) -> list[Row]:
+def rows(target_name: str = "ascend910b", fa_tiling: bool = False, decode: bool = False,
+         step: DecodeStep | None = None) -> list[Row]:
     """Every row of the table, timed on `target_name` (the FIA rows as PromptFlashAttention splits them, or with
-    GEIR's own FlashAttention rules where `fa_tiling`; the 7B decode anchor where `decode`: about 30 s)."""
+    GEIR's own FlashAttention rules where `fa_tiling`; the 7B decode anchor where `decode`: about 30 s, or `step`)."""
     target = load_target(target_name)
     out = gemm_rows(target) + fia_rows(target, fa_tiling) + add_rows(target) + [head_row(target)]
-    return out + [decode_row(target_name)] if decode else out
+    return out + [decode_row(target_name, step)] if decode else out
 
 
 def summary(table: list[Row]) -> dict:
@@ -431,12 +554,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="add the 7B-class decode anchor's row (torchair's Qwen2-7B step; about 30 s: a 28-layer "
                              "timing-only export and plan)")
     args = parser.parse_args(argv)
-    table = rows(args.target, args.fa_tiling, args.decode)
+    step = decode_step(decode_anchor(), args.target) if args.decode else None
+    table = rows(args.target, args.fa_tiling, args.decode, step)
     if args.json:
-        print(json.dumps({"rows": [dict(attrs.asdict(r), ratio=r.ratio) for r in table], "summary": summary(table)},
-                         indent=2))
+        out = {"rows": [dict(attrs.asdict(r), ratio=r.ratio) for r in table], "summary": summary(table)}
+        if step is not None:
+            out["decode_step"] = attrs.asdict(step)
+        print(json.dumps(out, indent=2))
     else:
         print(_render(table, args.markdown, args.fa_tiling))
+        if step is not None:
+            print("\n" + "\n".join(breakdown_lines(step, QWEN2_7B["num_hidden_layers"])))
     return 0
 
 

@@ -437,7 +437,7 @@ def _goals(model: Any, args: argparse.Namespace, trace: list, rows: list[dict[st
     print(f"  decode TPOT within {100 * GOAL_TPOT:.0f} % of a measured anchor: {_verdict(abs(ratio - 1) <= GOAL_TPOT)} "
           f"(the anchor, bench/calibration.py: {anchor.model}, {anchor.dtype}, batch {anchor.batch}, {anchor.launch} "
           f"mode on one {anchor.chip} card, {anchor.measured_ms:.1f} ms a step; GEIR serving that shape "
-          f"{anchor_us / 1e3:.2f} ms at its mean {anchor.mean_context} cached tokens, {ratio:.2f}x); this run's "
+          f"{anchor_us / 1e3:.2f} ms attending the board's whole {anchor.attended}-position cache, {ratio:.2f}x); this run's "
           f"batch-1 TPOT {step['tpot_us'] / 1e3:.2f} ms (a cached step), "
           f"{step['tpot_us'] / floor_us:.2f}x the weights' read at 1.6 TB/s ({floor_us / 1e3:.2f} ms)")
     for row in rows:

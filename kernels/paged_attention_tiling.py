@@ -11,8 +11,10 @@ The rules, each from a documented source:
 - One block must fit the cube's tile: block_size x head dim <= 128 x 128, and block_size a multiple of 16 is
   Ascend's recommendation (ATB PagedAttentionOperation's constraints, CANN 8.0: "embedding * blockSize <= 128 * 128",
   "block_size % 16 == 0, 推荐 block_size = 128"); the first is enforced, the second only recommended.
-- Flash-decoding splits (IFA over long contexts): the key parts FlashAttention-2's num_splits_heuristic gives for
-  the (batch, K/V head) units at this s2 (flash_attention_tiling.kv_parts), each part whole tiles of whole blocks.
+- Flash-decoding splits (IFA over long contexts), each part whole tiles of whole blocks: on a chip whose AIC and AIV
+  are separate cores (Atlas A2), IncreFlashAttention's own rule (`ifa_kv_parts`); elsewhere the key parts
+  FlashAttention-2's num_splits_heuristic gives for the (batch, K/V head) units at this s2
+  (flash_attention_tiling.kv_parts).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ from geir.types import DType, TensorType
 # ATB PagedAttentionOperation: one block's keys are one cube tile, block_size x head dim <= 128 x 128
 CUBE_TILE_ELEMENTS = 128 * 128
 INCRE, PROMPT = "IncreFlashAttention", "PromptFlashAttention"
+# IncreFlashAttention's flash-decode rule on Atlas A2 (hicann/ops-transformer @c29bc1069d3252c641e2aa059ec88f392d3f05ac,
+# attention/incre_flash_attention/op_host/incre_flash_attention_tiling_check.cpp, IsFlashDecode and CheckCoreOkFlag;
+# incre_flash_attention_tiling.cpp, SetCoreNum and SplitBNS): no split with a block table on 910B while the longest
+# row holds at most 1024 keys; a split only while B x Nkv < 0.4 x the cores it splits over (the vector cores in its
+# default mode), and with grouped queries only over at least 2048 keys; then cores / (B x Nkv) parts, fewer while a
+# part would hold under 512 keys (each "经验值", the source's empirical constants)
+IFA_PA_NO_SPLIT_KEYS = 1024
+IFA_SPLIT_BN_RATIO = 0.4
+IFA_GQA_SPLIT_KEYS = 2048
+IFA_PART_MIN_KEYS = 512
 
 
 @attrs.frozen(kw_only=True)
@@ -118,11 +130,16 @@ def choose_paged_tiling(p: PagedProblem, chip: Target, buffers: int = 2) -> Page
     split = ""
     if decode and None not in (b, n, sq, length):
         units = decode_units(b, n, nkv, sq, dense.s1)
-        segments = kv_parts(length, units, chip.cube_cores, s2)
+        if chip.separate_cube_vector and sq == 1:  # Atlas A2's IncreFlashAttention: its own rule
+            blocks = -(-length // s2)
+            per = -(-blocks // ifa_kv_parts(length, b * nkv, n // nkv, chip.vector_cores))
+            segments, how = -(-blocks // per), "IncreFlashAttention's rule"
+        else:
+            segments, how = kv_parts(length, units, chip.cube_cores, s2), "FlashAttention-2's heuristic"
         work = units * segments
         skipped = decode_skipped(n, nkv, sq, length, dense.s1, s2) if p.causal else 0
         if segments > 1:
-            split = f"; flash-decoding: the {length} keys split in {segments} parts of whole tiles"
+            split = f"; flash-decoding ({how}): the {length} keys split in {segments} parts of whole tiles"
     elif p.causal and None not in (sq, length):
         skipped = causal_skipped(sq, length, dense.s1, s2)
     cores = chip.cube_cores if work is None else min(work, chip.cube_cores)
@@ -133,6 +150,19 @@ def choose_paged_tiling(p: PagedProblem, chip: Target, buffers: int = 2) -> Page
                        l0b_bytes=budget.l0b, l0c_bytes=budget.l0c, work_units=work, skipped_blocks=skipped,
                        preload=dense.preload, v_rows=v_rows, rule=rule, design=dense.design, block_size=bs,
                        blocks_per_tile=per_tile)
+
+
+def ifa_kv_parts(keys: int, units: int, group: int, cores: int, paged: bool = True) -> int:
+    """IncreFlashAttention's key parts on Atlas A2 for `units` (batch x K/V head) units of `group` query heads each
+    over `keys` keys, split over `cores` cores (the IFA_* rules above): 1 where it does not split."""
+    if paged and keys <= IFA_PA_NO_SPLIT_KEYS:
+        return 1
+    if not units < IFA_SPLIT_BN_RATIO * cores or (group > 1 and keys < IFA_GQA_SPLIT_KEYS):
+        return 1
+    parts = max(cores // units, 1)
+    while parts > 1 and keys / parts < IFA_PART_MIN_KEYS:
+        parts -= 1
+    return parts
 
 
 def choose(sig: OpSignature, chip: Target, buffers: int = 2) -> PagedTiling | Miss:

@@ -106,8 +106,14 @@ def test_the_decode_anchor_is_a_cited_graph_mode_step_of_a_7b_class_decoder():
     a = cal.decode_anchor()
     assert SOURCE.search(a.source) and a.measured_ms > 0
     assert a.batch == 1 and a.launch == "graph" and "A2" in a.chip
-    # the measured steps run over prompt + 1 .. prompt + new - 1 cached tokens; attention is linear in them
+    # the measured steps run over prompt + 1 .. prompt + new - 1 cached tokens, but the script's cache is one tensor of
+    # max_position_embeddings = input_max_len + max_new_tokens positions that IFA reads whole under the padding mask
+    # (no actual_seq_lengths in the 7B tables): every step attends all of them, a cited fact of its own
     assert a.prompt + 1 < a.mean_context < a.prompt + a.new_tokens - 1
+    assert a.attended == a.cache_tokens == a.prompt + a.new_tokens == 2048
+    assert all(SOURCE.search(src) for src in (cal.TORCHAIR_QWEN2_BENCH, cal.OPS_IFA, cal.OPS_IFA_SPLIT,
+                                              cal.ATLAS_800I_A2_SOC))
+    assert "benchmark_qwen.py" in cal.TORCHAIR_QWEN2_BENCH
     # the stand-in has Qwen2-7B's size: about 7.6e9 parameters (Qwen's model card), with no bytes behind them
     import torch
 
@@ -125,8 +131,21 @@ def test_geirs_decode_step_for_the_anchor_is_a_served_step_no_faster_than_its_we
     those bytes over the chip's HBM rate."""
     cal = _calibration()
     a = cal.decode_anchor()
-    us, weights = cal._decode_step(a, "ascend910b", dict(cal.QWEN2_7B, num_hidden_layers=2))
+    step = cal.decode_step(a, "ascend910b", dict(cal.QWEN2_7B, num_hidden_layers=2))
+    us, weights = step.us, step.weights_read
     hbm = cal.load_target("ascend910b").memory.hbm_bytes_per_s
     # 2 layers (2 x 233 M parameters) and the LM head (545 M), in bf16: the input embedding is gathered, not read
     assert 1.0e9 * 2 < weights < 1.02e9 * 2
     assert us >= weights / hbm * 1e6
+    # the breakdown by kernel is the step's own launches: back to back within its span (graph mode), their heads
+    # within them, and the matmuls read at least every linear weight from HBM once: Qwen2-7B's config, per layer
+    # QKV (3584 -> 3584 + 2 x 512, with bias), O (3584 -> 3584), gate and up (3584 -> 18944) and down, and the LM
+    # head (3584 -> 152064), 2 bytes an element
+    h, i, kv, vocab = 3584, 18944, 512, 152064
+    linear = 2 * (2 * (h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * i) + h * vocab)
+    mm = step.share(*cal.MATMULS)
+    assert linear <= mm.hbm_read_bytes < 1.01 * linear
+    assert mm.launches == 2 * 4 + 1  # QKV, O, gate-up, down a layer, and the LM head
+    assert 0 < step.heads_us < step.kernels_us <= us
+    assert all(0 <= k.head_us <= k.us for k in step.shares)
+    assert step.share("ge.paged_attention").launches == 2  # one attention a layer, over the block table

@@ -20,7 +20,7 @@ from geir.kernels.base import LaunchContext
 from geir.kernels.flash_attention import flash_attention_forward
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, kv_parts
 from geir.kernels.paged_attention import PagedAttentionKernel
-from geir.kernels.paged_attention_tiling import INCRE, PROMPT, PagedTiling, choose
+from geir.kernels.paged_attention_tiling import INCRE, PROMPT, PagedTiling, choose, ifa_kv_parts
 from geir.kernels.tiling import Miss, OpSignature
 from geir.target_npu import load_target
 from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory
@@ -176,8 +176,8 @@ def test_a_block_larger_than_one_cube_tile_is_refused_with_atbs_limit():
     assert isinstance(miss, Miss) and "128 x 128" in miss.reason
 
 
-def test_long_contexts_split_the_keys_as_flash_attention_2s_heuristic_counts():
-    t = load_target("ascend910b")
+def test_long_contexts_split_the_keys_as_flash_attention_2s_heuristic_counts_off_atlas_a2():
+    t = load_target("ascend910a")  # one AI core does cube and vector work: no IncreFlashAttention rule of its own
     tiling = choose(signature(1, 8, 1, 1, 128, 128, 64), t)  # 8192 keys, one K/V head: one unit before splitting
     assert tiling.template == FLASH_DECODE
     units = 1  # batch 1 x 1 K/V head x one row block of the 8 stacked query heads
@@ -191,6 +191,29 @@ def test_long_contexts_split_the_keys_as_flash_attention_2s_heuristic_counts():
     expected = min(p for p, e in effs.items() if e >= 0.85 * max(effs.values()))
     assert tiling.segments == expected == kv_parts(8192, units, t.cube_cores, tiling.s2)
     assert tiling.segments > 1
+
+
+@pytest.mark.parametrize("b, n, nkv, keys, parts", [
+    (1, 8, 1, 8192, 16),  # 48 vector cores / 1 unit = 48 parts, fewer until each holds 512 keys: 16
+    (1, 28, 4, 2048, 4),  # Qwen2-7B's heads over torchair's 2048-position cache: 12 parts, fewer to 512 keys each
+    (1, 28, 4, 1920, 1),  # grouped queries under 2048 keys: no split
+    (1, 32, 32, 1024, 1),  # a block table over at most 1024 keys: no split on 910B
+    (1, 32, 32, 4096, 1),  # B x Nkv = 32, not under 0.4 x 48: the units fill the cores
+    (2, 16, 8, 4096, 3),  # 16 units, under 19.2, groups of 2 over 4096 keys: 48 // 16 = 3 parts of 1365 keys
+    (1, 8, 8, 4096, 6),  # no grouping: 48 / 8 = 6 parts of 683 keys
+])
+def test_on_atlas_a2_decode_splits_the_keys_as_incre_flash_attentions_rule(b, n, nkv, keys, parts):
+    """IncreFlashAttention's flash-decode rule (ops-transformer's IsFlashDecode, CheckCoreOkFlag, SplitBNS), worked by
+    hand: no split with a block table over at most 1024 keys; a split only while B x Nkv < 0.4 x 48 vector cores and,
+    with grouped queries, over at least 2048 keys; then 48 / (B x Nkv) parts, fewer while a part holds under 512."""
+    t = load_target("ascend910b")
+    bs = 128
+    tiling = choose(signature(b, n, nkv, 1, 128, bs, keys // bs), t)
+    assert tiling.template == FLASH_DECODE
+    assert ifa_kv_parts(keys, b * nkv, n // nkv, t.vector_cores) == parts
+    blocks = keys // tiling.s2
+    assert tiling.segments == -(-blocks // -(-blocks // parts))  # whole tiles a part, no empty part
+    assert tiling.work_units == b * nkv * tiling.segments
 
 
 def test_the_tiling_round_trips_through_its_attribute():
