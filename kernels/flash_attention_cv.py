@@ -245,14 +245,17 @@ class _Costs:
         self.half = -(-s1 // vpc)  # rows each AIV takes
         self.subs = -(-self.half // v_rows)
         self.rows = [min(v_rows, self.half - j * v_rows) for j in range(self.subs)]
-        self.mm1_l0 = local_copy_cycles(target, (s1 + chunk) * D * isz)
-        self.mm1 = cube_cycles(target, dname, s1, D, chunk)
-        self.mm2_l0 = local_copy_cycles(target, (s1 + D) * chunk * isz)
-        self.mm2 = cube_cycles(target, dname, s1, chunk, D)
+        # the same cycles as 0-d float64 arrays: an instruction adds them to its lanes' times, and numpy adds an
+        # array about twice as fast as it converts a Python number (the sums are the same float64 sums)
+        cycles = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+        self.mm1_l0 = cycles(local_copy_cycles(target, (s1 + chunk) * D * isz))
+        self.mm1 = cycles(cube_cycles(target, dname, s1, D, chunk))
+        self.mm2_l0 = cycles(local_copy_cycles(target, (s1 + D) * chunk * isz))
+        self.mm2 = cycles(cube_cycles(target, dname, s1, chunk, D))
         # vector work of a sub-block pair (each AIV its v_rows rows, side by side: vector_cycles counts the pair)
-        self.softmax = [vector_cycles(target, vpc * r * s2 * F32, score_passes) for r in self.rows]
-        self.acc = vector_cycles(target, s1 * D * F32, ACCUMULATE_PASSES)
-        self.o_l = vector_cycles(target, s1 * D * F32, 1)
+        self.softmax = [cycles(vector_cycles(target, vpc * r * s2 * F32, score_passes)) for r in self.rows]
+        self.acc = cycles(vector_cycles(target, s1 * D * F32, ACCUMULATE_PASSES))
+        self.o_l = cycles(vector_cycles(target, s1 * D * F32, 1))
         self.s_block, self.p_block, self.o_block = s1 * s2 * F32, s1 * s2 * isz, s1 * D * F32
         self.q_block, self.kv_block, self.out_block = s1 * D * isz, s2 * D * isz, s1 * D * isz
 
@@ -319,7 +322,11 @@ class _Program:
                 start = np.maximum(start, e)
             end = start + cost
             row[at] = end
-            self.busy_rows[p][at] += cost
+            busy = self.busy_rows[p][at]
+            if at.__class__ is slice:
+                busy += cost  # in place: a slice is a view of the row
+            else:
+                self.busy_rows[p][at] = busy + cost
             return end
         ready = free
         for e in flags:
