@@ -330,6 +330,18 @@ def best_of(n: int, fn) -> float:
     return min(times)
 
 
+def best_of_interleaved(n: int, *fns) -> list[float]:
+    """Each function's best of n, the functions taking turns in every round: on a shared host the load drifts, and
+    runs compared with each other should meet the same load (not one function's rounds all before the other's)."""
+    best = [math.inf] * len(fns)
+    for _ in range(n):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
 def gerun_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("gerun")
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "geir.tools.gerun"]
@@ -367,12 +379,12 @@ def host_speed(s: int, tmp: Path) -> None:
 
     in_process = best_of(2, run_gerun_in_process)
     inputs = inputs_for(program)
-    runtime_s = best_of(2, lambda: run_program(program, inputs))
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     scale = 1 / math.sqrt(d)
     ref = numpy_flash_attention(q, k, v, scale, s1, s2)
-    np_s = best_of(2, lambda: numpy_flash_attention(q, k, v, scale, s1, s2))
-    np_p_s = best_of(2, lambda: numpy_flash_attention(q, k, v, scale, s1, s2, round_p=True))
+    runtime_s, np_s, np_p_s = best_of_interleaved(
+        3, lambda: run_program(program, inputs), lambda: numpy_flash_attention(q, k, v, scale, s1, s2),
+        lambda: numpy_flash_attention(q, k, v, scale, s1, s2, round_p=True))
     ratio = wall / np_s
     say(f"   numpy FlashAttention-2 loop (s1={s1}, s2={s2}) {np_s:8.2f} s")
     say(f"   the same loop rounding P to f16 as the kernel  {np_p_s:8.2f} s")

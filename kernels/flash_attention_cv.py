@@ -72,18 +72,19 @@ class _Ring:
     def __init__(self, slots: int, lanes: int):
         self.slots = slots
         self.free = np.zeros((slots, lanes))
+        self.rows = list(self.free)  # one view per slot: a row's slice is cheaper than a 2-d index per call
         self.head = 0  # the producer's next slot
         self.tail = 0  # the consumer's next slot
 
     def take(self, n: int) -> np.ndarray:
         """When the producer's next slot on the first n lanes is free (an event to wait for); advances the producer."""
-        ready = self.free[self.head % self.slots, :n]
+        ready = self.rows[self.head % self.slots][:n]
         self.head += 1
         return ready
 
     def give(self, n: int, when: np.ndarray) -> None:
         """The consumer is done with its next slot on the first n lanes at `when`."""
-        self.free[self.tail % self.slots, :n] = when
+        self.rows[self.tail % self.slots][:n] = when
         self.tail += 1
 
 
@@ -244,14 +245,17 @@ class _Costs:
         self.half = -(-s1 // vpc)  # rows each AIV takes
         self.subs = -(-self.half // v_rows)
         self.rows = [min(v_rows, self.half - j * v_rows) for j in range(self.subs)]
-        self.mm1_l0 = local_copy_cycles(target, (s1 + chunk) * D * isz)
-        self.mm1 = cube_cycles(target, dname, s1, D, chunk)
-        self.mm2_l0 = local_copy_cycles(target, (s1 + D) * chunk * isz)
-        self.mm2 = cube_cycles(target, dname, s1, chunk, D)
+        # the same cycles as 0-d float64 arrays: an instruction adds them to its lanes' times, and numpy adds an
+        # array about twice as fast as it converts a Python number (the sums are the same float64 sums)
+        cycles = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+        self.mm1_l0 = cycles(local_copy_cycles(target, (s1 + chunk) * D * isz))
+        self.mm1 = cycles(cube_cycles(target, dname, s1, D, chunk))
+        self.mm2_l0 = cycles(local_copy_cycles(target, (s1 + D) * chunk * isz))
+        self.mm2 = cycles(cube_cycles(target, dname, s1, chunk, D))
         # vector work of a sub-block pair (each AIV its v_rows rows, side by side: vector_cycles counts the pair)
-        self.softmax = [vector_cycles(target, vpc * r * s2 * F32, score_passes) for r in self.rows]
-        self.acc = vector_cycles(target, s1 * D * F32, ACCUMULATE_PASSES)
-        self.o_l = vector_cycles(target, s1 * D * F32, 1)
+        self.softmax = [cycles(vector_cycles(target, vpc * r * s2 * F32, score_passes)) for r in self.rows]
+        self.acc = cycles(vector_cycles(target, s1 * D * F32, ACCUMULATE_PASSES))
+        self.o_l = cycles(vector_cycles(target, s1 * D * F32, 1))
         self.s_block, self.p_block, self.o_block = s1 * s2 * F32, s1 * s2 * isz, s1 * D * F32
         self.q_block, self.kv_block, self.out_block = s1 * D * isz, s2 * D * isz, s1 * D * isz
 
@@ -287,7 +291,12 @@ class _Program:
         self.r = _Rings(L, preload, buffers)
         self.free = cores.free[:, self.order].copy()  # [pipe, lane]: when each pipe is free
         self.busy = np.zeros_like(self.free)
+        # one view per pipe (a 1-d slice per instruction is cheaper than a 2-d index)
+        self.free_rows, self.busy_rows = list(self.free), list(self.busy)
         self.intervals: list | None = [] if cores.record else None
+        self.plain = self.intervals is None and ctx.waits is None
+        self.ws_made: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.lane_ids = np.arange(L)
         # the cross-core flags of the blocks in flight, by step: when S_j, P_j and (P V)_j are in GM
         self.s_ready: dict[int, np.ndarray] = {}
         self.p_ready: dict[int, np.ndarray] = {}
@@ -302,8 +311,23 @@ class _Program:
         """One instruction on `pipe` of some lanes (a count n: the first n; or an index array): it starts when the
         pipe, its flags and its slots are all ready; returns its end times."""
         p = PIPE_INDEX[pipe]
-        at = slice(0, lanes) if isinstance(lanes, int) else lanes
-        free = self.free[p, at]
+        at = slice(0, lanes) if lanes.__class__ is int else lanes
+        row = self.free_rows[p]
+        free = row[at]
+        if self.plain:  # nothing booked or recorded: flags and slots are one maximum (a max is exact in any order)
+            start = free
+            for e in flags:
+                start = np.maximum(start, e)
+            for e in slots:
+                start = np.maximum(start, e)
+            end = start + cost
+            row[at] = end
+            busy = self.busy_rows[p][at]
+            if at.__class__ is slice:
+                busy += cost  # in place: a slice is a view of the row
+            else:
+                self.busy_rows[p][at] = busy + cost
+            return end
         ready = free
         for e in flags:
             ready = np.maximum(ready, e)
@@ -317,8 +341,8 @@ class _Program:
             waits.slot[pipe] += float(np.sum(start - ready))
         if self.intervals is not None:
             self.intervals.append((p, name, at, np.array(start, dtype=float), end))
-        self.free[p, at] = end
-        self.busy[p, at] += cost
+        row[at] = end
+        self.busy_rows[p][at] += cost
         return end
 
     def run(self) -> None:
@@ -346,8 +370,13 @@ class _Program:
         side, or by the AIC)."""
         gm = self.ctx.gm
         move = gm.write_pieces if write else gm.read_pieces
-        ids = self.lay.ws_ids(kind, slot, self.order[:n])
-        half = np.full(ids.shape, nbytes // 2, dtype=np.int64)
+        # the slot ids and the halves' sizes repeat every preload + 1 steps: made once (the moves only read them)
+        key = (kind, slot, n, nbytes)
+        made = self.ws_made.get(key)
+        if made is None:
+            ids = self.lay.ws_ids(kind, slot, self.order[:n])
+            made = self.ws_made[key] = (ids, np.full(ids.shape, nbytes // 2, dtype=np.int64))
+        ids, half = made
         if by_aiv:
             return move(self.lay.ws, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
         return move(self.lay.ws, ids, half)
@@ -357,7 +386,7 @@ class _Program:
         brings a block into the L2 (the first of its readers) takes turns with the step, so no core pays for
         every block its neighbours share (which core's request reaches the L2 first is not the model's to know)."""
         n = len(blocks)
-        turn = np.roll(np.arange(n), -(j % max(n, 1)))
+        turn = (self.lane_ids[:n] + j % max(n, 1)) % max(n, 1)  # np.roll(arange(n), -(j % n)), without its wrapper
         cost = np.empty(n)
         cost[turn] = self.ctx.gm.read(name, blocks[turn], nbytes)
         return cost
@@ -406,13 +435,16 @@ class _Program:
         p_slot = r.ws_p.take(n)
         ready = self.s_ready.pop(j)
         loaded = end = None
+        shares: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # the sub-blocks are of one or two sizes
         for sub, rows in enumerate(c.rows):
             share = rows / c.half
-            loaded = self.ins("AIV_MTE2", n, _share(s_cost, share, self.lat), [ready], [r.ub_in.take(n)],
-                              name="load S")
+            if share not in shares:
+                shares[share] = (_share(s_cost, share, self.lat), _share(p_cost, share, self.lat))
+            s_part, p_part = shares[share]
+            loaded = self.ins("AIV_MTE2", n, s_part, [ready], [r.ub_in.take(n)], name="load S")
             sm = self.ins("VECTOR", n, c.softmax[sub], [loaded], [r.ub_out.take(n)], name="online softmax")
             r.ub_in.give(n, sm)
-            end = self.ins("MTE3", n, _share(p_cost, share, self.lat), [sm], [p_slot] if sub == 0 else [],
+            end = self.ins("MTE3", n, p_part, [sm], [p_slot] if sub == 0 else [],
                            name="P to workspace")
             r.ub_out.give(n, end)
         r.ws_s.give(n, loaded)

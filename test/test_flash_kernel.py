@@ -195,3 +195,14 @@ def test_a_power_of_two_scale_folded_into_the_queries_gives_the_same_bits(monkey
         monkeypatch.setattr(fa, "_scale_folds", lambda dt, scale: False)
         plain = [fa._compute(q, k, v, None, causal, s, 32, 32, 1) for s in scales for causal in (False, True)]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(folded, plain))
+
+
+def test_f16_operands_widen_to_f32_bit_for_bit() -> None:
+    # every f16 bit pattern (subnormals, infinities, NaN payloads), in a strided view as the kernel may get one:
+    # the kernel's table lookup must give numpy's own conversion
+    from geir.kernels import flash_attention as fa
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 256)
+    for x in (every, every.T, every[::3, 1::2]):
+        widened = fa._widened(x)
+        assert widened.dtype == np.float32 and widened.shape == x.shape
+        assert widened.view(np.uint32).tobytes() == x.astype(np.float32).view(np.uint32).tobytes()
