@@ -283,6 +283,35 @@ def test_timing_only_runs_the_same_schedule_with_the_same_device_times(runs, lla
         assert record.tokens.tolist() == ids.tolist() + [-1] * new
 
 
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_timing_only_steps_replayed_whole_time_what_walking_their_launches_times(runs, llama, policy, monkeypatch):
+    # the oracle: the same serve with every step's launches walked (LaunchMemo(whole_runs=False)); the decode
+    # steps repeat (same gear, same key tiles per row), so the run memo replays most of them whole
+    import geir.frontends.generate as generate
+    from geir.runtime.launch_memo import LaunchMemo
+
+    memos = []
+
+    def memo(whole):
+        def make():
+            memos.append(LaunchMemo(whole_runs=whole))
+            return memos[-1]
+        return make
+
+    got = {}
+    for whole in (True, False):
+        monkeypatch.setattr(generate, "LaunchMemo", memo(whole))
+        got[whole] = serve(llama, runs["trace"], policy=policy, block_size=8, timing_only=True)
+    replayed, walked = memos
+    assert replayed.runs.hits > len(got[True].steps) // 2 and walked.runs.hits == 0
+    fields = ("kind", "requests", "batch", "slots", "plan_cache", "device_us", "kernel_time_us",
+              "transfer_time_us", "pool_used_blocks", "pool_token_slots", "pool_allocated_slots")
+    assert [[getattr(s, f) for f in fields] for s in got[True].steps] == \
+        [[getattr(s, f) for f in fields] for s in got[False].steps]
+    assert got[True].startup_device_us == got[False].startup_device_us
+    assert [r.tokens.tolist() for r in got[True].requests] == [r.tokens.tolist() for r in got[False].requests]
+
+
 def test_a_request_that_can_never_fit_is_refused_before_anything_runs(llama, monkeypatch):
     import geir.frontends.serve as serving
 
