@@ -16,6 +16,7 @@ A full run computes values and needs each kernel's arithmetic, so only timing-on
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Hashable
 
@@ -96,7 +97,10 @@ class RunMemo:
     A run is the same launches, in the same order, each on the state the launches before it left, from a fresh
     chip; so a run that agrees with an earlier one on its program and on what each launch's timing reads of the
     inputs (the value-depend operands' timing values; no other input value is read timing only) repeats it task for
-    task. The replayed RunResult shares that run's task and statistics records (read them, never change them)."""
+    task. The replayed RunResult shares that run's task and statistics records (read them, never change them); its
+    GlobalMemory holds the run's byte counters, clock, tensor clocks and sizes, not the per-block residency the run
+    left (`last_touch`, empty): that L2 state is the size of the tensors' block counts (hundreds of MB a run for a
+    7B model's weights), and nothing reads it once a run is over (the next run starts on a fresh chip)."""
 
     def __init__(self) -> None:
         self.entries: dict[Hashable, tuple[Any, int]] = {}
@@ -143,7 +147,9 @@ class RunMemo:
 
     def store(self, key: Hashable, result: Any, replayable: int) -> None:
         """Keep a run just timed; `replayable`: its launches that a later identical run would replay."""
-        self.entries[key] = (result, replayable)
+        gm = copy.copy(result.gm)
+        gm.last_touch = {}
+        self.entries[key] = (attrs.evolve(result, gm=gm), replayable)
 
 
 class LaunchMemo:
