@@ -16,8 +16,9 @@ A full run computes values and needs each kernel's arithmetic, so only timing-on
 
 from __future__ import annotations
 
+import copy
 import re
-from typing import Hashable
+from typing import Any, Hashable
 
 import attrs
 import numpy as np
@@ -89,11 +90,77 @@ class _Entry:
     after: list[_NameState]  # the touched names' states, relative to the clock after the launch
 
 
-class LaunchMemo:
-    """The launches a Runtime has timed, by everything their timing reads; `hits` counts replays."""
+class RunMemo:
+    """Whole timing-only runs, by everything their figures read (Runtime._run_key): a decode step replayed as its
+    captured graph is on real hardware, the same tasks at the same times, without walking its launches again.
+
+    A run is the same launches, in the same order, each on the state the launches before it left, from a fresh
+    chip; so a run that agrees with an earlier one on its program and on what each launch's timing reads of the
+    inputs (the value-depend operands' timing values; no other input value is read timing only) repeats it task for
+    task. The replayed RunResult shares that run's task and statistics records (read them, never change them); its
+    GlobalMemory holds the run's byte counters, clock, tensor clocks and sizes, not the per-block residency the run
+    left (`last_touch`, empty): that L2 state is the size of the tensors' block counts (hundreds of MB a run for a
+    7B model's weights), and nothing reads it once a run is over (the next run starts on a fresh chip)."""
 
     def __init__(self) -> None:
+        self.entries: dict[Hashable, tuple[Any, int]] = {}
+        self._depends: dict[int, tuple[Any, Any, tuple]] = {}
+        # what run keys name by id (programs, their decoded tilings, targets), held while the memo is: an id never
+        # comes back for another object
+        self._alive: dict[int, Any] = {}
+        self.hits = 0
+
+    def pin(self, *objects: Any) -> tuple[int, ...]:
+        """The objects' ids, each object held as long as the memo (so that a key's id stays its object's)."""
+        for o in objects:
+            self._alive.setdefault(id(o), o)
+        return tuple(id(o) for o in objects)
+
+    def depends(self, program: Any, tilings: dict) -> tuple:
+        """The program's value-depend launches, once per decoding of its tilings: each one's kernel, tiling and,
+        per operand, the id of the value whose host values its timing reads (None for the others)."""
+        held = self._depends.get(id(program))
+        if held is None or held[0] is not program or held[1] is not tilings:
+            from geir.runtime.interpreter import AICPU, detached_op
+
+            out = []
+            for op in program.ops:
+                if op.name != "rt.launch" or op.engine == AICPU:
+                    continue
+                depend = KERNELS[op.kernel].value_depend(detached_op(op))
+                if depend:
+                    out.append((op.kernel, tilings[id(op)],
+                                tuple(id(v) if i in depend else None for i, v in enumerate(op.operands))))
+            held = self._depends[id(program)] = (program, tilings, tuple(out))
+        return held[2]
+
+    def replay(self, key: Hashable, launches: LaunchMemo) -> Any:
+        """The RunResult of the run stored under `key`, its launches counted as replayed; None if none was."""
+        held = self.entries.get(key)
+        if held is None:
+            return None
+        result, replayable = held
+        self.hits += 1
+        launches.hits += replayable  # what walking its launches would have counted: each one a replay
+        return attrs.evolve(result, outputs=[], tasks=list(result.tasks), kernels=list(result.kernels),
+                            faults=[], replayed=replayable, capture_us=result.capture_us)
+
+    def store(self, key: Hashable, result: Any, replayable: int) -> None:
+        """Keep a run just timed; `replayable`: its launches that a later identical run would replay."""
+        gm = copy.copy(result.gm)
+        gm.last_touch = {}
+        self.entries[key] = (attrs.evolve(result, gm=gm), replayable)
+
+
+class LaunchMemo:
+    """The launches a Runtime has timed, by everything their timing reads; `hits` counts replays; `runs`: whole
+    timing-only runs (RunMemo; `whole_runs=False` walks every run's launches)."""
+
+    def __init__(self, whole_runs: bool = True) -> None:
         self.entries: dict[Hashable, _Entry] = {}
+        self.whole_runs = whole_runs
+        self.runs = RunMemo()
+        self.stored = 0  # launches kept
         self._static: dict[int, tuple[Operation, Hashable]] = {}
         self._roles: tuple[int, dict[str, list[str]]] = (-1, {})  # see _names
         self.hits = 0
@@ -159,6 +226,7 @@ class LaunchMemo:
         waits = None
         if stats.waits is not None:
             waits = PipeWaits(dict(stats.waits.flag), dict(stats.waits.slot))
+        self.stored += 1
         self.entries[key] = _Entry(attrs.evolve(stats, busy=dict(stats.busy), waits=waits), frame.free.copy(),
                                    frame.busy.copy(), [(iv, _template(iv.name, bases)) for iv in frame.intervals],
                                    gm.clock - clock0,

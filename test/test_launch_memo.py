@@ -116,6 +116,43 @@ def test_a_memo_kept_across_runs_replays_the_second_run_whole():
     assert _figures(first) == _figures(second)
 
 
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "pipes recorded"])
+def test_a_run_replayed_whole_is_the_run_its_launches_give(record):
+    # the oracle: the same runs with every launch walked (whole_runs=False), the first of them with none replayed
+    from geir.runtime.launch_memo import LaunchMemo
+
+    program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
+    target = load_target("ascend910b")
+    memos = {whole: LaunchMemo(whole_runs=whole) for whole in (True, False)}
+    runs = {whole: [Runtime(target, record_pipes=record, timing_only=True, memo=memos[whole]).run(program, {}, {})
+                    for _ in range(3)] for whole in (True, False)}
+    assert memos[True].runs.hits == 2 and memos[False].runs.hits == 0
+    assert memos[True].hits == memos[False].hits  # a whole replay counts its launches as walking them would
+    for whole_run, walked in zip(runs[True], runs[False]):
+        assert whole_run.replayed == walked.replayed
+        assert _figures(whole_run) == _figures(walked)
+    assert _figures(runs[False][0]) == _figures(Runtime(target, record_pipes=record, timing_only=True,
+                                                        memo=False).run(program, {}, {}))
+
+
+def test_a_run_told_to_listeners_is_walked():
+    from geir.runtime.interpreter import RuntimeListener
+    from geir.runtime.launch_memo import LaunchMemo
+
+    program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
+    target = load_target("ascend910b")
+    memo = LaunchMemo()
+    launched = []
+
+    class Count(RuntimeListener):
+        def launched(self, task, stats):
+            launched.append(task)
+
+    for _ in range(2):
+        Runtime(target, timing_only=True, memo=memo, listeners=[Count()]).run(program, {}, {})
+    assert memo.runs.hits == 0 and len(launched) == 2 * len(list(program.walk("rt.launch")))
+
+
 def test_full_runs_and_fault_injection_time_every_launch():
     program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
     target = load_target("ascend910b")

@@ -319,6 +319,38 @@ def test_timing_only_runs_the_same_schedule_with_the_same_device_times(runs, lla
         assert record.tokens.tolist() == ids.tolist() + [-1] * new
 
 
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_timing_only_steps_replayed_whole_time_what_walking_their_launches_times(runs, llama, policy, monkeypatch):
+    # the oracle: the same serve with every step's launches walked (LaunchMemo(whole_runs=False)); the decode
+    # steps repeat (same gear, same key tiles per row), so the run memo replays most of them whole
+    import geir.frontends.generate as generate
+    from geir.runtime.launch_memo import LaunchMemo
+
+    memos = []
+
+    def memo(whole):
+        def make():
+            memos.append(LaunchMemo(whole_runs=whole))
+            return memos[-1]
+        return make
+
+    import types
+
+    import geir.session.plan_cache as plan_cache
+
+    got = {}
+    for whole in (True, False):
+        monkeypatch.setattr(generate, "LaunchMemo", memo(whole))
+        # GE's host time is measured, and it moves the schedule (what has arrived when a step starts): a clock
+        # that ticks 1 ms a reading makes both runs' GE times the same, so every figure can be compared
+        ticks = iter(range(10 ** 9))
+        monkeypatch.setattr(plan_cache, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+        got[whole] = serve(llama, runs["trace"], policy=policy, block_size=8, timing_only=True)
+    replayed, walked = memos
+    assert replayed.runs.hits > len(got[True].steps) // 2 and walked.runs.hits == 0
+    assert got[True].as_dict() == got[False].as_dict()  # every step's and request's times, the run's figures
+
+
 def test_a_request_that_can_never_fit_is_refused_before_anything_runs(llama, monkeypatch):
     import geir.frontends.serve as serving
 
