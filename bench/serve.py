@@ -230,8 +230,8 @@ def _lengths(trace: list) -> list[tuple[int, int, float]]:
 
 def _print_row(policy: str, row: dict[str, Any]) -> None:
     print(f"{policy:<11}{row['throughput_tok_per_s']:>8.0f}{row['new_tokens'] / row['device_busy_us'] * 1e6:>13.0f}"
-          f"{row['makespan_us'] / 1e3:>12.2f}{row['mean_ttft_us'] / 1e3:>9.2f}"
-          f"{row['mean_tpot_us']:>9.0f}{row['device_busy_us'] / 1e3:>9.2f}{row['device_idle_us'] / 1e3:>9.2f}"
+          f"{row['makespan_us'] / 1e3:>12.2f}{row['mean_ttft_us'] / 1e3:>11.2f}"
+          f"{row['mean_tpot_us']:>11.0f}{row['device_busy_us'] / 1e3:>11.2f}{row['device_idle_us'] / 1e3:>11.2f}"
           f"{row['pool_peak_blocks']:>6}{100 * row['pool_utilisation']:>5.0f}%{100 * row['pool_waste']:>6.1f}%"
           f"{row['preemptions']:>8}{row['plan_cache_hits']:>6}{row['plan_cache_misses']:>6}"
           f"{row['host_ge_us'] / 1e3:>8.0f}{row['startup_ge_us'] / 1e3:>10.0f}", flush=True)
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_bytes = pool_blocks * args.block_size * per_token
     print(f"{len(trace)} requests, {_describe(trace)}; pool {pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B"
           f"{f', {per_token} B a token' if big else ''}); {what}, ascend910b, {args.launch} launches")
-    print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>9}{'TPOT us':>9}{'busy ms':>9}{'idle ms':>9}"
+    print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>11}{'TPOT us':>11}{'busy ms':>11}{'idle ms':>11}"
           f"{'peak':>6}{'util':>6}{'waste':>7}{'preempt':>8}{'hits':>6}{'miss':>6}{'GE ms':>8}{'start ms':>10}")
     rows, runs, tokens = [], [], None
     for policy in ("continuous", "static"):
