@@ -48,7 +48,7 @@ def test_copies_and_submissions_follow_the_target_file():
     # the host submits one task after another; none starts on the device before it was submitted
     submitted = [t.submitted_us for t in sorted(result.tasks, key=lambda t: t.submitted_us)]
     assert submitted == pytest.approx([host["launch_latency_us"] * (i + 1) for i in range(len(result.tasks))])
-    assert all(t.start_us >= t.submitted_us for t in result.tasks)
+    assert all(t.start_us >= t.submitted_us - 1e-9 for t in result.tasks)  # to the cycle the Runtime counts in
 
 
 def test_a_kernel_starts_once_its_own_inputs_are_in_while_later_copies_go_on():
