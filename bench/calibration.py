@@ -130,6 +130,26 @@ FIA_FLOOR_US = min(us for _, _, us in FIA)
 # the same README's sweep from an x86_64 host, at the aarch64 table's device-bound points: the same board model
 # times these 11-14 % slower, a spread between two runs of one benchmark that no model can be judged finer than
 FIA_X86 = {(1024, 8192): 103.27, (2048, 4096): 101.94, (2048, 8192): 142.38}
+# The chip-wide L2 rates published for Atlas A2, which the device-bound FIA rows' notes weigh their launch's L2
+# traffic against (GEIR models per-core rates only): asc-devkit's DataCopy guide estimates with an L2 peak of about
+# 5.2 TB/s (GM 1.8) on A2/A3 ...
+ASC_DATA_COPY = ("hicann/asc-devkit, examples/01_simd_cpp_api/05_best_practices/04_memory_access/data_copy/README.md, "
+                 "commit ca3f6d33903bf4f357c99272d42672efbaac6819")
+L2_PEAK_TB_S = 5.2
+# ... and CANN's Ascend C guide ("L2 Cache切分") assumes an L2 of 192 MB at about 7 TB/s for reads and writes mixed
+CANN_L2_TILING = ("https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/850alpha002/opdevg/ascendcbestP/"
+                  "atlas_ascendc_best_practices_10_0035.html")
+L2_MIXED_TB_S = 7.0
+# The same guide's "避免同地址访问" (Atlas A2/A3): requests of several cores into one 512-byte window at the same time
+# are served one after another, the more cores the worse; it gives no rate. PFA's units all start at key block 0
+# (prompt_flash_attention_s1s2_bns1_x910.h, ComputeEachCoreBalance / SInnerLoopFunc at c29bc10), so its busy AICs
+# read one head's K and V in step
+CANN_SAME_ADDRESS = ("https://www.hiascend.com/document/detail/en/canncommercial/850/opdevg/Ascendcopdevg/"
+                     "atlas_ascendc_best_practices_10_00013.html")
+# pto-isa's own FA kernel (one 128-row block per core) on the board: the same per-core work slows with the cores
+# (S1 8192: 74.54 us on 1 core, 107.34 on 8)
+PTO_FA = ("pto-isa (mirror zouzias/pto-isa-mirror), kernels/manual/common/flash_atten/README.md, "
+          "commit 2e2a82ff94dd1a636cb4568a9a475ede0e307476")
 
 
 @attrs.frozen
@@ -237,10 +257,17 @@ def fia_rows(target, fa_tiling: bool = False) -> list[Row]:
                      f"({'holds' if us <= us_measured else 'FAILS'})")
         else:
             x86 = FIA_X86[(s0, s1)]
+            body_s = (stats.cycles - stats.head) / target.clock_hz  # the launch's time after its head
+            read, moved = stats.gm_read_bytes, stats.gm_read_bytes + stats.gm_write_bytes
             notes = f"{models}; not reached"
             notes += ("; each unit's work is the same at every S0, yet the board's time grows with the units (S1 8192: "
-                      f"90.3 us at 8, 126.8 at 16): a limit the cores share, for which GEIR has no cited constant; the "
-                      f"same sweep from an x86 host measured {x86:.1f} us ({x86 / us_measured - 1:+.0%})")
+                      "90.3 us at 8, 126.8 at 16; pto-isa's own FA kernel slows alike, 74.5 us on 1 core, 107.3 on 8): a "
+                      "limit the cores share, for which GEIR has no cited constant. The chip's published L2 rates do "
+                      f"not bind: the launch moves {moved / 1e6:.0f} MB through the L2 in {body_s * 1e6:.0f} us "
+                      f"({read / body_s / 1e12:.1f} TB/s read, L2 peak ~{L2_PEAK_TB_S} TB/s; "
+                      f"{moved / body_s / 1e12:.1f} in all, ~{L2_MIXED_TB_S:.0f} mixed); the busy AICs read one head's "
+                      "K and V in step, which CANN serialises as same-address access at no stated rate. The same "
+                      f"sweep from an x86 host measured {x86:.1f} us ({x86 / us_measured - 1:+.0%})")
         out.append(Row(f"FIA {s0} x {s1}", PTO_FIA, f"B 1, N 1, S0 {s0}, S1 {s1}, D 128, fp16",
                        "Atlas A2 (910B2)", us_measured, us, "host per-call floor" if host else "device",
                        f"{_bound(stats)}, {tiling.template}", device_bound=not host, notes=notes))
@@ -537,6 +564,8 @@ def _render(table: list[Row], markdown: bool, fa_tiling: bool = False) -> str:
     lines.append(f"- FIA's S0 > 1 path (PromptFlashAttention) as its tiling splits it: {OPS_PFA}")
     lines.append(f"- and as its kernel places the units on the cores: {OPS_PFA_KERNEL}")
     lines.append(f"- torch_npu's npu_fused_infer_attention_score (inner_precise=0 by default): {TORCH_NPU_FIA}")
+    lines.append(f"- the device-bound FIA rows' notes: the A2 L2 peak, {ASC_DATA_COPY}; its mixed rate, {CANN_L2_TILING}; "
+                 f"same-address access, {CANN_SAME_ADDRESS}; pto-isa's FA kernel by cores, {PTO_FA}")
     return "\n".join(lines)
 
 
