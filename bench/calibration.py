@@ -27,11 +27,12 @@ CV-split schedule: its 128 x 512 blocks, one 128-row unit per AIC and every core
 silicon"). `--fa-tiling` times them with GEIR's own FlashAttention rules instead (FlashAttentionScore's A2 design
 document's blocks, flash-decoding where a head's query rows fit one block): a kernel the board did not run.
 
-`--decode` adds a whole model's step (about 30 s, so not in the default table): torchair's Qwen2-7B decode in graph
-mode at batch 1 on one Atlas 800I A2 card (`decode_anchor()`, the anchor bench/serve.py's TPOT goal answers to),
-beside GEIR serving a stand-in of that shape timing-only in graph mode, its step attending the whole 2048-position
-cache as the board's IncreFlashAttention does (the script's fixed cache, read under a padding mask), and GEIR's step
-by kernel after the table.
+`--decode` adds two whole models' steps (about a minute, so not in the default table): torchair's Qwen2-7B decode in
+graph mode at batch 1 on one Atlas 800I A2 card (`decode_anchor()`, the anchor bench/serve.py's TPOT goal answers to)
+and the same repository's LLaMA-2-7B (Atom-7B) case, graph mode at batch 1 on the same card (`llama2_anchor()`), each
+beside GEIR serving a stand-in of that shape timing-only in graph mode, its step attending the whole fixed cache as the
+board's IncreFlashAttention does (the script's cache, read under a padding mask: 2048 and 4096 positions), and GEIR's
+steps by kernel after the table.
 
 Nothing here is fitted: the kernels' schedules and the targets' cited constants produce GEIR's column, and a
 row that misses says why in its notes.
@@ -113,6 +114,29 @@ ATLAS_800I_A2_SOC = "https://github.com/vllm-project/vllm/issues/40869"
 # Qwen2-7B's config.json (Qwen/Qwen2-7B on Hugging Face): the shape the row builds, with stand-in weights
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+# torchair's LLaMA-2-7B case in its reduce-overhead README, after its change to batch 1 (2025-07): one card of an Atlas
+# 800I A2 (aarch64 host), fp16, a prompt padded to 1024 tokens and 1024 new ones; "增量" is the mean of the steps after
+# the first. Its table: 14.2 ms a decode step in graph mode (max-autotune: GE's graph, as the Qwen2 case), 21.6 ms in
+# reduce-overhead (aclgraph capture), 28.1 ms single-op
+TORCHAIR_LLAMA2 = ("Ascend/torchair, npu_tuned_model/llm/llama/reduce-overhead/README.md, "
+                   "commit 4e6e491d85bb8c2a6c9c3f97c965c822b34645cd")
+# The case's model file: one KV cache tensor per layer of config.max_position_embeddings positions (BSND), updated by
+# scatter_update_; IncreFlashAttention gets actual_seq_lengths and kv_padding_size only where the ACTUAL_SEQ variable
+# is "True" (default "False"; the README's table runs the default script, its actual_seq_lengths recipe a separate
+# section): so each measured step's IFA reads all max_position_embeddings positions under the padding mask
+TORCHAIR_LLAMA2_MODEL = ("Ascend/torchair, npu_tuned_model/llm/llama/reduce-overhead/modeling_llama.py, "
+                         "commit 4e6e491d85bb8c2a6c9c3f97c965c822b34645cd")
+# The case's "llama2-7B" is FlagAlpha's Atom-7B v1.0.0 (the README's download link): LLaMA-2-7B continued in
+# pretraining on Chinese text, its vocabulary extended to 65,000 words, a 4K context (the model card)
+ATOM_7B = "https://huggingface.co/FlagAlpha/Atom-7B"
+# MatMulV3's tiling on Atlas A2 (DoBasicTiling -> DoIncreTiling): with M <= 128, fp16/bf16 A, B and C in ND, A not
+# transposed, B transposed and no bias ("增量场景要求M<=128"), it takes the legacy TBE cache tiling (GetV2Tiling ->
+# GenTiling, the closed LegacyGenTbeMatmulTiling) and converts it (Convert2AscendCTiling): cores = m_dim x n_dim (at most
+# the AICs), singleCoreK = K, column-first order
+OPS_MM_INCRE = ("hicann/ops-nn, matmul/mat_mul_v3/op_host/op_tiling/matmul_v3_base_tiling.cpp, "
+                "commit e5c3fa9327ea95ba26d06227e746923580d10921")
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=65000, max_position_embeddings=4096, tie_word_embeddings=False)
 
 # pto-isa's fp16 GEMMs on a 24-core A3: m = k = n, measured ms and the TMATMUL (cube) and TLOAD (MTE2) ratios
 GEMMS = [(1536, 0.0388, 0.545, 0.722), (3072, 0.2067, 0.790, 0.909), (6144, 1.5060, 0.867, 0.952),
@@ -317,6 +341,9 @@ class DecodeAnchor:
     # the positions each step's attention reads: a KV cache of fixed size read whole under a padding mask (0: only the
     # positions cached so far, as a paged or length-aware kernel reads)
     cache_tokens: int = 0
+    family: str = "qwen2"  # the Hugging Face decoder whose shape GEIR serves (ANCHOR_CONFIGS)
+    # the cited facts of the board's attention (its cache, how IFA splits it), for the row's notes
+    setup: str = ""
 
     @property
     def mean_context(self) -> int:
@@ -334,7 +361,28 @@ def decode_anchor() -> DecodeAnchor:
     """torchair's Qwen2-7B decode step in graph mode at batch 1 on an Atlas 800I A2 (TORCHAIR_QWEN2), its IFA reading
     the whole 2048-position cache (TORCHAIR_QWEN2_BENCH)."""
     return DecodeAnchor(TORCHAIR_QWEN2, "Qwen2-7B", "bf16", "Atlas 800I A2", batch=1, prompt=1024, new_tokens=1024,
-                        launch="graph", measured_ms=23.0, cache_tokens=1024 + 1024)
+                        launch="graph", measured_ms=23.0, cache_tokens=1024 + 1024,
+                        setup=f"The cache is the script's 2048 positions, read whole by IFA under the padding mask "
+                              f"({TORCHAIR_QWEN2_BENCH}), split as IFA's own rules split it: 4 key parts of each K/V "
+                              f"head on 16 cores ({OPS_IFA}; {OPS_IFA_SPLIT})")
+
+
+def llama2_anchor() -> DecodeAnchor:
+    """torchair's LLaMA-2-7B (Atom-7B) decode step in graph mode at batch 1 on an Atlas 800I A2 (TORCHAIR_LLAMA2), its
+    IFA reading the whole 4096-position cache (TORCHAIR_LLAMA2_MODEL: no actual_seq_lengths by default)."""
+    return DecodeAnchor(TORCHAIR_LLAMA2, "LLaMA-2-7B (Atom-7B)", "fp16", "Atlas 800I A2", batch=1, prompt=1024,
+                        new_tokens=1024, launch="graph", measured_ms=14.2,
+                        cache_tokens=LLAMA2_7B["max_position_embeddings"], family="llama",
+                        setup=f"The model is FlagAlpha's Atom-7B (LLaMA-2-7B's shape, 65,000-word vocabulary, 4K "
+                              f"context: {ATOM_7B}); its cache is max_position_embeddings = 4096 positions, read whole "
+                              f"by IFA under the padding mask (ACTUAL_SEQ off by default: {TORCHAIR_LLAMA2_MODEL}); "
+                              f"with 32 K/V heads at batch 1 IFA splits no key range (B x Nkv >= 0.4 x cores: "
+                              f"{OPS_IFA}), nor does GEIR's paged kernel")
+
+
+def decode_anchors() -> tuple[DecodeAnchor, ...]:
+    """Every published 7B-class decode step the table holds (behind --decode): the TPOT goal's anchor first."""
+    return decode_anchor(), llama2_anchor()
 
 
 def stand_in(causal_lm: type, config: object, rotary: type, dtype: object) -> object:
@@ -351,12 +399,22 @@ def stand_in(causal_lm: type, config: object, rotary: type, dtype: object) -> ob
     return model
 
 
-def _stand_in(config: dict, dtype) -> object:
-    """A Qwen2 causal LM of `config`'s shape, stand-in weights (`stand_in`)."""
+def _stand_in(config: dict, dtype, family: str = "qwen2") -> object:
+    """A Qwen2 (or, `family` "llama", LLaMA) causal LM of `config`'s shape, stand-in weights (`stand_in`)."""
     import transformers
+
+    if family == "llama":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return stand_in(transformers.LlamaForCausalLM, transformers.LlamaConfig(**config), LlamaRotaryEmbedding, dtype)
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     return stand_in(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**config), Qwen2RotaryEmbedding, dtype)
+
+
+# the shape each anchor's family serves, and the torch dtype of its anchor's dtype
+ANCHOR_CONFIGS = {"qwen2": QWEN2_7B, "llama": LLAMA2_7B}
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 @attrs.frozen
@@ -409,17 +467,17 @@ def decode_step_us(anchor: DecodeAnchor, target_name: str = "ascend910b") -> flo
     return decode_step(anchor, target_name).us
 
 
-def _decode_step(anchor: DecodeAnchor, target_name: str, config: dict = QWEN2_7B) -> tuple[float, int]:
+def _decode_step(anchor: DecodeAnchor, target_name: str, config: dict | None = None) -> tuple[float, int]:
     """decode_step's span and weight bytes (the pair the serve bench and the tests read)."""
     step = decode_step(anchor, target_name, config)
     return step.us, step.weights_read
 
 
-def decode_step(anchor: DecodeAnchor, target_name: str = "ascend910b", config: dict = QWEN2_7B) -> DecodeStep:
+def decode_step(anchor: DecodeAnchor, target_name: str = "ascend910b", config: dict | None = None) -> DecodeStep:
     """GEIR's decode step for `anchor`'s shape: one request served timing-only in its launch mode, its decode step over
     the keys the anchor's mean step attends (`anchor.attended`), on the one clock (the step's start, its submission, to
     its last task), with its launches by kernel and the bytes of the weights it reads (all but the input embedding's).
-    `config`: the shape served (the anchor's; fewer layers for a quick check)."""
+    `config`: the shape served (None: the anchor's, ANCHOR_CONFIGS; fewer layers for a quick check)."""
     import warnings
 
     import torch
@@ -439,7 +497,8 @@ def decode_step(anchor: DecodeAnchor, target_name: str = "ascend910b", config: d
         def launched(self, task, stats) -> None:
             self.launches.append(stats)
 
-    model = _stand_in(config, torch.bfloat16)
+    config = ANCHOR_CONFIGS[anchor.family] if config is None else config
+    model = _stand_in(config, getattr(torch, _TORCH_DTYPES[anchor.dtype]), anchor.family)
     prompt = anchor.attended - 1  # its one decode step attends over `attended` keys
     last = LastRun()
     with warnings.catch_warnings():
@@ -472,16 +531,17 @@ def breakdown_lines(step: DecodeStep, layers: int) -> list[str]:
     return lines
 
 
-def decode_row(target_name: str = "ascend910b", step: DecodeStep | None = None) -> Row:
-    """The 7B-class decode anchor beside GEIR's step for the same shape (about 30 s: a 28-layer export and plan; or
-    `step`, timed before)."""
-    a = decode_anchor()
+def decode_row(target_name: str = "ascend910b", step: DecodeStep | None = None,
+               anchor: DecodeAnchor | None = None) -> Row:
+    """A 7B-class decode anchor (the TPOT goal's by default) beside GEIR's step for the same shape (about 30 s: a
+    whole model's export and plan; or `step`, timed before)."""
+    a = anchor if anchor is not None else decode_anchor()
     step = step if step is not None else decode_step(a, target_name)
     us, weights = step.us, step.weights_read
     read_us = weights / load_target(target_name).memory.hbm_bytes_per_s * 1e6
     measured = a.measured_ms * 1000
     mm = step.share(*MATMULS)
-    layers = QWEN2_7B["num_hidden_layers"]
+    layers = ANCHOR_CONFIGS[a.family]["num_hidden_layers"]
     verdict = "reached" if abs(us / measured - 1) <= 0.15 else "not reached"
     return Row(f"{a.model} decode step", a.source,
                f"{a.model} shape, {a.dtype}, batch {a.batch}, attention over the whole {a.attended}-position cache "
@@ -491,22 +551,28 @@ def decode_row(target_name: str = "ascend910b", step: DecodeStep | None = None) 
                      f"GB at GEIR's HBM rate, {read_us / 1000:.1f} ms), GEIR's {us / read_us:.2f}x; GEIR's matmuls take "
                      f"{mm.us / 1e3:.1f} ms of it ({mm.launches} launches, {mm.hbm_tb_per_s:.2f} TB/s past their heads), "
                      f"{sum(k.launches for k in step.shares) / layers:.0f} launches a layer and "
-                     f"{step.heads_us / 1e3:.1f} ms of heads in all. The cache is the script's 2048 positions, read whole "
-                     f"by IFA under the padding mask ({TORCHAIR_QWEN2_BENCH}), split as IFA's own rules split it: 4 key "
-                     f"parts of each K/V head on 16 cores ({OPS_IFA}; {OPS_IFA_SPLIT}). Not modelled, "
+                     f"{step.heads_us / 1e3:.1f} ms of heads in all. {a.setup}. The board's bias-free projections at "
+                     f"M = 1 take MatMulV3's IncreShape path (M <= 128, fp16/bf16, ND, B transposed: {OPS_MM_INCRE}): "
+                     "C split over M and N only, each core summing the whole K, as GEIR's rules split it, but its base "
+                     "blocks and core count come from the legacy TBE cache tiling, a closed library. Not modelled, "
                      "no cited figure: the card's SoC (the README says 800I A2 only, sold with more than one 910B: "
-                     f"{ATLAS_800I_A2_SOC}) and its HBM rate; a MatMul's HBM fraction at M = 1 on A2; the task "
+                     f"{ATLAS_800I_A2_SOC}) and its HBM rate; a MatMul's measured HBM fraction at M = 1 on A2; the task "
                      "scheduler's dispatch between a graph's tasks; torchair's host work inside the synchronised "
                      "bracket (guards, GE's graph run)")
 
 
 def rows(target_name: str = "ascend910b", fa_tiling: bool = False, decode: bool = False,
-         step: DecodeStep | None = None) -> list[Row]:
+         steps: tuple[DecodeStep, ...] | None = None) -> list[Row]:
     """Every row of the table, timed on `target_name` (the FIA rows as PromptFlashAttention splits them, or with
-    GEIR's own FlashAttention rules where `fa_tiling`; the 7B decode anchor where `decode`: about 30 s, or `step`)."""
+    GEIR's own FlashAttention rules where `fa_tiling`; the 7B decode anchors where `decode`: about a minute, or
+    `steps`, GEIR's steps for decode_anchors() timed before)."""
     target = load_target(target_name)
     out = gemm_rows(target) + fia_rows(target, fa_tiling) + add_rows(target) + [head_row(target)]
-    return out + [decode_row(target_name, step)] if decode else out
+    if not decode:
+        return out
+    anchors = decode_anchors()
+    steps = steps if steps is not None else (None,) * len(anchors)
+    return out + [decode_row(target_name, st, a) for a, st in zip(anchors, steps)]
 
 
 def summary(table: list[Row]) -> dict:
@@ -580,20 +646,20 @@ def main(argv: list[str] | None = None) -> int:
                              "flash-decoding where a head's query rows fit one block) instead of as PromptFlashAttention "
                              "(the kernel the board ran) splits them")
     parser.add_argument("--decode", action="store_true",
-                        help="add the 7B-class decode anchor's row (torchair's Qwen2-7B step; about 30 s: a 28-layer "
-                             "timing-only export and plan)")
+                        help="add the 7B-class decode anchors' rows (torchair's Qwen2-7B and LLaMA-2-7B steps; about a "
+                             "minute: two whole models' timing-only export and plan)")
     args = parser.parse_args(argv)
-    step = decode_step(decode_anchor(), args.target) if args.decode else None
-    table = rows(args.target, args.fa_tiling, args.decode, step)
+    steps = tuple(decode_step(a, args.target) for a in decode_anchors()) if args.decode else None
+    table = rows(args.target, args.fa_tiling, args.decode, steps)
     if args.json:
         out = {"rows": [dict(attrs.asdict(r), ratio=r.ratio) for r in table], "summary": summary(table)}
-        if step is not None:
-            out["decode_step"] = attrs.asdict(step)
+        if steps is not None:
+            out["decode_steps"] = {a.model: attrs.asdict(st) for a, st in zip(decode_anchors(), steps)}
         print(json.dumps(out, indent=2))
     else:
         print(_render(table, args.markdown, args.fa_tiling))
-        if step is not None:
-            print("\n" + "\n".join(breakdown_lines(step, QWEN2_7B["num_hidden_layers"])))
+        for a, st in zip(decode_anchors(), steps or ()):
+            print(f"\n{a.model}: " + "\n".join(breakdown_lines(st, ANCHOR_CONFIGS[a.family]["num_hidden_layers"])))
     return 0
 
 

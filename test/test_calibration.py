@@ -149,3 +149,46 @@ def test_geirs_decode_step_for_the_anchor_is_a_served_step_no_faster_than_its_we
     assert 0 < step.heads_us < step.kernels_us <= us
     assert all(0 <= k.head_us <= k.us for k in step.shares)
     assert step.share("ge.paged_attention").launches == 2  # one attention a layer, over the block table
+
+
+def test_the_llama_anchor_is_torchairs_batch1_graph_step_over_its_whole_4096_position_cache():
+    """The second decode row: torchair's LLaMA-2-7B case (FlagAlpha's Atom-7B) at batch 1 in graph mode. Its model file
+    sizes each layer's cache to max_position_embeddings and passes IFA no actual_seq_lengths by default, so every
+    measured step attends all 4096 positions; the stand-in has the model card's shape (LLaMA-2-7B, 65,000 words)."""
+    cal = _calibration()
+    a = cal.llama2_anchor()
+    assert SOURCE.search(a.source) and "reduce-overhead" in a.source and a.measured_ms > 0
+    assert a.batch == 1 and a.launch == "graph" and "A2" in a.chip and a.dtype == "fp16"
+    assert all(SOURCE.search(src) for src in (cal.TORCHAIR_LLAMA2_MODEL, cal.ATOM_7B, cal.OPS_MM_INCRE))
+    cfg = cal.ANCHOR_CONFIGS[a.family]
+    assert a.attended == a.cache_tokens == cfg["max_position_embeddings"] == 4096
+    assert a.prompt + a.new_tokens < a.attended  # the cache is longer than the steps' context: read under the mask
+    assert cal.decode_anchors()[0] == cal.decode_anchor()  # the TPOT goal's anchor stays first
+    import torch
+
+    model = cal._stand_in(cfg, torch.float16, a.family)
+    # LLaMA's parameters by formula: per layer Q, K, V, O (h x h each, MHA), gate, up, down (h x i) and two norms;
+    # the input embedding and the untied LM head (V x h each) and the final norm
+    h, i, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    assert sum(p.numel() for p in model.parameters()) == L * (4 * h * h + 3 * h * i + 2 * h) + 2 * V * h + h
+    assert all(p.stride() == (0,) * p.dim() and p.dtype == torch.float16 for p in model.parameters())
+
+
+def test_geirs_llama_step_reads_its_weights_and_the_whole_cache_shape():
+    """GEIR's side of the LLaMA row on 2 of its 32 layers: a graph-mode step no faster than its weights' read, whose
+    matmuls read every linear weight once (per layer Q, K, V, O, gate, up, down; the LM head), one attention a layer
+    over the 4096-key cache."""
+    cal = _calibration()
+    a = cal.llama2_anchor()
+    cfg = dict(cal.LLAMA2_7B, num_hidden_layers=2)
+    step = cal.decode_step(a, "ascend910b", cfg)
+    h, i, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    linear = 2 * (2 * (4 * h * h + 3 * h * i) + h * V)
+    assert step.weights_read == linear + 2 * (2 * 2 * h + h)  # and the norms': two a layer, the final one
+    hbm = cal.load_target("ascend910b").memory.hbm_bytes_per_s
+    assert step.us >= step.weights_read / hbm * 1e6
+    mm = step.share(*cal.MATMULS)
+    assert linear <= mm.hbm_read_bytes < 1.01 * linear
+    assert step.share("ge.paged_attention").launches == 2
+    row = cal.decode_row("ascend910b", step, a)
+    assert row.source == a.source and "4096-position cache" in row.shape and row.geir_us == step.us
