@@ -506,6 +506,11 @@ class _CopyKernel(FlatTiledKernel):
         """(source view, destination view, operand index, result index) of every copy."""
         raise NotImplementedError
 
+    def shared(self, op: Operation) -> list[tuple[int, int]]:
+        """(operand index, result index) of each result that is its operand's memory (an in-place update): the
+        result starts from the operand's L2 residency, not from whatever tensor held its offset before."""
+        return []
+
     def out_shapes(self, op: Operation, inputs: list[np.ndarray]) -> list[tuple[int, ...]]:
         types = [r.type for r in op.results]
         if all(t is not None and t.is_static for t in types):
@@ -525,6 +530,9 @@ class _CopyKernel(FlatTiledKernel):
         make = np.empty if ctx.compute else no_bytes_c  # timing only: results laid out as real ones, no bytes
         outs = [make(s, result_dtype(op, i, x.dtype)) for i, s in enumerate(self.out_shapes(op, inputs))]
         in_gm = [gm_tensor(ctx.gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.operand_names, inputs)]
+        for i, j in self.shared(op):
+            if i < len(ctx.operand_names) and j < len(ctx.result_names):
+                alias(ctx.gm, ctx.operand_names[i], ctx.result_names[j])
         out_gm = [gm_tensor(ctx.gm, n, a.shape, a.dtype.itemsize) for n, a in zip(ctx.result_names, outs)]
         pairs = [CopyPair(s, d, in_gm[i], out_gm[j]) for s, d, i, j in self.pairs(op, inputs, outs)]
         copy_kernel(pairs, elems, buffers, ctx, self.VECTOR_PASSES, op.name[3:])
@@ -697,6 +705,9 @@ class ScatterUpdateKernel(_CopyKernel):
             index = np.mod(index, dim)
         return index
 
+    def shared(self, op: Operation) -> list[tuple[int, int]]:
+        return [(0, 0)] if op.attr("in_place") else []
+
     def pairs(self, op, inputs, outs):
         x, values, index = inputs
         return self.slab_pairs(x, values, index, op.axis % x.ndim, outs[0], (0, 1), 0, op.attr("in_place"))
@@ -751,6 +762,9 @@ class ScatterPairKernel(ScatterUpdateKernel):
         if op.attr("in_place") and ctx.compute:  # the operands' bytes stay where they are: the numbers, untimed
             outs = list(op.compute(x, y, xv, yv, index))
         return outs
+
+    def shared(self, op: Operation) -> list[tuple[int, int]]:
+        return [(0, 0), (1, 1)] if op.attr("in_place") else []
 
     def pairs(self, op, inputs, outs):
         x, y, xv, yv, index = inputs

@@ -26,6 +26,8 @@ from geir.kernels.flash_attention import flash_attention_forward, schedule_probl
 from geir.kernels.flash_attention_tiling import workspace_bytes
 from geir.kernels.paged_attention_tiling import PagedTiling
 from geir.kernels.tiling import Budget, Miss, OpSignature, cube_refuses
+from geir.target_npu.residency import covered, residency
+from geir.target_npu.sim import GlobalMemory
 from geir.target_npu.target import Target
 
 
@@ -71,10 +73,66 @@ class PagedAttentionKernel(Kernel):
             k, v, mask = _shapes_only(op, inputs)
         names = ctx.operand_names
         mask_name = names[len(inputs) - 1] if op.mask is not None and len(names) == len(inputs) else None
-        flash_ctx = attrs.evolve(ctx, operand_names=[*names[:3], mask_name])
+        tiles = read_tiles(ctx, tiling, k.shape[2])
+        # K and V are judged in L2 by the pool slots the table names, not by the pool's latest touch anywhere
+        views = [None if len(names) <= i or names[i] is None else
+                 _TileView(ctx.gm, names[i], _tile_slots(inputs[3], inputs[i].shape, tiling, ctx.compute),
+                           inputs[i].shape[0] * inputs[i].shape[1], k.shape[1]) for i in (1, 2)]
+        flash_ctx = attrs.evolve(ctx, operand_names=[names[0], *(w.name if w else None for w in views), mask_name])
         out = flash_attention_forward(q, k, v, mask, op.causal, op.as_flash_attention().effective_scale(q.shape[-1]),
-                                      tiling.as_flash(), flash_ctx, kv_tiles=read_tiles(ctx, tiling, k.shape[2]))
+                                      tiling.as_flash(), flash_ctx, kv_tiles=tiles)
+        for w in views:
+            if w is not None:
+                w.commit(ctx.gm)
         return [out]
+
+
+def _tile_slots(table: np.ndarray, pool_shape: tuple[int, ...], tiling: PagedTiling, known: bool) -> np.ndarray:
+    """[B, key tiles, s2]: the pool slots (block x block_size + offset) each row's key tile reads through its table
+    (`known`: the table's values; timing only they are stand-ins, and row b reads blocks b x width on, in order, as
+    index_put's stand-in positions write slots from 0 on). Columns past the table's width repeat its last one."""
+    blocks, bs = pool_shape[0], pool_shape[1]
+    b, width = table.shape
+    if known:
+        ids = np.asarray(table, dtype=np.int64) % max(blocks, 1)
+    else:
+        ids = (np.arange(b * width, dtype=np.int64).reshape(b, width)) % max(blocks, 1)
+    nk = -(-width // tiling.blocks_per_tile)
+    cols = np.minimum(np.arange(nk * tiling.blocks_per_tile), width - 1).reshape(nk, tiling.blocks_per_tile)
+    slots = ids[:, cols, None] * bs + np.arange(bs)  # [B, nk, blocks a tile, bs]
+    return slots.reshape(b, nk, -1)
+
+
+class _TileView:
+    """A K or V pool seen on the kernel's grid of key tiles (B x Nkv x tiles, FlashAttention's K/V blocks): each
+    tile's L2 residency is the oldest last touch of the pool slots its row's table names (so a tile is served from
+    L2 only if every slot of it is), and once the kernel has read it, those slots take the tile's touch. The pool's
+    own residency, on whatever grid its writer left it, is seen per slot (`covered`: never optimistic)."""
+
+    def __init__(self, gm: GlobalMemory, pool: str, slots: np.ndarray, total: int, heads: int):
+        self.pool, self.name, self.slots, self.heads = pool, f"{pool}:paged", slots, heads
+        self.known = known = gm.last_touch.get(pool)
+        self.per_slot = (residency(total, gm.tensor_clock.get(pool, -np.inf)) if known is None
+                         else covered(known, total))
+        self.before = np.asarray(self.per_slot[slots]).min(axis=-1)  # [B, tiles]
+        gm.tensor_clock[self.name] = gm.tensor_clock.get(pool, -np.inf)
+        if pool in gm.sizes:
+            gm.sizes[self.name] = gm.sizes[pool]
+        gm.last_touch[self.name] = np.repeat(self.before[:, None, :], heads, axis=1).reshape(-1)
+
+    def commit(self, gm: GlobalMemory) -> None:
+        """The tiles' touches back into the pool's slots (a tile the kernel did not read leaves its slots alone)."""
+        b, nk = self.slots.shape[:2]
+        after = np.asarray(gm.last_touch[self.name]).reshape(b, self.heads, nk).min(axis=1)
+        if gm.last_touch.get(self.pool) is not self.known:  # one pool as both K and V: the other view committed
+            self.per_slot = gm.last_touch[self.pool]
+        read = after != self.before
+        if read.any():
+            rows, tiles = np.nonzero(read)
+            self.per_slot[self.slots[rows, tiles].reshape(-1)] = np.repeat(after[rows, tiles], self.slots.shape[2])
+        gm.last_touch[self.pool] = self.per_slot
+        gm.tensor_clock[self.pool] = gm.tensor_clock[self.name]
+        del gm.last_touch[self.name]
 
 
 def read_tiles(ctx: LaunchContext, tiling: PagedTiling, keys: int) -> np.ndarray | None:

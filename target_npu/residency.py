@@ -157,3 +157,33 @@ def resampled(last: np.ndarray | SparseResidency, n: int) -> np.ndarray | Sparse
     new = np.unique((starts * n + size - 1) // size) if size else np.zeros(0, dtype=np.int64)
     new = new[new < n]
     return SparseResidency(n, 0.0, new, values[np.searchsorted(starts, (new * size) // n, side="right") - 1])
+
+
+def covered(last: np.ndarray | SparseResidency, n: int) -> np.ndarray | SparseResidency:
+    """`last` seen on a grid of `n` blocks cut over the same bytes, never optimistic: block j covers old blocks
+    [floor(j len / n), ceil((j + 1) len / n)) and takes the oldest last touch among them (it is served from L2
+    only if all of its bytes are). Runs past SPARSE_FROM blocks, built from `last`'s runs without listing blocks."""
+    size = len(last)
+    if isinstance(last, SparseResidency):
+        starts, values = last.starts, last.values
+    else:
+        starts, values = _merged(np.arange(size), np.asarray(last, dtype=np.float64))
+    if not size or not n:
+        return residency(n, -np.inf)
+    # the value changes only at a new block whose range meets an old run's boundary s: the first block that may
+    # reach s (floor(s n / len)) and the first wholly past s - 1 (ceil(s n / len)); between those it is constant
+    bounds = starts[1:]
+    cand = np.unique(np.concatenate([[0], (bounds * n) // size, -(-(bounds * n) // size)]))
+    cand = cand[cand < n]
+    lo = (cand * size) // n
+    hi = np.minimum(np.maximum(lo + 1, -(-((cand + 1) * size) // n)), size)
+    first = np.searchsorted(starts, lo, side="right") - 1
+    last_run = np.searchsorted(starts, hi - 1, side="right") - 1
+    # ranges of neighbouring candidates share at most one run (last_run[k] <= first[k + 1]), so one reduceat over
+    # [first, last_run + 1) pairs gives each range's minimum (the slots between pairs are dropped)
+    edges = np.empty(2 * len(cand), dtype=np.int64)
+    edges[0::2], edges[1::2] = first, last_run + 1
+    mins = np.minimum.reduceat(np.append(values, np.inf), edges)[0::2]
+    if n > SPARSE_FROM:
+        return SparseResidency(n, 0.0, cand, mins)
+    return np.repeat(mins, np.diff(np.append(cand, n)))

@@ -440,3 +440,80 @@ def test_the_launch_memo_keys_a_paged_launch_by_the_tiles_its_rows_read():
     s2 = tiling.s2
     assert key([1, s2]) == key([s2, 2]) == (1, 1)
     assert key([s2 + 1, 5]) == (2, 1) != key([s2, 5])
+
+
+# --- the pools' L2 residency -----------------------------------------------------------------------------------
+
+def _update_then_attend(gm, t, k_pool, v_pool, table, lengths, q, others: int, again: bool = False):
+    """On one chip: `others` bytes of other data read (a layer's weights), then each pool updated in place at one
+    slot (ge.index_put_pair, its results at offsets of their own that a small tensor held just before, as an arena
+    reuses them), then paged attention over the results (`again`: twice in a row). The attention launches' HBM
+    read bytes."""
+    from geir.kernels.data_movement import ScatterPairKernel
+    from geir.kernels.paged_attention_tiling import choose as choose_paged
+
+    nkv, d = 2, k_pool.shape[2] // 2
+    new = np.zeros((1, nkv, d), np.float16)
+    b = Builder()
+    args = [b.argument(TensorType(x.shape, DType.from_numpy(x.dtype)), n) for x, n in
+            ((k_pool.reshape(-1, nkv, d), "k"), (v_pool.reshape(-1, nkv, d), "v"), (new, "kn"), (new, "vn"),
+             (np.array([5]), "w"))]
+    pair = b.create("ge.index_put_pair", args, {"axis": 0, "in_place": True})
+    b.finish(list(pair.results))
+    if others:  # other tensors streaming through the L2 (a layer's weights)
+        gm.tensor("weights", -(-others // 512))
+        gm.read_pieces("weights", np.arange(-(-others // 512))[None, :], np.full((1, -(-others // 512)), 512))
+    cores = Cores(t.cube_cores)
+    for name in ("ko", "vo"):  # what the results' offsets held before: a few blocks, just written
+        gm.tensor(name, 16, resident=True)
+    kernel = ScatterPairKernel()
+    ctx = LaunchContext(t, cores, gm, ["k", "v", "kn", "vn", "w"], ["ko", "vo"])
+    kernel.run(pair, [k_pool.reshape(-1, nkv, d), v_pool.reshape(-1, nkv, d), new, new, np.array([5])],
+               kernel.choose(OpSignature.of(pair), t), ctx)
+    gm.tensor_clock["q"] = gm.clock  # the query was just written: only K and V can miss
+    op = paged_op(q, k_pool, v_pool, table, lengths, nkv)
+    tiling = choose_paged(OpSignature.of(op), t)
+    reads = []
+    for _ in range(2 if again else 1):
+        before = gm.hbm_read_bytes
+        attend = LaunchContext(t, cores, gm, ["q", "ko", "vo", "table", "lengths"], ["o"])
+        PagedAttentionKernel().run(op, [q, k_pool, v_pool, table, np.asarray(lengths)], tiling, attend)
+        reads.append(gm.hbm_read_bytes - before)
+    return reads
+
+
+@pytest.mark.parametrize("written_long_ago", [False, True])
+def test_a_pool_read_after_more_than_the_l2_of_other_data_comes_from_hbm_and_back_to_back_from_l2(written_long_ago):
+    """The K/V a paged attention reads through its table come from HBM when more than the L2's capacity of other
+    bytes moved since they were last touched (an LRU cache's reuse distance), whatever one slot the step just wrote
+    (at most those bytes hit); read again at once, they come from the L2. A pool that was never touched is cold.
+    The in-place update's results start from their pools' residency, not from what their offsets held before."""
+    t = load_target("ascend910a")
+    b, nkv, d, bs, lengths = 1, 2, 64, 16, [1024]
+    k_pool, v_pool, table = pool_and_table(b, nkv, d, bs, lengths, 96, np.float16)
+    q = np.random.default_rng(8).standard_normal((b, 2 * nkv, 1, d)).astype(np.float16)
+    kv = 2 * b * nkv * table.shape[1] * bs * d * 2  # K and V of every block the table names, f16
+    slot = 2 * nkv * d * 2  # the one slot written just before, K and V
+    gm = GlobalMemory(t)
+    if written_long_ago:  # the whole pools written (a prefill), then more than the L2 of other bytes
+        for name, pool in (("k", k_pool), ("v", v_pool)):
+            blocks = pool.nbytes // 512
+            gm.tensor(name, blocks)
+            gm.write_pieces(name, np.arange(blocks)[None, :], np.full((1, blocks), 512))
+    first, second = _update_then_attend(gm, t, k_pool, v_pool, table, lengths, q, 2 * gm.l2_bytes, again=True)
+    assert kv - slot <= first <= kv
+    assert second == 0
+
+
+def test_a_pool_written_just_before_is_read_from_the_l2():
+    """Pools the step wrote whole (a prefill's slots), less than the L2's capacity ago: its attention hits."""
+    t = load_target("ascend910a")
+    b, nkv, d, bs, lengths = 1, 2, 64, 16, [1024]
+    k_pool, v_pool, table = pool_and_table(b, nkv, d, bs, lengths, 96, np.float16)
+    q = np.random.default_rng(8).standard_normal((b, 2 * nkv, 1, d)).astype(np.float16)
+    gm = GlobalMemory(t)
+    for name, pool in (("k", k_pool), ("v", v_pool)):
+        blocks = pool.nbytes // 512
+        gm.tensor(name, blocks)
+        gm.write_pieces(name, np.arange(blocks)[None, :], np.full((1, blocks), 512))
+    assert _update_then_attend(gm, t, k_pool, v_pool, table, lengths, q, 0) == [0]

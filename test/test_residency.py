@@ -22,7 +22,7 @@ from geir.runtime.op_summary import op_summary_rows
 from geir.runtime.profile import profile
 from geir.session import DEFAULT_PIPELINE, compile_module
 from geir.target_npu import load_target
-from geir.target_npu.residency import SparseResidency, resampled
+from geir.target_npu.residency import SparseResidency, covered, resampled
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -65,6 +65,28 @@ def test_resampling_onto_a_larger_grid_takes_the_array_formula(size, n):
     runs = SparseResidency(size, 0.0)
     runs[np.arange(size)] = last
     np.testing.assert_array_equal(np.asarray(resampled(runs, n)), want)
+
+
+@pytest.mark.parametrize("size,n", [(1, 7), (5, 5), (37, 100), (100, 37), (4096, 1000), (64, 3), (3, 2_000_000),
+                                    (2_000_000, 700)])
+def test_a_grid_covering_the_same_bytes_takes_the_oldest_touch_of_the_blocks_it_covers(size, n):
+    """covered: new block j spans old blocks [floor(j size / n), ceil((j + 1) size / n)) and takes their minimum
+    (served from L2 only if every byte of it is), block by block as a loop over the ranges computes it."""
+    rng = np.random.default_rng(size + n)
+    last = np.where(rng.random(size) < 0.3, -np.inf, rng.integers(0, 9, size).astype(np.float64))
+    if size > 100_000:  # a few runs over a large tensor, as a pool's residency is
+        widths = [size // 3, 5, size // 3, 11, size - 2 * (size // 3) - 16]
+        last = np.repeat(np.array([-np.inf, 4.0, 2.0, -np.inf, 7.0]), widths)
+    lo = (np.arange(n) * size) // n
+    hi = np.maximum(lo + 1, -(-((np.arange(n) + 1) * size) // n))
+    if n <= 100_000:
+        want = np.array([last[a:b].min() for a, b in zip(lo, hi)])
+    else:  # each new block lies inside one old block or on a boundary between two
+        want = np.minimum(last[lo], last[np.minimum(hi, size) - 1])
+    np.testing.assert_array_equal(np.asarray(covered(last, n)), want)
+    runs = SparseResidency(size, 0.0)
+    runs[np.arange(size)] = last
+    np.testing.assert_array_equal(np.asarray(covered(runs, n)), want)
 
 
 def _figures(result) -> str:
