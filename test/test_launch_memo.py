@@ -107,6 +107,35 @@ def test_a_launch_reading_other_residency_is_timed_not_replayed():
     assert _figures(run) == _figures(timed)
 
 
+# %a is read by %b and %b by %c, each after an add of a tensor larger than the L2 (128 and 256 MiB read and written)
+# moved between them: both are cold, by different numbers of bytes, and a miss is a miss however long ago the block
+# was touched, so %c's launch replays %b's (the same op, tiling and in-place offset).
+COLD = """ge.graph @main(%x: tensor<64x1024xf16>, %z: tensor<8192x8192xf16>, %w: tensor<8192x16384xf16>) ->
+    (tensor<8192x8192xf16>, tensor<8192x16384xf16>, tensor<64x1024xf16>) {
+  %a = ge.add %x, %x
+  %p = ge.add %z, %z
+  %b = ge.add %a, %a
+  %q = ge.add %w, %w
+  %c = ge.add %b, %b
+  ge.return %p, %q, %c
+}
+"""
+
+
+def test_launches_on_tensors_cold_by_different_distances_replay_one_another():
+    program = _program(COLD, DEFAULT_PIPELINE.replace("cse,", ""))
+    target = load_target("ascend910b")
+    run = Runtime(target, timing_only=True).run(program, {}, {})
+    timed = Runtime(target, timing_only=True, memo=False).run(program, {}, {})
+    a, p, b, q, c = timed.kernels
+    # the oracle's own counters: %b and %c read their operand's 128 KiB from HBM (then hit, as its second operand),
+    # each after more bytes than the L2 holds
+    assert b.hbm_read_bytes == c.hbm_read_bytes == 64 * 1024 * 2
+    assert min(p.gm_read_bytes + p.gm_write_bytes, q.gm_read_bytes + q.gm_write_bytes) > target.memory.l2_bytes
+    assert run.replayed == 1  # %c: the only launch that repeats another's (op, tiling, operands' residency)
+    assert _figures(run) == _figures(timed)
+
+
 def test_a_memo_kept_across_runs_replays_the_second_run_whole():
     program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
     runtime = Runtime(load_target("ascend910b"), timing_only=True)
