@@ -170,9 +170,20 @@ class LaunchMemo:
         self.runs = RunMemo()
         self.stored = 0  # launches kept
         self._static: dict[int, tuple[Operation, Hashable]] = {}
+        self._kernel_ops: dict[int, tuple[Operation, Operation]] = {}  # see kernel_op
         self._roles: tuple[int, dict[str, list[str]]] = (-1, {})  # see _names
         self.hits = 0
         self.misses = 0
+
+    def kernel_op(self, launch: Operation) -> Operation:
+        """The ge op the launch runs (interpreter.detached_op), rebuilt once per launch and kept with it: a serve's
+        Runtimes walk the same step program's launches thousands of times."""
+        held = self._kernel_ops.get(id(launch))
+        if held is None or held[0] is not launch:
+            from geir.runtime.interpreter import detached_op
+
+            held = self._kernel_ops[id(launch)] = (launch, detached_op(launch))
+        return held[1]
 
     def key(self, launch: Operation, tiling: KernelTiling | None, ctx: LaunchContext) -> Hashable:
         """Everything the launch's timing reads, as one hashable value."""
@@ -289,6 +300,9 @@ def _relative(clock: int, blocks: np.ndarray | SparseResidency, cold: int) -> _B
     if isinstance(blocks, SparseResidency):
         relative = clock - blocks
         return SparseResidency(relative.n, 0.0, relative.starts, np.minimum(relative.values, cold))
+    if blocks.size and clock - blocks.max() >= cold:  # all cold (a weight a step ago): one pass, not four
+        kind = np.result_type(clock, blocks)
+        return _Blocks(len(blocks), kind.type(cold), np.empty(0, np.int64), np.empty(0, kind))
     return _Blocks.of(np.minimum(clock - blocks, cold))
 
 

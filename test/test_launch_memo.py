@@ -207,3 +207,22 @@ def test_a_residency_kept_compact_gives_back_every_block_and_keys_as_the_array(d
     other = pool.copy()
     other[5] = 3  # one more block touched
     assert _Blocks.of(pool).key() == _Blocks.of(pool.copy()).key() != _Blocks.of(other).key()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_a_residency_cold_by_more_than_the_l2_keys_as_the_l2_its_blocks_cut_there(dtype):
+    from geir.runtime.launch_memo import _Blocks, _relative
+
+    clock, cold = 10_000_000, 4096
+    rng = np.random.default_rng(1)
+    cases = [np.full(1000, 5, dtype), rng.integers(0, clock - cold, 1000).astype(dtype),  # all cold, two ways
+             rng.integers(0, clock, 1000).astype(dtype), np.array([clock - 1, 0, clock - cold], dtype)]
+    if dtype is np.float64:
+        cases.append(np.full(10, -np.inf))  # never touched
+    for last in cases:
+        # the oracle: the distances cut at `cold` by numpy, then made compact
+        expected = _Blocks.of(np.minimum(clock - last, cold))
+        got = _relative(clock, last, cold)
+        assert got.key() == expected.key()
+        np.testing.assert_array_equal(got.absolute(clock), expected.absolute(clock))
+        assert got.absolute(clock).dtype == (clock - last).dtype
