@@ -450,9 +450,9 @@ def _decode_inputs(rows: list[_Sequence], tables: list[list[int]], blocks: int,
     batch, slots = len(rows), blocks * block_size
     ids = torch.tensor([[max(r.tokens[-1], 0)] for r in rows])  # timing only: an unknown token (-1) fed as 0
     at = [len(r.tokens) - 1 for r in rows]
-    mask = torch.zeros(batch, slots, dtype=torch.long)
-    for i, n in enumerate(at):
-        mask[i, :n + 1] = 1
+    # row i keeps its first at[i] + 1 slots: one comparison in numpy (a 256-row batch's mask is 6 MB; torch's
+    # comparison and cast take 30 times as long), not a row at a time
+    mask = torch.from_numpy((np.arange(slots)[None, :] <= np.array(at, dtype=np.int64)[:, None]).astype(np.int64))
     write = torch.tensor([_slot_of(t, n, block_size) for t, n in zip(tables, at)])
     # a table reserved ahead of its tokens (static batching) is cut to the blocks the step reads
     table = torch.tensor([t[:blocks] + [0] * (blocks - len(t)) for t in tables])

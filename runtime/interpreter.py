@@ -486,9 +486,8 @@ class Runtime:
         A launch whose core stops never completes: its results are not stored (`commit=False`), so an
         in-place result cannot overwrite the operand that the re-dispatched launch still has to read.
         """
-        kernel_op = detached_op(op)
+        kernel_op = self.memo.kernel_op(op) if self.memo is not None else detached_op(op)
         kernel = KERNELS[op.kernel]
-        args = [device.view(where[id(v)], v.type) for v in op.operands]
         start_cycles = max(streams.get(op.stream, 0.0) * self.cycles_per_us, cores.finish)
         # the launch is timed in a frame of its own, from 0, and then placed at its start on the timeline
         frame = Cores(cores.count, record=cores.record)
@@ -505,6 +504,7 @@ class Runtime:
             outs, stats = replayed
         else:
             before = memo.before(ctx) if memo is not None else None
+            args = [device.view(where[id(v)], v.type) for v in op.operands]  # only a timed launch reads them
             outs, stats = measure(ctx, op.kernel, tiling, flops_of(kernel_op),
                                   lambda: kernel.run(kernel_op, args, tiling, ctx))
             if memo is not None:

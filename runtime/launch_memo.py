@@ -7,7 +7,15 @@ and result types), its tiling, the number of cores, whether pipes are recorded o
 and, in global memory, the L2 residency of the tensors it touches (each block's reuse distance,
 `GlobalMemory.clock - last_touch`, and each tensor's size). Two launches that agree on all of that
 take the same cycles, move the same bytes and leave the tensors they touch in the same state, to
-the last bit. A transformer's 32 layers launch the same kernels on tensors in the same residency
+the last bit.
+
+A reuse distance of at least the L2's capacity is a miss whatever it is (the distance only grows until the block
+is touched again, and the L2 never holds more than its capacity), so the memo keys every such distance as the
+capacity itself: a block last touched a step ago and one never touched read alike. That is what lets a 7B model's
+32 layers replay one another when each layer's paged attention reads a key-tile table that the step before did
+not: layer i's tensors are cold by more than the L2 in every layer, each by its own number of bytes. A replayed
+launch leaves its cold blocks at the capacity's distance (the state differs from a timed run's only in distances
+no launch can tell apart). A transformer's 32 layers launch the same kernels on tensors in the same residency
 state, so a timing-only run of the whole model times each distinct launch once.
 
 A full run computes values and needs each kernel's arithmetic, so only timing-only runs use this.
@@ -162,14 +170,25 @@ class LaunchMemo:
         self.runs = RunMemo()
         self.stored = 0  # launches kept
         self._static: dict[int, tuple[Operation, Hashable]] = {}
+        self._kernel_ops: dict[int, tuple[Operation, Operation]] = {}  # see kernel_op
         self._roles: tuple[int, dict[str, list[str]]] = (-1, {})  # see _names
         self.hits = 0
         self.misses = 0
 
+    def kernel_op(self, launch: Operation) -> Operation:
+        """The ge op the launch runs (interpreter.detached_op), rebuilt once per launch and kept with it: a serve's
+        Runtimes walk the same step program's launches thousands of times."""
+        held = self._kernel_ops.get(id(launch))
+        if held is None or held[0] is not launch:
+            from geir.runtime.interpreter import detached_op
+
+            held = self._kernel_ops[id(launch)] = (launch, detached_op(launch))
+        return held[1]
+
     def key(self, launch: Operation, tiling: KernelTiling | None, ctx: LaunchContext) -> Hashable:
         """Everything the launch's timing reads, as one hashable value."""
         bases = _bases(ctx)
-        states = tuple(s.key() for s in self._states(ctx.gm, bases))
+        states = tuple(s.key() for s in self._states(ctx.gm, bases, ctx.target.memory.l2_bytes))
         pattern = tuple(bases.index(n) for n in ctx.operand_names + ctx.result_names)
         # a value-depend operand's values shape the schedule (paged attention's per-row lengths): part of the key
         values = KERNELS[launch.kernel].timing_values(tiling, ctx.host_values) if ctx.host_values else ()
@@ -219,7 +238,7 @@ class LaunchMemo:
         gm, frame = ctx.gm, ctx.cores
         clock0, counters0, clocks0 = before
         bases = _bases(ctx)
-        after = self._states(gm, bases)
+        after = self._states(gm, bases, ctx.target.memory.l2_bytes)
         mine = {bases[s.base] + s.suffix for s in after}
         if any(n not in mine and gm.tensor_clock[n] != clocks0.get(n) for n in gm.tensor_clock):
             return  # it changed residency this memo does not follow: time such a launch every time
@@ -243,8 +262,9 @@ class LaunchMemo:
         return held[1]
 
 
-    def _states(self, gm: GlobalMemory, bases: list[str]) -> list[_NameState]:
-        """The residency of every GM name a launch on `bases` may read or write (its roles' names included)."""
+    def _states(self, gm: GlobalMemory, bases: list[str], cold: int) -> list[_NameState]:
+        """The residency of every GM name a launch on `bases` may read or write (its roles' names included), each
+        distance of `cold` bytes (the L2's capacity) or more kept as `cold`: a miss, whatever it is."""
         out = []
         roles = self._role_names(gm)
         for i, base in enumerate(bases):
@@ -254,8 +274,8 @@ class LaunchMemo:
                 size = gm.sizes.get(name)
                 if clock is None and blocks is None and size is None:
                     continue
-                out.append(_NameState(i, name[len(base):], size, None if clock is None else gm.clock - clock,
-                                      None if blocks is None else _relative(gm.clock, blocks)))
+                out.append(_NameState(i, name[len(base):], size, None if clock is None else min(gm.clock - clock, cold),
+                                      None if blocks is None else _relative(gm.clock, blocks, cold)))
         return out
 
     def _role_names(self, gm: GlobalMemory) -> dict[str, list[str]]:
@@ -274,11 +294,16 @@ class LaunchMemo:
         return roles
 
 
-def _relative(clock: int, blocks: np.ndarray | SparseResidency) -> _Blocks | SparseResidency:
-    """A residency relative to the byte clock, compact: runs stay runs (already a few numbers, and canonical)."""
+def _relative(clock: int, blocks: np.ndarray | SparseResidency, cold: int) -> _Blocks | SparseResidency:
+    """A residency relative to the byte clock, distances past `cold` kept as `cold`, compact: runs stay runs
+    (already a few numbers, and canonical: runs made equal by the cut merge)."""
     if isinstance(blocks, SparseResidency):
-        return clock - blocks
-    return _Blocks.of(clock - blocks)
+        relative = clock - blocks
+        return SparseResidency(relative.n, 0.0, relative.starts, np.minimum(relative.values, cold))
+    if blocks.size and clock - blocks.max() >= cold:  # all cold (a weight a step ago): one pass, not four
+        kind = np.result_type(clock, blocks)
+        return _Blocks(len(blocks), kind.type(cold), np.empty(0, np.int64), np.empty(0, kind))
+    return _Blocks.of(np.minimum(clock - blocks, cold))
 
 
 def _bases(ctx: LaunchContext) -> list[str]:

@@ -143,6 +143,7 @@ class GlobalMemory:
         self.hbm_read_bytes = 0
         self.hbm_write_bytes = 0
         self.scratch: set[str] = set()  # kernels' workspaces: rewritten in place while the L2 holds them
+        self.held: dict[str, int] = {}  # each workspace's share of the L2, given back when it is released
 
     def workspace(self, name: str, blocks: int, nbytes: int) -> None:
         """Register a kernel's GM workspace of `blocks` blocks and `nbytes` bytes, never touched yet.
@@ -154,12 +155,15 @@ class GlobalMemory:
         self.tensor_clock[name] = -np.inf
         self.scratch.add(name)
         self.sizes[name] = nbytes
-        self.l2_bytes -= min(nbytes, self.l2_bytes)
+        self.held[name] = min(nbytes, self.l2_bytes)  # no more than the L2 has left: all of it
+        self.l2_bytes -= self.held[name]
 
     def release(self, name: str) -> None:
         """A workspace's launch is over: its L2 share returns to the other tensors."""
         self.scratch.discard(name)
-        self.l2_bytes += self.sizes.pop(name, 0)
+        # what it took, not its size: a workspace larger than the L2 took the L2, and the L2 never grows past it
+        self.l2_bytes += self.held.pop(name, 0)
+        self.sizes.pop(name, None)
         self.last_touch.pop(name, None)
         self.tensor_clock.pop(name, None)
 

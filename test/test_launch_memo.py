@@ -107,6 +107,35 @@ def test_a_launch_reading_other_residency_is_timed_not_replayed():
     assert _figures(run) == _figures(timed)
 
 
+# %a is read by %b and %b by %c, each after an add of a tensor larger than the L2 (128 and 256 MiB read and written)
+# moved between them: both are cold, by different numbers of bytes, and a miss is a miss however long ago the block
+# was touched, so %c's launch replays %b's (the same op, tiling and in-place offset).
+COLD = """ge.graph @main(%x: tensor<64x1024xf16>, %z: tensor<8192x8192xf16>, %w: tensor<8192x16384xf16>) ->
+    (tensor<8192x8192xf16>, tensor<8192x16384xf16>, tensor<64x1024xf16>) {
+  %a = ge.add %x, %x
+  %p = ge.add %z, %z
+  %b = ge.add %a, %a
+  %q = ge.add %w, %w
+  %c = ge.add %b, %b
+  ge.return %p, %q, %c
+}
+"""
+
+
+def test_launches_on_tensors_cold_by_different_distances_replay_one_another():
+    program = _program(COLD, DEFAULT_PIPELINE.replace("cse,", ""))
+    target = load_target("ascend910b")
+    run = Runtime(target, timing_only=True).run(program, {}, {})
+    timed = Runtime(target, timing_only=True, memo=False).run(program, {}, {})
+    a, p, b, q, c = timed.kernels
+    # the oracle's own counters: %b and %c read their operand's 128 KiB from HBM (then hit, as its second operand),
+    # each after more bytes than the L2 holds
+    assert b.hbm_read_bytes == c.hbm_read_bytes == 64 * 1024 * 2
+    assert min(p.gm_read_bytes + p.gm_write_bytes, q.gm_read_bytes + q.gm_write_bytes) > target.memory.l2_bytes
+    assert run.replayed == 1  # %c: the only launch that repeats another's (op, tiling, operands' residency)
+    assert _figures(run) == _figures(timed)
+
+
 def test_a_memo_kept_across_runs_replays_the_second_run_whole():
     program = _program(make_model.model_text(layers=2, hidden=128, heads=2, seq=64, mlp=256, dtype="f16"))
     runtime = Runtime(load_target("ascend910b"), timing_only=True)
@@ -178,3 +207,22 @@ def test_a_residency_kept_compact_gives_back_every_block_and_keys_as_the_array(d
     other = pool.copy()
     other[5] = 3  # one more block touched
     assert _Blocks.of(pool).key() == _Blocks.of(pool.copy()).key() != _Blocks.of(other).key()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_a_residency_cold_by_more_than_the_l2_keys_as_the_l2_its_blocks_cut_there(dtype):
+    from geir.runtime.launch_memo import _Blocks, _relative
+
+    clock, cold = 10_000_000, 4096
+    rng = np.random.default_rng(1)
+    cases = [np.full(1000, 5, dtype), rng.integers(0, clock - cold, 1000).astype(dtype),  # all cold, two ways
+             rng.integers(0, clock, 1000).astype(dtype), np.array([clock - 1, 0, clock - cold], dtype)]
+    if dtype is np.float64:
+        cases.append(np.full(10, -np.inf))  # never touched
+    for last in cases:
+        # the oracle: the distances cut at `cold` by numpy, then made compact
+        expected = _Blocks.of(np.minimum(clock - last, cold))
+        got = _relative(clock, last, cold)
+        assert got.key() == expected.key()
+        np.testing.assert_array_equal(got.absolute(clock), expected.absolute(clock))
+        assert got.absolute(clock).dtype == (clock - last).dtype

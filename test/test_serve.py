@@ -339,8 +339,9 @@ def test_timing_only_steps_replayed_whole_time_what_walking_their_launches_times
     import geir.session.plan_cache as plan_cache
 
     got = {}
-    for whole in (True, False):
-        monkeypatch.setattr(generate, "LaunchMemo", memo(whole))
+    # None: no memo at all (every launch timed), the oracle of the launch memo itself (cold distances keyed alike)
+    for whole in (True, False, None):
+        monkeypatch.setattr(generate, "LaunchMemo", memo(whole) if whole is not None else lambda: False)
         # GE's host time is measured, and it moves the schedule (what has arrived when a step starts): a clock
         # that ticks 1 ms a reading makes both runs' GE times the same, so every figure can be compared
         ticks = iter(range(10 ** 9))
@@ -349,6 +350,7 @@ def test_timing_only_steps_replayed_whole_time_what_walking_their_launches_times
     replayed, walked = memos
     assert replayed.runs.hits > len(got[True].steps) // 2 and walked.runs.hits == 0
     assert got[True].as_dict() == got[False].as_dict()  # every step's and request's times, the run's figures
+    assert got[False].as_dict() == got[None].as_dict()
 
 
 def test_a_request_that_can_never_fit_is_refused_before_anything_runs(llama, monkeypatch):

@@ -85,3 +85,16 @@ def test_units_are_dealt_in_waves_that_snake_across_the_cores() -> None:
     assert [len(units) for units, _ in waves] == [24, 24, 2]
     assert list(waves[0][1][:2]) == [0, 1] and list(waves[1][1][:2]) == [23, 22]
     assert list(waves[2][0]) == [48, 49] and list(waves[2][1]) == [0, 1]
+
+
+def test_a_workspace_gives_back_the_l2_share_it_took_and_no_more() -> None:
+    t = load_target("ascend910b")
+    gm = GlobalMemory(t)
+    gm.workspace("small", 4, 1 << 20)
+    assert gm.l2_bytes == t.memory.l2_bytes - (1 << 20)
+    gm.workspace("huge", 4, 2 * t.memory.l2_bytes)  # larger than what is left: it takes the rest, all of it
+    assert gm.l2_bytes == 0
+    gm.release("huge")
+    gm.release("small")
+    # the L2 is its capacity again: a reuse distance of at least that is a miss whatever ran (runtime/launch_memo)
+    assert gm.l2_bytes == t.memory.l2_bytes
