@@ -452,7 +452,7 @@ def host_speed(s: int, tmp: Path, small_s: int = 128) -> None:
         say(f"   {label:<48}{median([t.wall for t in ts]):7.2f} {median([t.cpu for t in ts]):7.2f}"
             + "".join(f"   {x}" for x in rest))
 
-    say(f"   {'whole commands':<48}{'wall s':>7} {'cpu s':>7}   {'wall ratio':<18}   cpu ratio")
+    say(f"   {'whole commands':<48}{'wall s':>7} {'cpu s':>7}   {'wall ratio':<17}   cpu ratio")
     line(f"bare loop (python, numpy, s1={s1} s2={s2})", bare_c)
     line("gerun FILE --seed 0", gerun_c, cmd_wall, cmd_cpu, f"{verdict(cmd_wall.median <= 1.5)} (<= 1.5x)")
     line(f"bare loop at S={small_s} (start-up, inputs)", bare_small)
