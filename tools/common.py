@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib import metadata
 from typing import Callable
 
 from geir.passes import PipelineError, complete_pipeline, parse_pipeline, pipeline_text
@@ -169,6 +168,8 @@ def tool_error(tool: str, message: str) -> None:
 
 def version_line(tool: str) -> str:
     """`TOOL (GEIR) VERSION`, the version from the installed package's metadata."""
+    from importlib import metadata  # only for --version: reading the metadata walks sys.path (tens of ms a start)
+
     try:
         version = metadata.version("geir")
     except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
@@ -176,8 +177,20 @@ def version_line(tool: str) -> str:
     return f"{tool} (GEIR) {version}"
 
 
+class _VersionAction(argparse.Action):
+    """argparse's --version, with the line made only when --version is given (not on every start of the tool)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None, tool=""):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.tool = tool
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line(self.tool))
+        parser.exit()
+
+
 def add_version(parser: argparse.ArgumentParser, tool: str) -> None:
-    parser.add_argument("--version", action="version", version=version_line(tool),
+    parser.add_argument("--version", action=_VersionAction, tool=tool,
                         help="print the tool's name and GEIR's version, then exit")
 
 

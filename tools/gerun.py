@@ -477,7 +477,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int:
-    from geir.runtime.profile import format_profile, profile
     from geir.session import Session, ShapeMismatch
 
     # a .geir file, or an .onnx model through the ONNX frontend (its weights with it), as gedoctor and getune read them
@@ -599,6 +598,8 @@ def _run(args, pipeline: str, requested_faults, faults, sources, printer) -> int
 
     profiles = []
     if args.profile or args.profile_json:
+        from geir.runtime.profile import format_profile, profile  # only when asked: a module of its own to compile
+
         for r, result in enumerate(results):
             cache = plan_caches[r] if plan_caches else {"hits": r, "misses": 1, "replan_ms": 0.0}
             profiles.append(profile(result, plan_cache=cache, host_ge_us=host_ge_us[r] if host_ge_us else 0.0))
