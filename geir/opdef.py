@@ -35,7 +35,7 @@ def _load_dialects() -> None:
 OPS: Registry[type[Operation]] = Registry("op kinds", _load_dialects)
 
 # Attributes that passes may put on any op (they are not errors where an op does not declare them).
-PASS_ATTRIBUTES = {"engine", "mem_offset", "tiling", "workspace"}
+PASS_ATTRIBUTES = {"engine", "mem_offset", "mem_operand", "tiling", "workspace"}
 
 
 class ShapeError(ValueError):

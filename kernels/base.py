@@ -125,6 +125,18 @@ class Kernel:
         the values themselves."""
         return tuple(None if v is None else (v.dtype.str, v.shape, v.tobytes()) for v in host_values)
 
+    def shared(self, op: Operation) -> list[tuple[int, int]]:
+        """(operand index, result index) of each result that is its operand's memory (an update in place): the
+        launch writes only what changes, the result starts from the operand's L2 residency, and GE's memory plan
+        gives a donated graph input's result no arena bytes (passes/plan.py). None by default."""
+        return []
+
+    def views(self, op: Operation) -> list[tuple[int, int]]:
+        """(operand index, result index) of each result that is its operand's bytes unchanged where they lie (a
+        reshape of ND data): no launch moves them, and GE's memory plan puts a view of a value that lives in a
+        donated graph input's buffer in that buffer too. None by default."""
+        return []
+
     def needs_tiling(self, sig: OpSignature) -> bool:
         """Whether this op becomes a launch that needs a tiling (a reshape of ND data is a view: no)."""
         return True

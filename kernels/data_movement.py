@@ -506,11 +506,6 @@ class _CopyKernel(FlatTiledKernel):
         """(source view, destination view, operand index, result index) of every copy."""
         raise NotImplementedError
 
-    def shared(self, op: Operation) -> list[tuple[int, int]]:
-        """(operand index, result index) of each result that is its operand's memory (an in-place update): the
-        result starts from the operand's L2 residency, not from whatever tensor held its offset before."""
-        return []
-
     def out_shapes(self, op: Operation, inputs: list[np.ndarray]) -> list[tuple[int, ...]]:
         types = [r.type for r in op.results]
         if all(t is not None and t.is_static for t in types):
@@ -788,6 +783,9 @@ class ReshapeKernel(_CopyKernel):
     def needs_tiling(self, sig: OpSignature) -> bool:
         # a reshape is a view of ND data; of NZ fractals it is a real relayout
         return any(t is not None and t.format != "ND" for t in sig.operands)
+
+    def views(self, op: Operation) -> list[tuple[int, int]]:
+        return [] if self.needs_tiling(OpSignature.of(op)) else [(0, 0)]
 
     def run(self, op: Operation, inputs: list[np.ndarray], tiling: VectorTiling | None,
             ctx: LaunchContext) -> list[np.ndarray]:

@@ -24,6 +24,8 @@ from geir.types import DType, TensorType
 
 F32_BYTES = 4
 BUFFER_NAMES = {"ub": "UB", "l1": "L1", "l0a": "L0A", "l0b": "L0B", "l0c": "L0C"}
+# the attributes GE's tile and plan passes put on an op: where it runs, not what it computes (no part of its signature)
+PLAN_ATTRIBUTES = ("tiling", "mem_offset", "mem_operand", "workspace")
 SMALLEST_BLOCK = 16  # the least query rows (FlashAttention) or output rows (matmul) a shrunk tiling keeps
 
 
@@ -88,7 +90,7 @@ class OpSignature:
     @classmethod
     def of(cls, op: Operation) -> "OpSignature":
         """The signature of an op in a graph (its `tiling` and `mem_offset` are not part of it)."""
-        attributes = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", "workspace")}
+        attributes = {k: v for k, v in op.attributes.items() if k not in PLAN_ATTRIBUTES}
         return cls(op.name, tuple(v.type for v in op.operands), tuple(r.type for r in op.results), attributes)
 
     @classmethod
@@ -100,7 +102,7 @@ class OpSignature:
             inferred = op.infer(*operands)
             results = inferred if isinstance(inferred, tuple) else (inferred,)
         return cls(op.name, operands, results,
-                   {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", "workspace")})
+                   {k: v for k, v in op.attributes.items() if k not in PLAN_ATTRIBUTES})
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attributes.get(key, default)

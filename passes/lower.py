@@ -6,9 +6,11 @@ Device memory is one address space in three regions, each 512-byte aligned:
 
 Inputs are copied in by `rt.h2d` on the copy stream (0) each run; constants are uploaded once
 when the program is loaded (`rt.const`); every other value lives in the arena at the offset the
-`plan` pass chose. Kernels go on compute streams: an op continues the stream of the first op it
-depends on unless another op has already continued it (a fork), in which case it opens a new
-stream, so independent branches run on separate streams. Every dependency that crosses streams
+`plan` pass chose, except a result the plan put in a donated input's buffer (`mem_operand`: an
+update in place of an input nothing else reads), which is launched at that input's offset.
+Kernels go on compute streams: an op continues the stream of the first op it depends on unless
+another op has already continued it (a fork), in which case it opens a new stream, so
+independent branches run on separate streams. Every dependency that crosses streams
 becomes an `rt.record` after the producer and an `rt.wait` before the consumer. An op GE placed on
 the AI CPU becomes an `rt.launch` with `engine = "aicpu"` on a stream like any other: the streams
 order it with the AI Core's launches, and the Runtime runs it on the AI CPU engine.
@@ -24,6 +26,7 @@ import numpy as np
 from geir.builder import create_op
 from geir.diagnostics import error
 from geir.ir import Graph, Module, Operation, Value
+from geir.kernels.tiling import PLAN_ATTRIBUTES
 from geir.ops.core import Const
 from geir.passes.pass_manager import Pass, PassContext, register_pass
 from geir.passes.placement import AICPU, ENGINE_ATTR, engine_of
@@ -87,7 +90,9 @@ def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
 
     # inputs, then constants, then the arena
     offset = 0
+    input_offset: dict[int, int] = {}  # graph argument -> its device offset
     for a, pa in zip(graph.args, args):
+        input_offset[id(a)] = offset
         op = b.emit("rt.h2d", [pa], {"offset": offset, "stream": COPY_STREAM}, [a.type], a.loc, [f"{a.name}.dev"])
         b.value_map[id(a)] = op.result
         b.stream_of[id(op)] = COPY_STREAM
@@ -109,12 +114,20 @@ def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
             continue
         if "mem_offset" not in op.attributes:
             raise error(f"{op.name} has no mem_offset: run the plan pass before lower", op.loc)
+        offsets = _device_offsets(op, arena_base, input_offset)
+        for r, k, offset in zip(op.results, op.attributes.get("mem_operand") or (), offsets):
+            if k >= 0:  # in an input's buffer: a view of it (a reshape) is launched at the same offset
+                input_offset[id(r)] = offset
         stream = _choose_stream(op, b)
         for v in op.operands:
             _wait_for(v, stream, b, op.loc)
         # the plan reuses memory in op order; across streams that order must be enforced: this op
-        # writes only after every op on another stream that used the bytes before is done
-        for r, offset in zip(op.results, op.attributes["mem_offset"]):
+        # writes only after every op on another stream that used the bytes before is done. A result in a
+        # donated input's buffer is outside the arena: only this op reads that input, so no one else waits
+        in_input = op.attributes.get("mem_operand") or [-1] * len(op.results)
+        for r, offset, k in zip(op.results, op.attributes["mem_offset"], in_input):
+            if k >= 0:
+                continue
             for user in pages.take(offset, r.type.nbytes, r, op):
                 if b.stream_of.get(id(user)) not in (None, stream):
                     b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
@@ -124,12 +137,12 @@ def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
             for user in pages.take(ws_offset, ws_bytes, op.results[0], op):
                 if b.stream_of.get(id(user)) not in (None, stream):
                     b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
-        attrs_ = {k: v for k, v in op.attributes.items() if k not in ("tiling", "mem_offset", "workspace", ENGINE_ATTR)}
+        attrs_ = {k: v for k, v in op.attributes.items() if k not in PLAN_ATTRIBUTES and k != ENGINE_ATTR}
         launch_attrs: dict[str, Any] = {"kernel": op.name}
         if engine_of(op) == AICPU:
             # GE placed it on the AI CPU: the Runtime runs the op's semantics there, ordered by the same streams
             launch_attrs["engine"] = AICPU
-        launch_attrs.update(offsets=[arena_base + o for o in op.attributes["mem_offset"]], stream=stream)
+        launch_attrs.update(offsets=offsets, stream=stream)
         if attrs_:
             launch_attrs["attrs"] = attrs_
         if "tiling" in op.attributes:
@@ -158,6 +171,28 @@ def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
     if "arena_lower_bound" in graph.attributes:  # the plan's live-bytes bound, for reports against the arena
         program.attributes["arena_lower_bound"] = graph.attributes["arena_lower_bound"]
     return program
+
+
+def _device_offsets(op: Operation, arena_base: int, input_offset: dict[int, int]) -> list[int]:
+    """The device offset of each result of `op`: its arena slot, or the buffer of the donated input the plan put it
+    in (`mem_operand`); a malformed plan attribute is an error at the op."""
+    slots = op.attributes["mem_offset"]
+    in_input = op.attributes.get("mem_operand") or [-1] * len(op.results)
+    if not isinstance(slots, list) or not isinstance(in_input, list) or not (
+            len(slots) == len(in_input) == len(op.results)):
+        raise error(f"{op.name}: mem_offset and mem_operand must list one entry per result ({len(op.results)})",
+                    op.loc)
+    offsets = []
+    for r, slot, k in zip(op.results, slots, in_input):
+        if k < 0:
+            offsets.append(arena_base + slot)
+            continue
+        x = op.operands[k] if k < len(op.operands) else None
+        if x is None or id(x) not in input_offset or x.type.nbytes != r.type.nbytes:
+            raise error(f"{op.name}: mem_operand {k} of %{r.name} names no operand of its size in a graph input's "
+                        f"buffer: only an input's buffer holds a result outside the arena", op.loc)
+        offsets.append(input_offset[id(x)])
+    return offsets
 
 
 class _ArenaPages:

@@ -2,7 +2,15 @@
 
 Where tensors live:
 - Graph inputs are the caller's buffers (the Runtime binds them); they are not in the arena and
-  the graph never writes into them, so no result takes an input's place.
+  the graph never writes into them, with one exception: a donated, in-place operand. A result that
+  its op's kernel declares to be its operand's memory (`Kernel.shared`: an update in place, as
+  ge.index_put's `in_place`, which serve sets on a KV pool it donates to the step) whose operand is
+  a graph input used by that op alone lives in the input's buffer: it takes no arena bytes, its
+  `mem_offset` entry is -1 and `mem_operand` names, per result, the operand whose buffer it is
+  (-1 for a result in the arena). Anything else the input feeds would read the bytes the update
+  overwrote, so an input with another user (ge.return included) is never taken. A view of such a
+  result (`Kernel.views`: a reshape of ND data reads the bytes where they lie) is in the same buffer,
+  its `mem_operand` naming the viewed operand.
 - Constants live in the Runtime's read-only constant store, uploaded once and shared by every
   run and every re-plan; they are not in the arena either and carry no `mem_offset`.
 - Every other op result lives in the arena, from the op that produces it to its last use. Graph
@@ -70,6 +78,8 @@ class MemoryPlan:
     alignment: int
     # by op index, the ops whose launch needs a GM workspace: (offset, aligned bytes), live while the op runs
     workspaces: dict[int, tuple[int, int]] = attrs.field(factory=dict)
+    # results that live in a donated graph input's buffer, not in the arena: result -> that input
+    donated: dict[Value, Value] = attrs.field(factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -89,6 +99,33 @@ def _can_take_slot(op: Operation, x: Value, r: Value) -> bool:
             and a.dtype.itemsize == b.dtype.itemsize and a.format == b.format)
 
 
+def _donated(op: Operation, j: int, donated: dict[Value, Value]) -> Value | None:
+    """The graph input whose buffer result `j` of `op` is, or None: the op's kernel declares the result its
+    operand's memory (an update in place) and that operand is a graph input nothing else uses; or the result is a
+    view of a value already in an input's buffer (`donated`: value -> input), whose bytes it reads where they lie."""
+    kernel = KERNELS.get(op.name)
+    if kernel is None:
+        return None
+    for i, k in kernel.views(op):
+        if k == j and i < len(op.operands) and op.operands[i] in donated:
+            return donated[op.operands[i]]
+    for i, k in kernel.shared(op):
+        if k != j or i >= len(op.operands):
+            continue
+        x, r = op.operands[i], op.results[j]
+        alone = all(u is op for u in x.uses) and sum(v is x for v in op.operands) == 1
+        if (x.owner is None and x.uses and alone and x.type is not None and x.type.is_static
+                and x.type.nbytes == r.type.nbytes):
+            return x
+    return None
+
+
+def _operand_index(op: Operation, arg: Value | None, donated: dict[Value, Value]) -> int:
+    """The position among the operands of `op` of the one whose buffer is graph input `arg` (the input itself, or
+    a value the plan put in its buffer), -1 for None."""
+    return -1 if arg is None else next(i for i, x in enumerate(op.operands) if x is arg or donated.get(x) is arg)
+
+
 def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> MemoryPlan:
     """Plan the arena of `graph` (types inferred); raises UnplannableError on a dynamic-shape tensor."""
     if alignment <= 0:
@@ -103,12 +140,17 @@ def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> Mem
     buf_end: list[int] = []
     buf_size_ws: dict[int, int] = {}
     inplace_of: dict[Value, Value] = {}
+    donated: dict[Value, Value] = {}
     for i, op in enumerate(ops):
         if op.name == "ge.const":
             continue
-        for r in op.results:
+        for j, r in enumerate(op.results):
             if r.type is None or not r.type.is_static:
                 raise UnplannableError(r)
+            arg = _donated(op, j, donated) if inplace else None
+            if arg is not None:  # updated where the input is: no arena bytes
+                donated[r] = arg
+                continue
             end = max((index[id(u)] for u in r.uses), default=i)
             lifetimes[r] = (i, end)
             sizes[r] = align(r.type.nbytes, alignment)
@@ -142,7 +184,7 @@ def plan_memory(graph: Graph, alignment: int = 512, inplace: bool = True) -> Mem
     arena = max((o + s for o, s in zip(buf_offset, buf_size)), default=0)
     ws = {i: (buf_offset[b], buf_size[b]) for i, b in workspaces.items()}
     return MemoryPlan(offsets, sizes, lifetimes, inplace_of, arena,
-                      live_bytes_peak(buf_size, buf_start, buf_end), alignment, ws)
+                      live_bytes_peak(buf_size, buf_start, buf_end), alignment, ws, donated)
 
 
 def workspace_of(op: Operation) -> int:
@@ -201,6 +243,7 @@ def _clear(graph: Graph) -> None:
     graph.attributes.pop("arena_lower_bound", None)
     for op in graph.ops:
         op.attributes.pop("mem_offset", None)
+        op.attributes.pop("mem_operand", None)
         op.attributes.pop("workspace", None)
 
 
@@ -235,10 +278,14 @@ class Plan(Pass):
                 continue
             for i, op in enumerate(g.ops):
                 if op.results and op.name != "ge.const":
-                    op.attributes["mem_offset"] = [plan.offsets[r] for r in op.results]
+                    op.attributes["mem_offset"] = [plan.offsets.get(r, -1) for r in op.results]
+                    if any(r in plan.donated for r in op.results):
+                        op.attributes["mem_operand"] = [_operand_index(op, plan.donated.get(r), plan.donated)
+                                                       for r in op.results]
                 if i in plan.workspaces:
                     op.attributes["workspace"] = list(plan.workspaces[i])
             g.attributes["arena_size"] = plan.arena_size
             g.attributes["arena_lower_bound"] = plan.arena_lower_bound
             ctx.remark(f"plan: arena {plan.ratio:.2f}x the lower bound (arena_size {plan.arena_size} B, "
-                       f"arena_lower_bound {plan.arena_lower_bound} B, {len(plan.inplace)} in place)", g.loc)
+                       f"arena_lower_bound {plan.arena_lower_bound} B, {len(plan.inplace)} in place"
+                       + (f", {len(plan.donated)} in a donated input" if plan.donated else "") + ")", g.loc)

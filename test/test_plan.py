@@ -388,3 +388,56 @@ def test_returning_an_input_needs_no_arena() -> None:
     g = typed("ge.graph @main(%x: tensor<4xf32>) -> tensor<4xf32> {\n  ge.return %x\n}\n")
     plan = plan_memory(g)
     assert plan.arena_size == plan.arena_lower_bound == 0 and plan.ratio == 1.0
+
+
+DONATED = """
+ge.graph @step(%cache: tensor<1x2x64x32xf16>, %new: tensor<1x2x2x32xf16>, %at: tensor<2xi64>) -> (tensor<1x2x64x32xf16>, tensor<1x2x2x32xf16>) {
+  %w = ge.index_put %cache, %new, %at {axis = 2, in_place = true}
+  %y = ge.neg %new
+  ge.return %w, %y
+}
+"""
+
+
+def test_an_update_in_place_of_a_donated_input_lives_in_the_input() -> None:
+    g = typed(DONATED)
+    plan = plan_memory(g)
+    w = g.ops[0].results[0]
+    assert plan.donated == {w: g.args[0]} and w not in plan.offsets
+    # the arena holds %y alone: 2 x 2 x 32 f16 = 256 B, one 512-byte block; the pool (8 KiB) none of it
+    assert plan.arena_size == plan.arena_lower_bound == align(2 * 2 * 32 * 2, 512)
+    assert plan_memory(g, inplace=False).arena_size == 64 * 2 * 32 * 2 + 512  # no reuse asked: a slot of its own
+    # the pool read again after the update (returned as it was): its bytes must stay, so the update takes a slot
+    shared = typed(DONATED.replace("ge.return %w, %y", "ge.return %w, %y, %cache").replace(
+        "tensor<1x2x2x32xf16>) {", "tensor<1x2x2x32xf16>, tensor<1x2x64x32xf16>) {"))
+    assert not plan_memory(shared).donated and plan_memory(shared).arena_size == 64 * 2 * 32 * 2 + 512
+
+
+def test_a_donated_pool_is_updated_in_its_input_buffer_with_the_numbers_of_the_update() -> None:
+    import numpy as np
+
+    from geir.runtime.device import DeviceTensor
+    from geir.runtime.interpreter import Runtime
+    from geir.session import DEFAULT_PIPELINE, compile_module
+    from geir.target_npu import load_target
+
+    program = compile_module(parse(DONATED, "t.geir"), DEFAULT_PIPELINE, "ascend910b")[0].graphs[0]
+    assert program.attributes["memory"]["arena"] == 512  # %y's block; the pool stays in the input region
+    h2d = next(op for op in program.ops if op.name == "rt.h2d" and op.operands[0].name == "cache")
+    launch = next(op for op in program.ops if op.name == "rt.launch" and op.kernel == "ge.index_put")
+    assert launch.offsets == [h2d.offset]
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((1, 2, 64, 32)).astype(np.float16)
+    new = rng.standard_normal((1, 2, 2, 32)).astype(np.float16)
+    expected = cache.copy()
+    expected[:, :, [5, 63]] = new  # numpy's own update, the oracle
+    runtime = Runtime(load_target("ascend910b"))
+    first = runtime.run(program, {"cache": cache, "new": new, "at": np.array([5, 63])}, keep=[0])
+    kept, y = first.outputs
+    assert isinstance(kept, DeviceTensor)
+    np.testing.assert_array_equal(kept.read(), expected)
+    np.testing.assert_array_equal(y, -new)
+    # the kept pool donated to the next step: updated where it is again
+    second = runtime.run(program, {"cache": kept, "new": -new, "at": np.array([0, 5])})
+    expected[:, :, [0, 5]] = -new
+    np.testing.assert_array_equal(second.outputs[0], expected)

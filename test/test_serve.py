@@ -290,6 +290,33 @@ def test_the_pool_is_sized_from_its_bytes_or_from_the_requests(runs):
         assert key in summary
 
 
+def test_the_donated_pools_live_in_the_step_inputs_not_in_the_arena(llama):
+    """Serve donates the pools to each step, which updates them in place: GE's plan leaves them in the step's input
+    buffers, so a 16x larger pool grows the inputs by exactly its bytes and every program's arena not at all."""
+    from geir.runtime.interpreter import RuntimeListener
+
+    class Layouts(RuntimeListener):
+        def __init__(self):
+            self.memory = []
+
+        def run_started(self, program):
+            self.memory.append((program.name, dict(program.attributes["memory"])))
+
+    runs = {}
+    for mib in (1, 16):
+        seen = Layouts()
+        runs[mib] = (serve(llama, _trace(), block_size=8, pool_bytes=mib << 20, timing_only=True, listeners=[seen],
+                           warmup="none"), seen.memory)
+    (small, small_mem), (large, large_mem) = runs[1], runs[16]
+    assert large.pool_bytes > 15 * small.pool_bytes  # the pool itself did grow
+    assert [name for name, _ in small_mem] == [name for name, _ in large_mem] and small_mem
+    for (_, a), (_, b) in zip(small_mem, large_mem):
+        assert a["arena"] == b["arena"] and a["constants"] == b["constants"]
+        # the pools are 512-byte multiples (a block of 8 tokens x 2 heads x 16 f32 = 1 KiB per layer, K or V)
+        assert b["inputs"] - a["inputs"] == large.pool_bytes - small.pool_bytes
+        assert a["arena"] < small.pool_bytes  # not a second copy of the pools
+
+
 def test_the_trace_has_a_track_per_request_and_the_pool_as_a_counter(runs):
     run = runs["tight"]
     events = run.trace()["traceEvents"]
