@@ -19,8 +19,10 @@ Two shapes:
   vocabulary 32000; f16), timing only: its weights are stand-ins with every shape and no bytes (one element
   broadcast, zero strides; 13.5 GB of f16 would not fit the host), so every kernel is timed by its cost model on
   the real shapes and nothing is computed. 256 requests at full scale (s = 1) at 20 per modelled second;
-  128-token blocks as on Ascend; the pool is an Atlas 800I A2's 64 GiB of HBM at vLLM's default
-  gpu_memory_utilization of 0.9, less the weights.
+  128-token blocks as on Ascend; the pool is what an Atlas 800I A2 NPU's 64 GiB of HBM (the target file's
+  hbm_gib) leaves at vLLM's default gpu_memory_utilization of 0.9 after the weights, the step's inputs and the
+  largest activation arena (GE's plan of the prefill at its largest gear, before the pool exists: vLLM's profile
+  run); serve sizes it (memory_utilization).
 
 Each row: throughput (new tokens per modelled second over the makespan, GE's host work included as it lies on the
 one clock), device throughput (new tokens per second of device busy time: the steady state once GE's plans are
@@ -72,8 +74,8 @@ SERVED_FAMILY = "llama"  # bench/calibration.py's name for the family above: its
 # PagedAttention", SOSP 2023, section 6.1): input and output tokens
 SHAREGPT_MEAN_PROMPT, SHAREGPT_MEAN_OUTPUT = 161.31, 337.99
 PROMPT_SIGMA, OUTPUT_SIGMA = 1.0, 0.8
-# Atlas 800I A2: 64 GB of HBM per 910B NPU; vLLM's default gpu_memory_utilization
-HBM_BYTES, MEMORY_UTILISATION = 64 << 30, 0.9
+# vLLM's default gpu_memory_utilization (the device's memory: the target file's [memory] hbm_gib)
+MEMORY_UTILISATION = 0.9
 GOAL_SPEEDUP, GOAL_WASTE, GOAL_IDLE, GOAL_TPOT, GOAL_HOST_S = 2.0, 0.04, 0.05, 0.15, 60.0
 # the tiny shape's trace: the same ShareGPT-like distribution at half scale (means 81 and 169 tokens), so a sequence
 # spans several 16-token blocks as ShareGPT's do while a full-numerics run stays within minutes; its pool holds about
@@ -145,9 +147,10 @@ class _RunIdle:
         return Recorder()
 
 
-def _serve(model: Any, trace: list, policy: str, args: argparse.Namespace, pool_bytes: int,
-           listeners: tuple = ()) -> tuple[Any, float]:
-    """One policy over the trace; its Serving and the host seconds the serve() call took."""
+def _serve(model: Any, trace: list, policy: str, args: argparse.Namespace, pool_bytes: int | None,
+           listeners: tuple = (), memory_utilization: float | None = None) -> tuple[Any, float]:
+    """One policy over the trace (a pool of `pool_bytes`, or sized by serve from `memory_utilization` of the
+    device's memory); its Serving and the host seconds the serve() call took."""
     import torch
 
     from geir.frontends.torch import serve
@@ -157,8 +160,19 @@ def _serve(model: Any, trace: list, policy: str, args: argparse.Namespace, pool_
         warnings.simplefilter("ignore")
         run = serve(model, [(torch.tensor(p), n, a) for p, n, a in trace], policy=policy,
                     block_size=args.block_size, pool_bytes=pool_bytes, timing_only=args.timing_only,
-                    launch=args.launch, listeners=listeners, warmup=args.warmup)
+                    launch=args.launch, listeners=listeners, warmup=args.warmup,
+                    memory_utilization=memory_utilization)
     return run, time.perf_counter() - start
+
+
+def _sizing(run: Any) -> str:
+    """How serve sized the pool from the device's memory, for the header ('' when it was given)."""
+    z = run.pool_sizing
+    if z is None:
+        return ""
+    return (f"; {100 * z.utilisation:.0f} % of the device's {z.device_bytes / 2**30:.0f} GiB less {z.weights_bytes / 1e9:.2f} "
+            f"GB of weights, {z.activation_bytes / 1e6:.1f} MB of activations (GE's plan of the largest prefill gear) "
+            f"and {z.input_bytes / 1e3:.0f} kB of inputs")
 
 
 def _row(policy: str, run: Any, host_s: float) -> dict[str, Any]:
@@ -298,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, help="arrivals per modelled millisecond (tiny 20, llama-7b 0.02)")
     ap.add_argument("--block-size", type=int, help="tokens per KV block (tiny 16, llama-7b 128)")
     ap.add_argument("--pool-blocks", type=int,
-                    help=f"KV pool blocks, the same for both (tiny {TINY_POOL_BLOCKS}; llama-7b: 0.9 x 64 GiB less the "
-                         f"weights)")
+                    help=f"KV pool blocks, the same for both (tiny {TINY_POOL_BLOCKS}; llama-7b: what {MEMORY_UTILISATION}"
+                         f" of the device's memory leaves after the weights, inputs and activations)")
     ap.add_argument("--layers", type=int, default=LLAMA_7B["num_hidden_layers"],
                     help="llama-7b: how many of its 32 layers (fewer: a quicker check of the same path)")
     ap.add_argument("--timing-only", action="store_true", help="cost models only (no token check; llama-7b always)")
@@ -342,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         model = stand_in_llama(args.layers)
         trace = sharegpt_trace(args.requests, args.rate, LLAMA_7B["vocab_size"], args.seed)
         per_token = kv_bytes_per_token(model)
-        pool_blocks = args.pool_blocks or int(HBM_BYTES * MEMORY_UTILISATION - weight_bytes(model)) // (
-            args.block_size * per_token)
+        pool_blocks = args.pool_blocks  # None: serve sizes the pool from the device's memory
         what = (f"LLaMA-2-7B shape ({args.layers} layers, f16, stand-in weights of {weight_bytes(model) / 1e9:.1f} GB),"
                 f" timing only")
     else:
@@ -352,14 +365,19 @@ def main(argv: list[str] | None = None) -> int:
         per_token = kv_bytes_per_token(model)
         pool_blocks = args.pool_blocks or TINY_POOL_BLOCKS
         what = f"2-layer LLaMA, hidden 64, f32{', timing only' if args.timing_only else ''}"
-    pool_bytes = pool_blocks * args.block_size * per_token
-    print(f"{len(trace)} requests, {_describe(trace)}; pool {pool_blocks} blocks of {args.block_size} tokens ({pool_bytes} B"
-          f"{f', {per_token} B a token' if big else ''}); {what}, ascend910b, {args.launch} launches")
-    print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>11}{'TPOT us':>11}{'busy ms':>11}{'idle ms':>11}"
-          f"{'peak':>6}{'util':>6}{'waste':>7}{'preempt':>8}{'hits':>6}{'miss':>6}{'GE ms':>8}{'start ms':>10}")
+    pool_bytes = None if pool_blocks is None else pool_blocks * args.block_size * per_token
     rows, runs, tokens = [], [], None
     for policy in ("continuous", "static"):
-        run, host_s = _serve(model, trace, policy, args, pool_bytes)
+        run, host_s = _serve(model, trace, policy, args, pool_bytes,
+                             memory_utilization=MEMORY_UTILISATION if pool_bytes is None else None)
+        if not runs:  # the pool, the same for both policies (serve's sizing is a function of model and trace)
+            pool_blocks = run.pool_blocks
+            print(f"{len(trace)} requests, {_describe(trace)}; pool {pool_blocks} blocks of {args.block_size} tokens "
+                  f"({run.pool_bytes} B{f', {per_token} B a token' if big else ''}{_sizing(run)}); {what}, ascend910b, "
+                  f"{args.launch} launches")
+            print(f"{'policy':<11}{'tok/s':>8}{'device tok/s':>13}{'makespan ms':>12}{'TTFT ms':>11}{'TPOT us':>11}"
+                  f"{'busy ms':>11}{'idle ms':>11}{'peak':>6}{'util':>6}{'waste':>7}{'preempt':>8}{'hits':>6}{'miss':>6}"
+                  f"{'GE ms':>8}{'start ms':>10}")
         got = [r.tokens.tolist() for r in run.requests]
         if tokens is not None and got != tokens and not args.timing_only:
             print(f"{policy}: tokens differ from continuous batching's", file=sys.stderr)

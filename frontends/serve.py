@@ -82,6 +82,9 @@ POLICIES = ("continuous", "static")
 WARMUPS = ("gears", "decode", "none")
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
 PREFILL_INPUTS, DECODE_INPUTS = 7, 6  # each step program's inputs before the pools
+ALIGNMENT = 512  # GE lays each input out at this alignment (passes/lower.py)
+# the step programs' dynamic sizes: the batch and the blocks (a row's slots are whole blocks)
+_DIMS = (torch.export.Dim("batch", min=1, max=1 << 12), torch.export.Dim("blocks", min=1, max=1 << 16))
 # vLLM's default max_num_batched_tokens when chunked prefill is off (vllm/config.py, SchedulerConfig:
 # _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048): the most tokens one iteration's prefills may take
 MAX_BATCHED_TOKENS = 2048
@@ -132,6 +135,33 @@ class ServeStep:
 
 
 @attrs.frozen
+class PoolSizing:
+    """How the KV pool was sized from the device's memory, as vLLM sizes its KV cache (vllm/v1/worker/gpu_worker.py,
+    determine_available_memory: the requested share of the device's memory less the weights and the peak
+    activations of a profile run of the largest batch, before the cache exists)."""
+
+    device_bytes: int  # the target's device memory ([memory] hbm_gib)
+    utilisation: float  # the share of it serve may take (vLLM's gpu_memory_utilization)
+    weights_bytes: int  # the step program's constants: its weights, uploaded once
+    activation_bytes: int  # the largest activation arena: GE's plan of the prefill at its largest gear
+    input_bytes: int  # that step's other inputs (ids, masks, tables), the pools aside
+    scratch_slots: int  # slots past the pool's blocks that take a prefill row's pads (in every pool tensor)
+    profile_ge_us: float = 0.0  # GE's host time compiling and planning the profile (startup work)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.device_bytes * self.utilisation)
+
+    @property
+    def free_bytes(self) -> int:
+        """What is left for the pool tensors: the budget less the weights, the activations and the inputs."""
+        return self.budget_bytes - self.weights_bytes - self.activation_bytes - self.input_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "budget_bytes": self.budget_bytes, "free_bytes": self.free_bytes}
+
+
+@attrs.frozen
 class Serving:
     """What `serve` returns: a record per request (in the order given), a record per device run, the run's figures."""
 
@@ -145,7 +175,8 @@ class Serving:
     plan_cache_hits: int  # over the step programs (prefill and decode)
     plan_cache_misses: int
     regroups: int
-    pool_sized_from: str = "pool_bytes"  # or "requests": no target names its device memory, so None sizes it so
+    # "pool_bytes" (given), "requests" (every request at its longest at once) or "memory" (memory_utilization)
+    pool_sized_from: str = "pool_bytes"
     # the warm-up before the first arrival (vLLM's engine startup): GE's host time compiling the step programs and
     # planning (and, in graph mode, capturing) the decode step per batch gear, its plans, and the device time of
     # its dummy runs; outside the makespan, as vLLM's serving benchmarks measure after startup
@@ -153,6 +184,7 @@ class Serving:
     startup_ge_us: float = 0.0
     startup_plans: int = 0
     startup_device_us: float = 0.0
+    pool_sizing: PoolSizing | None = None  # sized from the device's memory: how
 
 
     @property
@@ -212,7 +244,8 @@ class Serving:
                 "host_ge_us": self.host_ge_us, "device_busy_us": self.device_busy_us,
                 "warmup": self.warmup, "startup_ge_us": self.startup_ge_us, "startup_plans": self.startup_plans,
                 "startup_device_us": self.startup_device_us,
-                "device_idle_us": self.device_idle_us, "preemptions": sum(r.preempted for r in self.requests)}
+                "device_idle_us": self.device_idle_us, "preemptions": sum(r.preempted for r in self.requests),
+                "pool_sizing": None if self.pool_sizing is None else self.pool_sizing.as_dict()}
 
     def as_dict(self) -> dict[str, Any]:
         """The whole run as plain data: the summary, each request, each step."""
@@ -262,7 +295,12 @@ class Serving:
                      f"{m['steps']} device runs ({m['regroups']} cache regroups); plan cache {m['plan_cache_hits']} "
                      f"hits / {m['plan_cache_misses']} misses; host GE {m['host_ge_us']:.0f} us; device idle "
                      f"{m['device_idle_us']:.0f} us")
-        sized = "" if self.pool_sized_from == "pool_bytes" else ", sized for every request at its longest"
+        sized = {"pool_bytes": "", "requests": ", sized for every request at its longest"}.get(self.pool_sized_from, "")
+        if self.pool_sizing is not None:
+            z = self.pool_sizing
+            sized = (f", sized from {100 * z.utilisation:.0f} % of the device's {z.device_bytes} B less the weights "
+                     f"({z.weights_bytes} B), the largest activation arena ({z.activation_bytes} B) and the step's "
+                     f"inputs ({z.input_bytes} B)")
         lines.append(f"KV pool: {m['pool_blocks']} blocks of {m['block_size']} tokens ({m['pool_bytes']} B{sized}), peak "
                      f"{m['pool_peak_blocks']} blocks, utilisation {100 * m['pool_utilisation']:.1f} %, waste "
                      f"{100 * m['pool_waste']:.1f} % of allocated slots; {m['preemptions']} preemption(s)")
@@ -501,10 +539,11 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
           dtype: torch.dtype | None = None, target: Target | str = DEFAULT_TARGET, timing_only: bool = False,
           pipeline: str = DEFAULT_PIPELINE, listeners: Sequence[RuntimeListener] = (),
           progress: Callable[[int, int], None] | None = None,
-          max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "gears") -> Serving:
+          max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "gears",
+          memory_utilization: float | None = None) -> Serving:
     """Serve `requests` ((input_ids, max_new_tokens, arrival_us) each) greedily with a Hugging Face causal LM on
     the simulated NPU, batching by `policy` over a KV pool of `pool_bytes` in blocks of `block_size` tokens
-    (None: as large as every request at its longest at once, since no target names its device memory yet).
+    (None: as large as every request at its longest at once; or see `memory_utilization`).
     `buckets`: the slot gears (generate's rule) of a prefill's rows and of the decode table's one width (the
     longest request's gear), whole blocks when None. `timing_only`: every run
     timed by the kernels' cost models without the arithmetic (the schedule does not depend on the tokens, so the
@@ -524,7 +563,10 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     only (each prefill gear planned on the trace's clock when it first occurs); "none": every compile and plan on
     the trace's clock. The startup's GE and device time are reported apart (Serving.startup_ge_us,
     startup_plans): the makespan counts from the first arrival, as vLLM's serving benchmarks measure after
-    startup."""
+    startup. `memory_utilization` (instead of `pool_bytes`): the pool takes what is left of that share of the
+    target's device memory ([memory] hbm_gib) after the weights, the step's inputs and the largest activation
+    arena, which GE's plan of the prefill at its largest gear gives before the pool exists, as vLLM's profile run
+    does (vLLM's gpu_memory_utilization; Serving.pool_sizing says how)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if launch not in LAUNCH_MODES:
@@ -548,7 +590,13 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
             raise ValueError(f"request {s.index}: token id {bad[0]} is outside the model's vocabulary (0 to "
                              f"{vocab - 1 if vocab else '?'})")
     per_token = kv_bytes_per_token(model)
-    if pool_bytes is None:
+    sizing = None
+    if memory_utilization is not None:
+        if pool_bytes is not None:
+            raise ValueError("give pool_bytes or memory_utilization, not both")
+        pool, sizing = _pool_from_memory(model, seqs, block_size, buckets, as_target(target), pipeline,
+                                         max_batched_tokens, memory_utilization)
+    elif pool_bytes is None:
         blocks = sum(-(-s.most_slots // block_size) for s in seqs)
         pool = KVBlockPool(blocks, block_size, per_token)
     else:
@@ -563,7 +611,37 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"{pool.num_blocks} ({pool.pool_bytes} B)")
     run = _Server(model, seqs, pool, policy, buckets, as_target(target), pipeline, listeners, timing_only,
                   progress, launch, max_batched_tokens, warmup).run()
-    return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
+    if sizing is None:
+        return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
+    # the profile's compile and plan are GE's startup work too (vLLM's profile run is part of its engine's start)
+    return attrs.evolve(run, pool_sized_from="memory", pool_sizing=sizing,
+                        startup_ge_us=run.startup_ge_us + sizing.profile_ge_us)
+
+
+def _pool_from_memory(model: torch.nn.Module, seqs: list[_Sequence], block_size: int,
+                      buckets: Sequence[int] | str | None, target: Target, pipeline: str, max_batched_tokens: int,
+                      utilisation: float) -> tuple[KVBlockPool, PoolSizing]:
+    """The pool `utilisation` of the target's device memory leaves after the weights, the step's inputs and the
+    largest activation arena (a profile: _MemoryProfile), and how it was sized; ValueError if it cannot be."""
+    if not 0 < utilisation <= 1:
+        raise ValueError(f"memory_utilization must be a share of the device's memory in (0, 1], not {utilisation}")
+    if not target.memory.hbm_bytes:
+        raise ValueError(f"target {target.name} names no device memory ([memory] hbm_gib): give pool_bytes")
+    per_token = kv_bytes_per_token(model)
+    provisional = KVBlockPool(sum(-(-s.most_slots // block_size) for s in seqs), block_size, per_token)
+    profile = _MemoryProfile(model, seqs, provisional, buckets, target, pipeline, max_batched_tokens)
+    sizing, tensors = profile.sizing(utilisation), 2 * profile.layers
+    del profile  # its export and plan, before the server's own (a live heap the collector would walk again)
+    # the pool tensors (a key and a value tensor per layer, each 512-byte aligned as GE lays inputs out) share the
+    # free bytes: each takes the slots a whole number of alignments holds
+    each = sizing.free_bytes // tensors // ALIGNMENT * ALIGNMENT
+    slots = each // (per_token // tensors) - sizing.scratch_slots
+    if slots < block_size:
+        raise ValueError(f"the device's memory leaves no room for a KV pool: {sizing.budget_bytes} B "
+                         f"({100 * utilisation:.0f} % of {sizing.device_bytes} B) less the weights "
+                         f"({sizing.weights_bytes} B), activations ({sizing.activation_bytes} B) and inputs "
+                         f"({sizing.input_bytes} B)")
+    return KVBlockPool(slots // block_size, block_size, per_token), sizing
 
 
 class _Server:
@@ -651,25 +729,33 @@ class _Server:
             run = self.loop.plan_and_run("decode", feed, timing_only=True, listened=False)  # no step
             ge_us += run.ge_us
             device_us += run.device_us
-        names, bs = self.names["prefill"], self.pool.block_size
         for batch, slots in self.prefill_gears() if prefill else ():
-            rows, writes = [[0] * slots] * batch, [list(range(slots))] * batch  # full rows: no scratch slot needed
-            tables = [[0] * (slots // bs)] * batch
-            feed = {k: to_numpy(v) for k, v in zip(names, _prefill_inputs(rows, slots, writes, tables, bs))}
-            feed.update(zip(names[PREFILL_INPUTS:], pools))
+            feed = self._dummy_prefill(self.names["prefill"], batch, slots, pools)
             run = self.loop.plan_and_run("prefill", feed, timing_only=True, listened=False)
             ge_us += run.ge_us
             device_us += run.device_us
         self.startup_misses = sum(session.misses for session, _ in self.loop.sessions.values()) - misses
         self.startup = (ge_us, self.startup_misses, device_us)
 
+    def _dummy_prefill(self, names: list[str], batch: int, slots: int, pools: list[Any]) -> dict[str, Any]:
+        """A warm-up's prefill feed at gear (batch, slots): full rows of token 0 over block 0, and `pools`."""
+        bs = self.pool.block_size
+        rows, writes = [[0] * slots] * batch, [list(range(slots))] * batch  # full rows: no scratch slot needed
+        tables = [[0] * (slots // bs)] * batch
+        feed = {k: to_numpy(v) for k, v in zip(names, _prefill_inputs(rows, slots, writes, tables, bs))}
+        feed.update(zip(names[PREFILL_INPUTS:], pools))
+        return feed
+
+    def _scratch_slots(self) -> int:
+        """Slots past the pool's blocks for a prefill row's pads (see _pool_shape)."""
+        return max((self._prefill_slots(s.most_slots) for s in self.seqs), default=0)
+
     def _pool_shape(self) -> tuple[int, int, int]:
         """One layer's key (or value) pool: [pool slots + scratch slots, Nkv, D]. The scratch slots, past the
         pool's blocks, take the keys of a prefill row's pads that lie past its own blocks (a shorter row of a
         batched prefill, or a `buckets` gear longer than its blocks): no sequence's block holds them, no table
         names them."""
-        scratch = max((self._prefill_slots(s.most_slots) for s in self.seqs), default=0)
-        return (self.pool.num_blocks * self.pool.block_size + scratch, self.kv_heads, self.head_dim)
+        return (self.pool.num_blocks * self.pool.block_size + self._scratch_slots(), self.kv_heads, self.head_dim)
 
     def _empty_pools(self) -> list[DeviceTensor]:
         """Every layer's key and value pool, resident on the device from the start (zeros; timing only: stand-ins)."""
@@ -681,13 +767,19 @@ class _Server:
         """The prefill (one sequence, its length dynamic) and the decode step (batch and blocks dynamic) over the
         KV pools, exported from the model and imported by GEIR's frontend (its attention over the pools' blocks
         becomes ge.paged_attention in GE's fuse pass: passes/fusion/paged_attention.py)."""
+        return self._prefill_program(model, prompt), self._decode_program(model, prompt)
+
+    def _stand_in_pools(self, model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        """Stand-ins of the pools' shape for tracing (broadcast views: no memory, whatever the pool's size); the
+        model's layer count, KV heads, head size and dtype noted."""
         step = _StepModule(model, False)
         self.layers, self.kv_heads, self.head_dim, self.dtype = step.layers, step.kv_heads, step.head_dim, model.dtype
-        bs = self.pool.block_size
-        # stand-ins of the pools' shape for tracing (broadcast views: no memory, whatever the pool's size)
-        pools = tuple(torch.zeros(1, 1, 1, dtype=model.dtype).expand(self._pool_shape()) for _ in range(2 * step.layers))
-        b_dim = torch.export.Dim("batch", min=1, max=1 << 12)
-        n_dim = torch.export.Dim("blocks", min=1, max=1 << 16)
+        return tuple(torch.zeros(1, 1, 1, dtype=model.dtype).expand(self._pool_shape()) for _ in range(2 * step.layers))
+
+    def _prefill_program(self, model: torch.nn.Module, prompt: list[int]) -> Any:
+        """The batched prefill over the pools (batch and blocks dynamic), exported and imported."""
+        pools, bs = self._stand_in_pools(model), self.pool.block_size
+        b_dim, n_dim = _DIMS
         # a batch of two rows of different lengths over three blocks: the trace sees padding (each row's mask)
         slots = 3 * bs
         rows = [(prompt * slots)[:slots], (prompt * slots)[:max(2, slots - 1)]]
@@ -697,14 +789,20 @@ class _Server:
                    {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim}, tuple(None for _ in pools))
         prefill = import_program(_export(_PagedPrefill(model, bs), (*_prefill_inputs(rows, slots, writes, tables, bs),
                                                                      *pools), dynamic), source="<prefill>")
+        _donate_pools(prefill.module.graph(), PREFILL_INPUTS)
+        return prefill
+
+    def _decode_program(self, model: torch.nn.Module, prompt: list[int]) -> Any:
+        """The decode step over the pools (batch and table width dynamic), exported and imported."""
+        pools, bs = self._stand_in_pools(model), self.pool.block_size
+        b_dim, n_dim = _DIMS
         rows = [_Sequence(0, prompt, 2, 0.0, [1, 2]), _Sequence(1, prompt, 2, 0.0, [1, 2])]
         dynamic = ({0: b_dim}, {0: b_dim, 1: bs * n_dim}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim},
                    tuple(None for _ in pools))
         decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
                                                                     *pools), dynamic), source="<decode>")
-        _donate_pools(prefill.module.graph(), PREFILL_INPUTS)
         _donate_pools(decode.module.graph(), DECODE_INPUTS)
-        return prefill, decode
+        return decode
 
     # --- the slots rule ---
 
@@ -941,3 +1039,34 @@ class _Server:
             for seq in batch:
                 self._finish(seq)
 
+
+
+class _MemoryProfile(_Server):
+    """vLLM's profile run, before the KV pool exists: the prefill program alone, over a provisional pool (the plan's
+    arena does not depend on the pool's size: GE leaves a donated pool in its input buffer, passes/plan.py), planned
+    by GE at its largest gear (the most tokens a step runs), whose activation arena is every step's largest."""
+
+    def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool,
+                 buckets: Sequence[int] | str | None, target: Target, pipeline: str, max_batched_tokens: int):
+        from geir.ir import Module
+        from geir.session import Session
+
+        self.seqs, self.pool, self.buckets, self.max_batched_tokens = seqs, pool, buckets, max_batched_tokens
+        self.target = target
+        m = self._prefill_program(model, seqs[0].prompt).module
+        self.session = Session(Module([m.graph()], m.file, m.resources), pipeline, target)
+
+    def sizing(self, utilisation: float) -> PoolSizing:
+        """The weights, the largest gear's activation arena and its other inputs, as GE's plan lays them out."""
+        from geir.passes.plan import align
+
+        batch, slots = max(self.prefill_gears(), key=lambda gear: gear[0] * gear[1])
+        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
+        pools = [DeviceTensor(t, np.empty(0, np.uint8)) for _ in range(2 * self.layers)]
+        feed = self._dummy_prefill([a.name for a in self.session.generic.args], batch, slots, pools)
+        program = self.session.program({k: v.shape for k, v in feed.items()})
+        memory = program.attributes["memory"]
+        pool_inputs = sum(align(a.type.nbytes, ALIGNMENT) for a in program.args[PREFILL_INPUTS:])
+        return PoolSizing(self.target.memory.hbm_bytes, utilisation, memory["constants"], memory["arena"],
+                          memory["inputs"] - pool_inputs, self._scratch_slots(),
+                          self.session.compile_us + self.session.last_ge_us)

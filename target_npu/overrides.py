@@ -43,7 +43,7 @@ class Quantity(NamedTuple):
     dimension: str
 
 
-_B, _KIB, _MIB = Fraction(1), Fraction(1024), Fraction(2**20)
+_B, _KIB, _MIB, _GIB = Fraction(1), Fraction(1024), Fraction(2**20), Fraction(2**30)
 
 # Friendly keys. The first key listed for a quantity is the one its canonical spec uses.
 OVERRIDE_KEYS: dict[str, Quantity] = {
@@ -54,6 +54,7 @@ OVERRIDE_KEYS: dict[str, Quantity] = {
     "l0c_bytes": Quantity("buffers_kib", "l0c", _B, "bytes"),
     "l2_mib": Quantity("memory", "l2_mib", _MIB, "bytes"),
     "l2_bytes": Quantity("memory", "l2_mib", _B, "bytes"),
+    "hbm_gib": Quantity("memory", "hbm_gib", _GIB, "bytes"),
     "hbm_tb_per_s": Quantity("memory", "hbm_tb_per_s", Fraction(10**12), "rate"),
     "hbm_bandwidth": Quantity("memory", "hbm_tb_per_s", Fraction(10**12), "rate"),
     "clock_ghz": Quantity("cores", "clock_ghz", Fraction(10**9), "freq"),
@@ -76,7 +77,7 @@ for _name, _q in OVERRIDE_KEYS.items():
 # Unit suffixes by dimension, lower-cased: bytes in powers of 1024 (as the buffers are sized), rates
 # and clocks in powers of 1000 (as bandwidths and frequencies are quoted).
 _SUFFIXES: dict[str, tuple[str, Fraction]] = {
-    "b": ("bytes", _B), "kib": ("bytes", _KIB), "mib": ("bytes", _MIB), "gib": ("bytes", Fraction(2**30)),
+    "b": ("bytes", _B), "kib": ("bytes", _KIB), "mib": ("bytes", _MIB), "gib": ("bytes", _GIB),
     "tb/s": ("rate", Fraction(10**12)), "gb/s": ("rate", Fraction(10**9)), "mb/s": ("rate", Fraction(10**6)),
     "ghz": ("freq", Fraction(10**9)), "mhz": ("freq", Fraction(10**6)),
 }
@@ -88,7 +89,7 @@ _AMBIGUOUS = {"kb": "KiB", "mb": "MiB", "gb": "GiB"}
 # fusion guards' row counts) must stay a whole number.
 _FRACTIONAL_OK = {
     ("memory", "l2_mib"), ("memory", "gm_read_bytes_per_cycle_l2"), ("memory", "gm_read_bytes_per_cycle_hbm"),
-    ("memory", "onchip_bytes_per_cycle"), ("memory", "hbm_tb_per_s"), ("vector", "bytes_per_cycle"),
+    ("memory", "onchip_bytes_per_cycle"), ("memory", "hbm_tb_per_s"), ("memory", "hbm_gib"), ("vector", "bytes_per_cycle"),
     ("aicpu", "clock_ghz"), ("aicpu", "cycles_per_op"), ("aicpu", "bytes_per_cycle"), ("aicpu", "task_overhead_us"),
     ("host", "pcie_gb_per_s"), ("host", "copy_latency_us"), ("host", "launch_latency_us"),
 }
@@ -112,7 +113,7 @@ def _data_unit(table: str, key: str) -> tuple[str, Fraction]:
     """The dimension and unit of a quantity as the data stores it, read off its name (`l2_mib`: MiB)."""
     if table == "buffers_kib" or key.endswith("_kib"):
         return "bytes", _KIB
-    for tail, dim, unit in (("_mib", "bytes", _MIB), ("_bytes", "bytes", _B), ("_tb_per_s", "rate", Fraction(10**12)),
+    for tail, dim, unit in (("_gib", "bytes", _GIB), ("_mib", "bytes", _MIB), ("_bytes", "bytes", _B), ("_tb_per_s", "rate", Fraction(10**12)),
                             ("_gb_per_s", "rate", Fraction(10**9)), ("_ghz", "freq", Fraction(10**9))):
         if key.endswith(tail):
             return dim, unit

@@ -27,13 +27,14 @@ class MemorySystem:
     hbm_block_bytes: int  # the burst HBM transfers round up to
     dma_latency_cycles: float  # the start of one DMA
     onchip_bytes_per_cycle: float  # L1 -> L0 and UB <-> L1 moves
+    hbm_bytes: int = 0  # the device memory's capacity (0: the target file does not name it)
 
     @classmethod
     def of(cls, table: dict[str, Any]) -> MemorySystem:
         return cls(int(table["l2_mib"] * 2**20), table["gm_read_bytes_per_cycle_l2"],
                    table["gm_read_bytes_per_cycle_hbm"], table["hbm_tb_per_s"] * 1e12, table["ub_block_bytes"],
                    table["hbm_block_bytes"], table.get("dma_latency_cycles", 0),
-                   table.get("onchip_bytes_per_cycle", 256))
+                   table.get("onchip_bytes_per_cycle", 256), int(table.get("hbm_gib", 0) * 2**30))
 
 
 @attrs.frozen
@@ -234,6 +235,7 @@ _REQUIRED = {
 }
 _OPTIONAL = {
     "cores": {"vector_per_cube": _count()},
+    "memory": {"hbm_gib": Bound(2**-20, MAX_KIB // 2**20, "1 TiB, more than any device's memory")},
     "host": {"pcie_gb_per_s": Bound(1e-9, MAX_RATE, _WHY_RATE), "copy_latency_us": Bound(0, MAX_US, _WHY_TIME),
              "launch_latency_us": Bound(0, MAX_US, _WHY_TIME)},
     "fusion": {"flash_attention_decode_max_q": _count(MAX_ROWS, _WHY_ROWS, 0),

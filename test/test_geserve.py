@@ -135,6 +135,31 @@ def test_a_request_that_can_never_fit_is_refused_at_its_line(files, capsys):
                           f"new tokens need 12 blocks of 4 tokens")
 
 
+def test_the_pool_sized_from_the_devices_memory(files, capsys):
+    """--memory-utilization: the pool is what that share of the (what-if, 64 MiB) device leaves; the JSON says how,
+    and its parts add up to the budget (oracle: the budget = share x the target's memory); a target that names no
+    memory is an error, the flag beside --pool-bytes a usage error."""
+    tmp, trace, config = files
+    rc, out, err = _main(capsys, trace, "--model", config, "--block-size", 4, "--timing-only", "--json",
+                         "--memory-utilization", "0.5", "--target", "ascend910b[hbm_gib=0.0625]")
+    assert rc == 0, err
+    run = json.loads(out)
+    z = run["pool_sizing"]
+    assert run["pool_sized_from"] == "memory" and z["budget_bytes"] == (64 << 20) // 2
+    assert z["free_bytes"] == z["budget_bytes"] - z["weights_bytes"] - z["activation_bytes"] - z["input_bytes"]
+    assert 0 < z["free_bytes"] - run["pool_bytes"] < z["free_bytes"] // 100  # the pool takes nearly all of it
+    from test_serve import _target_without_memory
+
+    rc, _, err = _main(capsys, trace, "--model", config, "--memory-utilization", "0.9", "--target",
+                       _target_without_memory(tmp))
+    assert rc == 1 and "names no device memory" in err and "Traceback" not in err
+    for argv in (["--memory-utilization", "0.5", "--pool-bytes", "4096"], ["--memory-utilization", "0"],
+                 ["--memory-utilization", "x"]):
+        with pytest.raises(SystemExit) as e:
+            geserve.main([str(trace), "--model", str(config), *argv])
+        assert e.value.code == 2
+
+
 def test_a_bad_config_is_said_where_it_is(files, capsys):
     tmp, trace, _ = files
     bad = tmp / "bad.json"

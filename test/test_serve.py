@@ -317,6 +317,61 @@ def test_the_donated_pools_live_in_the_step_inputs_not_in_the_arena(llama):
         assert a["arena"] < small.pool_bytes  # not a second copy of the pools
 
 
+def test_the_pool_takes_the_device_memory_left_after_weights_inputs_and_activations(llama):
+    """memory_utilization sizes the pool as vLLM sizes its KV cache. Oracles: every step program's device memory
+    (its inputs, the pools among them, its constants and its arena, as GE's lowering lays them out) fits the
+    budget; one block more would not; the weights are at least the model's parameters' bytes."""
+    from geir.runtime.interpreter import RuntimeListener
+
+    class Layouts(RuntimeListener):
+        def __init__(self):
+            self.memory = []
+
+        def run_started(self, program):
+            self.memory.append(dict(program.attributes["memory"]))
+
+    seen = Layouts()
+    device, share = 64 << 20, 0.5  # a what-if device of 64 MiB: a pool of a few MiB on the host, not of 57 GB
+    run = serve(llama, _trace(), block_size=8, memory_utilization=share, target="ascend910b[hbm_gib=0.0625]",
+                timing_only=True, listeners=[seen])
+    z = run.pool_sizing
+    assert run.pool_sized_from == "memory" and z.device_bytes == device and z.budget_bytes == device * share
+    assert seen.memory  # the warm-up's dummy runs are not listened to; the trace's steps are
+    used = [m["inputs"] + m["constants"] + m["arena"] for m in seen.memory]
+    assert max(used) <= z.budget_bytes
+    assert max(m["arena"] for m in seen.memory) <= z.activation_bytes  # the profile's gear is the largest
+    one_block = 8 * PER_TOKEN
+    assert max(used) - max(m["arena"] for m in seen.memory) + z.activation_bytes + one_block > z.budget_bytes
+    params = sum(p.numel() * p.element_size() for p in llama.parameters())
+    assert params <= z.weights_bytes < 1.1 * params  # the weights, and little else (rope tables)
+    assert run.pool_blocks > 1000 and run.pool_bytes == run.pool_blocks * one_block
+    assert "sized from 50 % of the device's 67108864 B" in run.render()
+
+
+def _target_without_memory(folder):
+    """The 910B's target file without its [memory] hbm_gib."""
+    from geir.target_npu.target import TARGET_DIR
+
+    source = (TARGET_DIR / "ascend910b.toml").read_text()
+    path = folder / "no_memory.toml"
+    path.write_text("\n".join(line for line in source.splitlines() if not line.startswith("hbm_gib")) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"memory_utilization": 0.5, "pool_bytes": 1 << 20}, "not both"),
+    ({"memory_utilization": 0.0}, "share of the device's memory"),
+    ({"memory_utilization": 1.5}, "share of the device's memory"),
+    ({"memory_utilization": 0.9, "target": "NO_MEMORY"}, "names no device memory"),
+    ({"memory_utilization": 0.9, "target": "ascend910b[hbm_gib=0.0005]"}, "no room for a KV pool"),
+])
+def test_a_pool_sized_from_memory_that_cannot_be_is_refused(llama, kwargs, message, tmp_path):
+    if kwargs.get("target") == "NO_MEMORY":  # a target file that names no device memory
+        kwargs = {**kwargs, "target": str(_target_without_memory(tmp_path))}
+    with pytest.raises(ValueError, match=message):
+        serve(llama, _trace(), block_size=8, timing_only=True, warmup="none", **kwargs)
+
+
 def test_the_trace_has_a_track_per_request_and_the_pool_as_a_counter(runs):
     run = runs["tight"]
     events = run.trace()["traceEvents"]

@@ -1,6 +1,7 @@
 """geserve: serve a trace of requests with a Hugging Face causal LM on the simulated NPU (geir.frontends.torch.serve).
 
-    geserve TRACE.jsonl --model CONFIG.json [--policy continuous|static] [--block-size N] [--pool-bytes B]
+    geserve TRACE.jsonl --model CONFIG.json [--policy continuous|static] [--block-size N]
+            [--pool-bytes B | --memory-utilization F]
             [--launch single-op|graph] [--timing-only] [--seed N] [--target NAME] [--json] [--trace OUT.json]
 
 TRACE.jsonl holds one request per line, a JSON object:
@@ -59,6 +60,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    """argparse type of a share of the device's memory: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], not '{text}'") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], not {text}")
+    return value
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=TOOL, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,8 +88,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "(default continuous)")
     p.add_argument("--block-size", type=_positive, default=128, metavar="N",
                    help="tokens per KV block (default 128, as on Ascend)")
-    p.add_argument("--pool-bytes", type=_positive, metavar="B",
-                   help="the KV pool's device bytes (default: every request at its longest at once)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--pool-bytes", type=_positive, metavar="B",
+                      help="the KV pool's device bytes (default: every request at its longest at once)")
+    pool.add_argument("--memory-utilization", type=_share, metavar="F",
+                      help="size the pool as vLLM's gpu_memory_utilization does: what this share of the target's "
+                           "device memory leaves after the weights, the step's inputs and the largest activation "
+                           "arena GE plans")
     p.add_argument("--launch", choices=("single-op", "graph"), default="single-op",
                    help="how a step's kernels reach the device: the host submits each (single-op), or the step's task "
                         "graph is captured once per GE bucket and replayed by one submission (graph, as ACL Graph)")
@@ -260,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             result = serve(model, requests, policy=args.policy, block_size=args.block_size,
-                           pool_bytes=args.pool_bytes, target=chip, launch=args.launch, timing_only=args.timing_only,
+                           pool_bytes=args.pool_bytes, memory_utilization=args.memory_utilization, target=chip,
+                           launch=args.launch, timing_only=args.timing_only,
                            progress=_progress_bar() if sys.stderr.isatty() else None)
         except TorchImportError as e:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
