@@ -146,7 +146,7 @@ class PoolSizing:
     activation_bytes: int  # the largest activation arena: GE's plan of the prefill at its largest gear
     input_bytes: int  # that step's other inputs (ids, masks, tables), the pools aside
     scratch_slots: int  # slots past the pool's blocks that take a prefill row's pads (in every pool tensor)
-    profile_ge_us: float = 0.0  # GE's host time compiling and planning the profile (startup work)
+    profile_ge_us: float = 0.0  # GE's host time planning the profile (startup work)
 
     @property
     def budget_bytes(self) -> int:
@@ -392,9 +392,10 @@ def _paged_layer_class():
 
         def _read(self, pool):
             """[B, Nkv, blocks x block_size, D]: each row's blocks in its table's order (FIA's block table)."""
-            n, heads, dim = pool.shape
+            _, heads, dim = pool.shape
             batch, blocks = self.table.shape
-            rows = pool.reshape(n // self.block_size, self.block_size, heads, dim)[self.table]
+            # the block count unstated (-1): nothing in the program names the pool's size but its type
+            rows = pool.reshape(-1, self.block_size, heads, dim)[self.table]
             return rows.reshape(batch, blocks * self.block_size, heads, dim).transpose(1, 2)
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -522,6 +523,34 @@ def _bind_kv_lengths(graph: Any) -> str | None:
     return lengths.name
 
 
+def _unpin_pools(graph: Any, first: int) -> None:
+    """The pools' size made a run-time size of the imported step program (the export saw one pool): each pool
+    argument's slot axis unknown and each reshape of a pool into blocks (`_read`) counting them as -1, every
+    other type inferred again. One export then serves a pool of any size: the memory profile's provisional pool,
+    then the pool it sizes; GE specialises a plan for each, as for any dynamic size."""
+    from geir.ops.core import Const
+    from geir.verifier import verify_graph
+
+    for pool in graph.args[first:]:
+        pool.type = TensorType((None, *pool.type.shape[1:]), pool.type.dtype, pool.type.format)
+        frontier = [pool]  # the pool, its updates (ge.index_put into it) and their reshapes into blocks
+        while frontier:
+            value = frontier.pop()
+            for user in value.users():
+                if user.operands[0] is not value:
+                    continue
+                if user.name == "ge.index_put":
+                    frontier.append(user.results[0])
+                elif user.name == "ge.reshape":
+                    user.attributes["shape"] = [-1, *user.attributes["shape"][1:]]
+    for op in graph.ops:
+        if not isinstance(op, Const):
+            for r in op.results:
+                r.type = None
+    verify_graph(graph, None, fill_types=True)
+    graph.result_types = [v.type for v in graph.terminator.operands]
+
+
 def _donate_pools(graph: Any, first: int) -> None:
     """The pool arguments (from `first` on) are donated to the step: each one's update at the step's slots writes in
     place (ge.index_put's in_place: only the slots written move, as vllm-ascend's cache write does), since serve
@@ -590,12 +619,13 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
             raise ValueError(f"request {s.index}: token id {bad[0]} is outside the model's vocabulary (0 to "
                              f"{vocab - 1 if vocab else '?'})")
     per_token = kv_bytes_per_token(model)
-    sizing = None
     if memory_utilization is not None:
         if pool_bytes is not None:
             raise ValueError("give pool_bytes or memory_utilization, not both")
-        pool, sizing = _pool_from_memory(model, seqs, block_size, buckets, as_target(target), pipeline,
-                                         max_batched_tokens, memory_utilization)
+        _check_memory(as_target(target), memory_utilization)
+        # provisional, for the export and the memory profile (the programs take a pool of any size): the server
+        # sizes the pool from the device's memory before its warm-up
+        pool = KVBlockPool(sum(-(-s.most_slots // block_size) for s in seqs), block_size, per_token)
     elif pool_bytes is None:
         blocks = sum(-(-s.most_slots // block_size) for s in seqs)
         pool = KVBlockPool(blocks, block_size, per_token)
@@ -603,45 +633,31 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
         pool = KVBlockPool.from_bytes(int(pool_bytes), block_size, per_token)
     if buckets is not None:  # a gear for the longest cache any step needs, said now rather than mid-run
         bucket_length(max(s.most_slots for s in seqs), buckets)
-    for s in seqs:
-        if not pool.fits_ever(s.most_slots):
-            raise ValueError(f"request {s.index} can never fit the KV pool: its prompt of {len(s.prompt)} tokens and "
-                             f"{s.max_new} new tokens need {pool.blocks_for(s.most_slots)} blocks of {block_size} "
-                             f"tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the pool has "
-                             f"{pool.num_blocks} ({pool.pool_bytes} B)")
+    if memory_utilization is None:
+        _refuse_unfittable(seqs, pool)
     run = _Server(model, seqs, pool, policy, buckets, as_target(target), pipeline, listeners, timing_only,
-                  progress, launch, max_batched_tokens, warmup).run()
-    if sizing is None:
-        return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
-    # the profile's compile and plan are GE's startup work too (vLLM's profile run is part of its engine's start)
-    return attrs.evolve(run, pool_sized_from="memory", pool_sizing=sizing,
-                        startup_ge_us=run.startup_ge_us + sizing.profile_ge_us)
+                  progress, launch, max_batched_tokens, warmup, memory_utilization).run()
+    if memory_utilization is not None:
+        return attrs.evolve(run, pool_sized_from="memory")
+    return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
 
 
-def _pool_from_memory(model: torch.nn.Module, seqs: list[_Sequence], block_size: int,
-                      buckets: Sequence[int] | str | None, target: Target, pipeline: str, max_batched_tokens: int,
-                      utilisation: float) -> tuple[KVBlockPool, PoolSizing]:
-    """The pool `utilisation` of the target's device memory leaves after the weights, the step's inputs and the
-    largest activation arena (a profile: _MemoryProfile), and how it was sized; ValueError if it cannot be."""
+def _check_memory(target: Target, utilisation: float) -> None:
+    """ValueError unless `utilisation` is a share of a device memory the target names."""
     if not 0 < utilisation <= 1:
         raise ValueError(f"memory_utilization must be a share of the device's memory in (0, 1], not {utilisation}")
     if not target.memory.hbm_bytes:
         raise ValueError(f"target {target.name} names no device memory ([memory] hbm_gib): give pool_bytes")
-    per_token = kv_bytes_per_token(model)
-    provisional = KVBlockPool(sum(-(-s.most_slots // block_size) for s in seqs), block_size, per_token)
-    profile = _MemoryProfile(model, seqs, provisional, buckets, target, pipeline, max_batched_tokens)
-    sizing, tensors = profile.sizing(utilisation), 2 * profile.layers
-    del profile  # its export and plan, before the server's own (a live heap the collector would walk again)
-    # the pool tensors (a key and a value tensor per layer, each 512-byte aligned as GE lays inputs out) share the
-    # free bytes: each takes the slots a whole number of alignments holds
-    each = sizing.free_bytes // tensors // ALIGNMENT * ALIGNMENT
-    slots = each // (per_token // tensors) - sizing.scratch_slots
-    if slots < block_size:
-        raise ValueError(f"the device's memory leaves no room for a KV pool: {sizing.budget_bytes} B "
-                         f"({100 * utilisation:.0f} % of {sizing.device_bytes} B) less the weights "
-                         f"({sizing.weights_bytes} B), activations ({sizing.activation_bytes} B) and inputs "
-                         f"({sizing.input_bytes} B)")
-    return KVBlockPool(slots // block_size, block_size, per_token), sizing
+
+
+def _refuse_unfittable(seqs: list[_Sequence], pool: KVBlockPool) -> None:
+    """ValueError for the first request whose prompt and new tokens could never fit `pool`."""
+    for s in seqs:
+        if not pool.fits_ever(s.most_slots):
+            raise ValueError(f"request {s.index} can never fit the KV pool: its prompt of {len(s.prompt)} tokens and "
+                             f"{s.max_new} new tokens need {pool.blocks_for(s.most_slots)} blocks of "
+                             f"{pool.block_size} tokens ({pool.blocks_for(s.most_slots) * pool.block_bytes} B), the "
+                             f"pool has {pool.num_blocks} ({pool.pool_bytes} B)")
 
 
 class _Server:
@@ -651,7 +667,8 @@ class _Server:
                  buckets: Sequence[int] | str | None, target: Target, pipeline: str,
                  listeners: Sequence[RuntimeListener], timing_only: bool = False,
                  progress: Callable[[int, int], None] | None = None, launch: str = "single-op",
-                 max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "none"):
+                 max_batched_tokens: int = MAX_BATCHED_TOKENS, warmup: str = "none",
+                 memory_utilization: float | None = None):
         self.seqs = seqs
         self.warmup = warmup
         self.max_batched_tokens = max_batched_tokens
@@ -678,10 +695,16 @@ class _Server:
         self.steps: list[ServeStep] = []
         self.host_free = 0.0
         self.device_free = 0.0
+        self.sizing: PoolSizing | None = None
+        if memory_utilization is not None:  # vLLM's order: the profile, then the pool, then the warm-up
+            self.sizing = self._memory_profile(memory_utilization)
+            self.pool = self._pool_from(self.sizing)
+            _refuse_unfittable(seqs, self.pool)
         self.pools = self._empty_pools()
         self.admissions = 0
-        self.startup = (0.0, 0, 0.0)  # GE's host us, plans, device us
-        self.startup_misses = 0
+        # GE's host us, plans, device us before the first arrival: the memory profile's plan is startup work too
+        self.startup = (0.0, 0, 0.0) if self.sizing is None else (self.sizing.profile_ge_us, 1, 0.0)
+        self.startup_misses = self.startup[1]
         if warmup != "none":
             self._warm_up(prefill=warmup == "gears")
 
@@ -734,8 +757,40 @@ class _Server:
             run = self.loop.plan_and_run("prefill", feed, timing_only=True, listened=False)
             ge_us += run.ge_us
             device_us += run.device_us
-        self.startup_misses = sum(session.misses for session, _ in self.loop.sessions.values()) - misses
-        self.startup = (ge_us, self.startup_misses, device_us)
+        self.startup_misses += sum(session.misses for session, _ in self.loop.sessions.values()) - misses
+        self.startup = (self.startup[0] + ge_us, self.startup_misses, device_us)
+
+    def _memory_profile(self, utilisation: float) -> PoolSizing:
+        """vLLM's profile run, before the pool exists: GE's plan of the prefill at its largest gear (the most tokens
+        a step runs) over the provisional pool, whose activation arena is every step's largest (no plan's arena
+        grows with the pool: GE leaves a donated pool in its input buffer, passes/plan.py); with the weights and
+        the step's other inputs, as that plan lays them out."""
+        from geir.passes.plan import align
+
+        session = self.loop.sessions["prefill"][0]
+        batch, slots = max(self.prefill_gears(), key=lambda gear: gear[0] * gear[1])
+        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
+        pools = [DeviceTensor(t, np.empty(0, np.uint8)) for _ in range(2 * self.layers)]
+        feed = self._dummy_prefill(self.names["prefill"], batch, slots, pools)
+        program = session.program({k: v.shape for k, v in feed.items()})
+        memory = program.attributes["memory"]
+        pool_inputs = sum(align(a.type.nbytes, ALIGNMENT) for a in program.args[PREFILL_INPUTS:])
+        return PoolSizing(self.target.memory.hbm_bytes, utilisation, memory["constants"], memory["arena"],
+                          memory["inputs"] - pool_inputs, self._scratch_slots(), session.last_ge_us)
+
+    def _pool_from(self, sizing: PoolSizing) -> KVBlockPool:
+        """The pool of as many blocks as the free bytes hold; ValueError if not one block does."""
+        tensors, per_token, bs = 2 * self.layers, self.pool.bytes_per_token, self.pool.block_size
+        # the pool tensors (a key and a value tensor per layer, each 512-byte aligned as GE lays inputs out) share
+        # the free bytes: each takes the slots a whole number of alignments holds
+        each = sizing.free_bytes // tensors // ALIGNMENT * ALIGNMENT
+        slots = each // (per_token // tensors) - sizing.scratch_slots
+        if slots < bs:
+            raise ValueError(f"the device's memory leaves no room for a KV pool: {sizing.budget_bytes} B "
+                             f"({100 * sizing.utilisation:.0f} % of {sizing.device_bytes} B) less the weights "
+                             f"({sizing.weights_bytes} B), activations ({sizing.activation_bytes} B) and inputs "
+                             f"({sizing.input_bytes} B)")
+        return KVBlockPool(slots // bs, bs, per_token)
 
     def _dummy_prefill(self, names: list[str], batch: int, slots: int, pools: list[Any]) -> dict[str, Any]:
         """A warm-up's prefill feed at gear (batch, slots): full rows of token 0 over block 0, and `pools`."""
@@ -789,6 +844,7 @@ class _Server:
                    {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim}, tuple(None for _ in pools))
         prefill = import_program(_export(_PagedPrefill(model, bs), (*_prefill_inputs(rows, slots, writes, tables, bs),
                                                                      *pools), dynamic), source="<prefill>")
+        _unpin_pools(prefill.module.graph(), PREFILL_INPUTS)
         _donate_pools(prefill.module.graph(), PREFILL_INPUTS)
         return prefill
 
@@ -801,6 +857,7 @@ class _Server:
                    tuple(None for _ in pools))
         decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
                                                                     *pools), dynamic), source="<decode>")
+        _unpin_pools(decode.module.graph(), DECODE_INPUTS)
         _donate_pools(decode.module.graph(), DECODE_INPUTS)
         return decode
 
@@ -928,7 +985,8 @@ class _Server:
         return Serving(records, self.steps, self.policy, self.pool.block_size, self.pool.num_blocks,
                        self.pool.pool_bytes, self.pool.peak_blocks, sum(s.hits for s in sessions),
                        sum(s.misses for s in sessions) - self.startup_misses, self.regroups, warmup=self.warmup,
-                       startup_ge_us=self.startup[0], startup_plans=self.startup[1], startup_device_us=self.startup[2])
+                       startup_ge_us=self.startup[0], startup_plans=self.startup[1], startup_device_us=self.startup[2],
+                       pool_sizing=self.sizing)
 
     def _waiting(self, waiting: list[_Sequence]) -> list[_Sequence]:
         """The waiting sequences first come, first served (a preempted one keeps its place by arrival)."""
@@ -1040,33 +1098,3 @@ class _Server:
                 self._finish(seq)
 
 
-
-class _MemoryProfile(_Server):
-    """vLLM's profile run, before the KV pool exists: the prefill program alone, over a provisional pool (the plan's
-    arena does not depend on the pool's size: GE leaves a donated pool in its input buffer, passes/plan.py), planned
-    by GE at its largest gear (the most tokens a step runs), whose activation arena is every step's largest."""
-
-    def __init__(self, model: torch.nn.Module, seqs: list[_Sequence], pool: KVBlockPool,
-                 buckets: Sequence[int] | str | None, target: Target, pipeline: str, max_batched_tokens: int):
-        from geir.ir import Module
-        from geir.session import Session
-
-        self.seqs, self.pool, self.buckets, self.max_batched_tokens = seqs, pool, buckets, max_batched_tokens
-        self.target = target
-        m = self._prefill_program(model, seqs[0].prompt).module
-        self.session = Session(Module([m.graph()], m.file, m.resources), pipeline, target)
-
-    def sizing(self, utilisation: float) -> PoolSizing:
-        """The weights, the largest gear's activation arena and its other inputs, as GE's plan lays them out."""
-        from geir.passes.plan import align
-
-        batch, slots = max(self.prefill_gears(), key=lambda gear: gear[0] * gear[1])
-        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
-        pools = [DeviceTensor(t, np.empty(0, np.uint8)) for _ in range(2 * self.layers)]
-        feed = self._dummy_prefill([a.name for a in self.session.generic.args], batch, slots, pools)
-        program = self.session.program({k: v.shape for k, v in feed.items()})
-        memory = program.attributes["memory"]
-        pool_inputs = sum(align(a.type.nbytes, ALIGNMENT) for a in program.args[PREFILL_INPUTS:])
-        return PoolSizing(self.target.memory.hbm_bytes, utilisation, memory["constants"], memory["arena"],
-                          memory["inputs"] - pool_inputs, self._scratch_slots(),
-                          self.session.compile_us + self.session.last_ge_us)

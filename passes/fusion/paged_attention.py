@@ -91,8 +91,11 @@ class PagedAttentionRead(Pattern):
             return Miss(f"k and v are repeated for grouped-query heads differently ({k_group} and {v_group})")
         if fa.attr("layout") != "BNSD" or fa.attr("softcap"):
             return Miss("the attention is not BNSD without a softcap (what ge.paged_attention takes)")
-        if kb.type.shape[:2] != vb.type.shape[:2] or None in kb.type.shape + vb.type.shape:
-            return Miss(f"the key and value pools {kb.type} and {vb.type} are not the same static blocks")
+        # the blocks' count may be a run-time size (serve's pools, of any size); their size and width may not.
+        # ge.paged_attention's shape rule checks that the counts agree once GE specialises the plan
+        if (not all(_same(a, b) for a, b in zip(kb.type.shape[:2], vb.type.shape[:2]))
+                or None in kb.type.shape[1:] + vb.type.shape[1:]):
+            return Miss(f"the key and value pools {kb.type} and {vb.type} are not the same blocks of a static size")
         nkv = kb.type.shape[2]
         n = q.type.shape[1]
         # repeated per group (or, once attention_native dropped the copies, grouped by flash_attention itself)
@@ -104,7 +107,7 @@ class PagedAttentionRead(Pattern):
         pools = []
         for blocks in (m.k_blocks, m.v_blocks):
             nb, bs, nkv, d = blocks.type.shape
-            pools.append(rw.create("ge.reshape", [blocks], {"shape": [nb, bs, nkv * d]}, before=m.root).result)
+            pools.append(rw.create("ge.reshape", [blocks], {"shape": [-1 if nb is None else nb, bs, nkv * d]}, before=m.root).result)
         attrs = {"num_key_value_heads": m.kv_heads, "causal": m.root.attr("causal")}
         if m.root.attr("scale") is not None:
             attrs["scale"] = m.root.attr("scale")
