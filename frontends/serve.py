@@ -528,8 +528,7 @@ def _unpin_pools(graph: Any, first: int) -> None:
     argument's slot axis unknown and each reshape of a pool into blocks (`_read`) counting them as -1, every
     other type inferred again. One export then serves a pool of any size: the memory profile's provisional pool,
     then the pool it sizes; GE specialises a plan for each, as for any dynamic size."""
-    from geir.ops.core import Const
-    from geir.verifier import verify_graph
+    from geir.verifier import infer_types_again
 
     for pool in graph.args[first:]:
         pool.type = TensorType((None, *pool.type.shape[1:]), pool.type.dtype, pool.type.format)
@@ -543,12 +542,7 @@ def _unpin_pools(graph: Any, first: int) -> None:
                     frontier.append(user.results[0])
                 elif user.name == "ge.reshape":
                     user.attributes["shape"] = [-1, *user.attributes["shape"][1:]]
-    for op in graph.ops:
-        if not isinstance(op, Const):
-            for r in op.results:
-                r.type = None
-    verify_graph(graph, None, fill_types=True)
-    graph.result_types = [v.type for v in graph.terminator.operands]
+    infer_types_again(graph)
 
 
 def _donate_pools(graph: Any, first: int) -> None:

@@ -23,6 +23,17 @@ def verify_module(module: Module, emit: Emit | None = None, fill_types: bool = F
     return ok
 
 
+def infer_types_again(graph: Graph) -> None:
+    """Every result's type but a constant's inferred again from the arguments' types (after they changed), the
+    graph's result types with them; DiagnosticError where the new types do not type-check."""
+    for op in graph.ops:
+        if op.name != "ge.const":
+            for r in op.results:
+                r.type = None
+    verify_graph(graph, None, fill_types=True)
+    graph.result_types = [v.type for v in graph.terminator.operands]
+
+
 def verify_graph(graph: Graph, emit: Emit | None = None, fill_types: bool = False,
                  known: dict[int, TensorType] | None = None) -> bool:
     """Verify one graph, reporting every bad op; with fill_types, set result types that were missing.
