@@ -40,12 +40,12 @@ What is modelled, and what is not:
   over the same pool.
 - One clock: GE's host work (compiles and re-plans, measured on the host) overlaps the device's runs as in
   generate(); every device figure is the simulator's. A request cannot start before it arrives.
-- Startup (`warmup`): by default, before the first arrival, GE compiles both step programs and plans (in graph
-  mode, captures) by a dummy run each the decode step at every batch gear and the prefill at every (batch,
-  blocks) gear under the token budget, as vLLM's engine compiles its model's general shape (a dummy run of
-  max_num_batched_tokens) and captures every size of cudagraph_capture_sizes (vllm-ascend its ACL graphs) before
-  serving, so that no step waits for GE in the trace, whichever the policy; its GE and device time are reported
-  apart, not on the trace's clock (vLLM's serving benchmarks measure after startup).
+- Startup (`warmup`): by default, before the first arrival, GE compiles both step programs and plans the decode
+  step at every batch gear and the prefill at every (batch, blocks) gear under the token budget (in graph mode
+  capturing each by a dummy run), as vLLM's engine compiles its model's general shape (a dummy run of
+  max_num_batched_tokens) and captures every size of cudagraph_capture_sizes (vllm-ascend its ACL graphs; in
+  eager mode nothing) before serving, so that no step waits for GE in the trace, whichever the policy; its GE and
+  device time are reported apart, not on the trace's clock (vLLM's serving benchmarks measure after startup).
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ class Serving:
     # "pool_bytes" (given), "requests" (every request at its longest at once) or "memory" (memory_utilization)
     pool_sized_from: str = "pool_bytes"
     # the warm-up before the first arrival (vLLM's engine startup): GE's host time compiling the step programs and
-    # planning (and, in graph mode, capturing) the decode step per batch gear, its plans, and the device time of
-    # its dummy runs; outside the makespan, as vLLM's serving benchmarks measure after startup
+    # planning (and, in graph mode, capturing) every gear, its plans, and the device time of its dummy runs (graph
+    # mode's captures; none in single-op mode); outside the makespan, as vLLM's serving benchmarks measure after startup
     warmup: str = "none"
     startup_ge_us: float = 0.0
     startup_plans: int = 0
@@ -575,8 +575,8 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     request finishes (a progress bar on long runs). `max_batched_tokens`: the most tokens (batch gear x slots, pads
     included) one batched prefill may run, as vLLM's max_num_batched_tokens; a prompt longer runs alone.
     `warmup`: what GE does before the first arrival, as an engine's startup (WARMUPS). "gears" (the default,
-    vLLM's: no compile while serving): both step programs compiled, and by a dummy run each, the decode step
-    planned (in graph mode captured) at every batch gear the pool can hold and the prefill at every (batch gear,
+    vLLM's: no compile while serving): both step programs compiled, the decode step planned (in graph mode
+    captured, by a dummy run each) at every batch gear the pool can hold and the prefill at every (batch gear,
     slots) gear it can take under the token budget (a prefill's rows padded to a power of two of blocks, or to
     `buckets`' gears, as vLLM pads a batch to its next captured size; the padded keys masked, so the tokens are
     the same). vLLM's engine compiles its model before serving (vllm/v1/worker/gpu_model_runner.py: profile_run's
@@ -721,11 +721,12 @@ class _Server:
         return [(b, n) for b in self.decode_gears() for n in slots if b == 1 or b * n <= self.max_batched_tokens]
 
     def _warm_up(self, prefill: bool = True) -> None:
-        """The engine's startup, before the first arrival: both step programs compiled, the decode step planned
-        (graph mode: captured) at every batch gear and (`prefill`) the prefill at every gear (prefill_gears), each
-        by a dummy run, timing only, over stand-in pools and empty tables (vLLM's compile and capture_model: a
-        dummy forward per size). Its figures are kept apart; the trace's clock starts at 0 with the host and the
-        device free."""
+        """The engine's startup, before the first arrival: both step programs compiled, the decode step planned at
+        every batch gear and (`prefill`) the prefill at every gear (prefill_gears). In graph mode each plan is
+        captured by a dummy run, timing only, over stand-in pools and empty tables (vLLM's capture_model: a dummy
+        forward per size); in single-op mode GE plans them and nothing runs, as vLLM's eager mode (enforce_eager)
+        captures nothing (so the startup has no device time). Its figures are kept apart; the trace's clock starts
+        at 0 with the host and the device free."""
         ge_us = device_us = 0.0
         for phase in ("prefill", "decode"):
             if phase in self.loop.uncompiled:
@@ -743,16 +744,23 @@ class _Server:
             feed.update(zip(names[DECODE_INPUTS:], pools))
             if self.kv_lengths is not None:
                 feed[self.kv_lengths] = _kv_lengths(rows)
-            run = self.loop.plan_and_run("decode", feed, timing_only=True, listened=False)  # no step
-            ge_us += run.ge_us
-            device_us += run.device_us
+            ge_us, device_us = self._ready("decode", feed, ge_us, device_us)
         for batch, slots in self.prefill_gears() if prefill else ():
             feed = self._dummy_prefill(self.names["prefill"], batch, slots, pools)
-            run = self.loop.plan_and_run("prefill", feed, timing_only=True, listened=False)
-            ge_us += run.ge_us
-            device_us += run.device_us
+            ge_us, device_us = self._ready("prefill", feed, ge_us, device_us)
         self.startup_misses += sum(session.misses for session, _ in self.loop.sessions.values()) - misses
         self.startup = (self.startup[0] + ge_us, self.startup_misses, device_us)
+
+    def _ready(self, phase: str, feed: dict[str, Any], ge_us: float, device_us: float) -> tuple[float, float]:
+        """One gear made ready before the first arrival: planned by GE, and in graph mode captured by a dummy run
+        (no step: nobody is told of its tasks); the startup's GE and device time with it added."""
+        if self.loop.launch == "graph":
+            run = self.loop.plan_and_run(phase, feed, timing_only=True, listened=False)
+            return ge_us + run.ge_us, device_us + run.device_us
+        session = self.loop.sessions[phase][0]
+        misses = session.misses
+        session.program({k: v.shape for k, v in feed.items()})
+        return ge_us + (session.last_ge_us if session.misses > misses else 0.0), device_us
 
     def _memory_profile(self, utilisation: float) -> PoolSizing:
         """vLLM's profile run, before the pool exists: GE's plan of the prefill at its largest gear (the most tokens
