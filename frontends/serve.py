@@ -523,13 +523,33 @@ def _bind_kv_lengths(graph: Any) -> str | None:
     return lengths.name
 
 
-def _unpin_pools(graph: Any, first: int) -> None:
+def _unpin_pools(graph: Any, first: int) -> bool:
     """The pools' size made a run-time size of the imported step program (the export saw one pool): each pool
     argument's slot axis unknown and each reshape of a pool into blocks (`_read`) counting them as -1, every
     other type inferred again. One export then serves a pool of any size: the memory profile's provisional pool,
-    then the pool it sizes; GE specialises a plan for each, as for any dynamic size."""
+    then the pool it sizes; GE specialises a plan for each, as for any dynamic size. False, the program as it
+    was, where some other use of a pool fixes its size (the types do not check without it)."""
+    from geir.diagnostics import DiagnosticError
     from geir.verifier import infer_types_again
 
+    types = [(v, v.type) for v in graph.args[first:]] + [(r, r.type) for op in graph.ops for r in op.results]
+    shapes = [(op, op.attributes["shape"]) for op in graph.ops if op.name == "ge.reshape"]
+    result_types = list(graph.result_types)
+    try:
+        _unpinned(graph, first)
+        infer_types_again(graph)
+        return True
+    except DiagnosticError:
+        for v, t in types:
+            v.type = t
+        for op, shape in shapes:
+            op.attributes["shape"] = shape
+        graph.result_types = result_types
+        return False
+
+
+def _unpinned(graph: Any, first: int) -> None:
+    """_unpin_pools' rewrite: the pools' slot axis unknown, their reshapes into blocks -1 (types not yet inferred)."""
     for pool in graph.args[first:]:
         pool.type = TensorType((None, *pool.type.shape[1:]), pool.type.dtype, pool.type.format)
         frontier = [pool]  # the pool, its updates (ge.index_put into it) and their reshapes into blocks
@@ -542,7 +562,6 @@ def _unpin_pools(graph: Any, first: int) -> None:
                     frontier.append(user.results[0])
                 elif user.name == "ge.reshape":
                     user.attributes["shape"] = [-1, *user.attributes["shape"][1:]]
-    infer_types_again(graph)
 
 
 def _donate_pools(graph: Any, first: int) -> None:
@@ -675,6 +694,7 @@ class _Server:
         self.target = target
         self.pipeline = pipeline
         self.listeners = listeners
+        self.pools_unpinned = True  # both step programs take a pool of any size (_unpin_pools)
         self.loop = _Loop(*self._programs(model, seqs[0].prompt), target, pipeline, listeners, launch)
         # each row's key count, an input of the decode step's attention (FIA's actual_seq_lengths_kv)
         self.kv_lengths = _bind_kv_lengths(self.loop.sessions["decode"][0].generic)
@@ -691,6 +711,9 @@ class _Server:
         self.device_free = 0.0
         self.sizing: PoolSizing | None = None
         if memory_utilization is not None:  # vLLM's order: the profile, then the pool, then the warm-up
+            if not self.pools_unpinned:
+                raise ValueError("this model's step programs fix the KV pool's size (a use of the pool beside its "
+                                 "update and its blocks' read), so it cannot be sized after them: give pool_bytes")
             self.sizing = self._memory_profile(memory_utilization)
             self.pool = self._pool_from(self.sizing)
             _refuse_unfittable(seqs, self.pool)
@@ -846,7 +869,7 @@ class _Server:
                    {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim}, tuple(None for _ in pools))
         prefill = import_program(_export(_PagedPrefill(model, bs), (*_prefill_inputs(rows, slots, writes, tables, bs),
                                                                      *pools), dynamic), source="<prefill>")
-        _unpin_pools(prefill.module.graph(), PREFILL_INPUTS)
+        self.pools_unpinned &= _unpin_pools(prefill.module.graph(), PREFILL_INPUTS)
         _donate_pools(prefill.module.graph(), PREFILL_INPUTS)
         return prefill
 
@@ -859,7 +882,7 @@ class _Server:
                    tuple(None for _ in pools))
         decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
                                                                     *pools), dynamic), source="<decode>")
-        _unpin_pools(decode.module.graph(), DECODE_INPUTS)
+        self.pools_unpinned &= _unpin_pools(decode.module.graph(), DECODE_INPUTS)
         _donate_pools(decode.module.graph(), DECODE_INPUTS)
         return decode
 

@@ -516,3 +516,39 @@ def test_the_schedulers_waste_is_each_sequences_last_block_tail_over_its_life():
         held = [t for p, n in lengths for t in range(p, p + n)]
         allocated = sum(-(-t // bs) * bs for t in held)
         assert bench.scheduler_waste(trace, (bs,))[bs] == pytest.approx((allocated - sum(held)) / allocated)
+
+
+POOL_STEP = """
+ge.graph @step(%new: tensor<2x2x16xf32>, %at: tensor<2xi64>, %table: tensor<1x2xi64>, %pool: tensor<32x2x16xf32>) -> (tensor<1x2x8x2x16xf32>, tensor<32x2x16xf32>) {
+  %w = ge.index_put %pool, %new, %at {axis = 0}
+  %blocks = ge.reshape %w {shape = [4, 8, 2, 16]}
+  %rows = ge.gather %blocks, %table {axis = 0}
+  ge.return %rows, %w
+}
+"""
+
+
+def test_a_step_program_takes_a_pool_of_any_size_or_stays_as_it_was(monkeypatch):
+    """_unpin_pools: the pool's slot axis unknown, its reshape into blocks -1, the rest inferred again (the gather's
+    rows keep their static size); where the types would not check, the program is left exactly as it was."""
+    from geir.diagnostics import Diagnostic, DiagnosticError
+    from geir.frontends.serve import _unpin_pools
+    from geir.parser import parse
+    from geir.printer import print_module
+
+    module = parse(POOL_STEP)
+    g = module.graphs[0]
+    assert _unpin_pools(g, 3)
+    assert g.args[3].type.shape == (None, 2, 16) and g.ops[1].attributes["shape"] == [-1, 8, 2, 16]
+    assert g.ops[2].results[0].type.shape == (1, 2, 8, 2, 16) and g.result_types[1].shape == (None, 2, 16)
+
+    module = parse(POOL_STEP)
+    before = print_module(module)
+
+    def refuse(graph):
+        raise DiagnosticError(Diagnostic("error", "a use that fixes the pool's size", graph.loc))
+
+    import geir.verifier
+    monkeypatch.setattr(geir.verifier, "infer_types_again", refuse)
+    assert not _unpin_pools(module.graphs[0], 3)
+    assert print_module(module) == before
