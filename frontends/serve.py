@@ -66,6 +66,7 @@ from geir.frontends.generate import (
     bucket_length,
 )
 from geir.frontends.torch_builder import geir_dtype, to_numpy
+from geir.passes.lower import ALIGN  # the alignment GE lays each input out at
 from geir.frontends.torch_import import import_program
 from geir.runtime.device import DeviceTensor
 from geir.runtime.interpreter import LAUNCH_MODES, RuntimeListener
@@ -82,7 +83,6 @@ POLICIES = ("continuous", "static")
 WARMUPS = ("gears", "decode", "none")
 REQUESTS_PID = 2  # the requests' tracks, after GE's (0) and the device's (1)
 PREFILL_INPUTS, DECODE_INPUTS = 7, 6  # each step program's inputs before the pools
-ALIGNMENT = 512  # GE lays each input out at this alignment (passes/lower.py)
 # the step programs' dynamic sizes: the batch and the blocks (a row's slots are whole blocks)
 _DIMS = (torch.export.Dim("batch", min=1, max=1 << 12), torch.export.Dim("blocks", min=1, max=1 << 16))
 # vLLM's default max_num_batched_tokens when chunked prefill is off (vllm/config.py, SchedulerConfig:
@@ -756,8 +756,7 @@ class _Server:
                 self.loop.uncompiled.discard(phase)
                 ge_us += self.loop.sessions[phase][0].compile_us
         misses = sum(session.misses for session, _ in self.loop.sessions.values())
-        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
-        pools = [DeviceTensor(t, np.empty(0, np.uint8)) for _ in range(2 * self.layers)]
+        pools = self._empty_pools(stand_ins=True)
         names = self.names["decode"]
         for batch in self.decode_gears():
             rows = [_Sequence(-1, self.seqs[0].prompt, 1, 0.0, list(self.seqs[0].prompt)) for _ in range(batch)]
@@ -794,12 +793,11 @@ class _Server:
 
         session = self.loop.sessions["prefill"][0]
         batch, slots = max(self.prefill_gears(), key=lambda gear: gear[0] * gear[1])
-        t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
-        pools = [DeviceTensor(t, np.empty(0, np.uint8)) for _ in range(2 * self.layers)]
+        pools = self._empty_pools(stand_ins=True)
         feed = self._dummy_prefill(self.names["prefill"], batch, slots, pools)
         program = session.program({k: v.shape for k, v in feed.items()})
         memory = program.attributes["memory"]
-        pool_inputs = sum(align(a.type.nbytes, ALIGNMENT) for a in program.args[PREFILL_INPUTS:])
+        pool_inputs = sum(align(a.type.nbytes, ALIGN) for a in program.args[PREFILL_INPUTS:])
         return PoolSizing(self.target.memory.hbm_bytes, utilisation, memory["constants"], memory["arena"],
                           memory["inputs"] - pool_inputs, self._scratch_slots(), session.last_ge_us)
 
@@ -808,7 +806,7 @@ class _Server:
         tensors, per_token, bs = 2 * self.layers, self.pool.bytes_per_token, self.pool.block_size
         # the pool tensors (a key and a value tensor per layer, each 512-byte aligned as GE lays inputs out) share
         # the free bytes: each takes the slots a whole number of alignments holds
-        each = sizing.free_bytes // tensors // ALIGNMENT * ALIGNMENT
+        each = sizing.free_bytes // tensors // ALIGN * ALIGN
         slots = each // (per_token // tensors) - sizing.scratch_slots
         if slots < bs:
             raise ValueError(f"the device's memory leaves no room for a KV pool: {sizing.budget_bytes} B "
@@ -837,10 +835,12 @@ class _Server:
         names them."""
         return (self.pool.num_blocks * self.pool.block_size + self._scratch_slots(), self.kv_heads, self.head_dim)
 
-    def _empty_pools(self) -> list[DeviceTensor]:
-        """Every layer's key and value pool, resident on the device from the start (zeros; timing only: stand-ins)."""
+    def _empty_pools(self, stand_ins: bool = False) -> list[DeviceTensor]:
+        """Every layer's key and value pool, resident on the device from the start (zeros; timing only, or
+        `stand_ins` for a warm-up's or the memory profile's dummy feed: stand-ins that hold no bytes)."""
         t = TensorType(self._pool_shape(), geir_dtype(self.dtype, "the KV pool"))
-        storage = (lambda: np.empty(0, np.uint8)) if self.timing_only else (lambda: np.zeros(t.shape, t.dtype.np))
+        none = self.timing_only or stand_ins
+        storage = (lambda: np.empty(0, np.uint8)) if none else (lambda: np.zeros(t.shape, t.dtype.np))
         return [DeviceTensor(t, storage()) for _ in range(2 * self.layers)]
 
     def _programs(self, model: torch.nn.Module, prompt: list[int]) -> tuple[Any, Any]:

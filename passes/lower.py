@@ -114,21 +114,18 @@ def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
             continue
         if "mem_offset" not in op.attributes:
             raise error(f"{op.name} has no mem_offset: run the plan pass before lower", op.loc)
-        offsets = _device_offsets(op, arena_base, input_offset)
-        for r, k, offset in zip(op.results, op.attributes.get("mem_operand") or (), offsets):
-            if k >= 0:  # in an input's buffer: a view of it (a reshape) is launched at the same offset
-                input_offset[id(r)] = offset
+        offsets, in_input = _device_offsets(op, arena_base, input_offset)
         stream = _choose_stream(op, b)
         for v in op.operands:
             _wait_for(v, stream, b, op.loc)
         # the plan reuses memory in op order; across streams that order must be enforced: this op
         # writes only after every op on another stream that used the bytes before is done. A result in a
         # donated input's buffer is outside the arena: only this op reads that input, so no one else waits
-        in_input = op.attributes.get("mem_operand") or [-1] * len(op.results)
-        for r, offset, k in zip(op.results, op.attributes["mem_offset"], in_input):
-            if k >= 0:
+        for r, offset, slot, inside in zip(op.results, offsets, op.attributes["mem_offset"], in_input):
+            if inside:  # a view of it (a reshape) is launched at the same offset
+                input_offset[id(r)] = offset
                 continue
-            for user in pages.take(offset, r.type.nbytes, r, op):
+            for user in pages.take(slot, r.type.nbytes, r, op):
                 if b.stream_of.get(id(user)) not in (None, stream):
                     b.wait(b.event_after(id(user), b.stream_of[id(user)], op.loc), stream, op.loc)
         if "workspace" in op.attributes and op.results:
@@ -173,13 +170,13 @@ def lower_graph(graph: Graph, target: Target | None = None) -> Graph:
     return program
 
 
-def _device_offsets(op: Operation, arena_base: int, input_offset: dict[int, int]) -> list[int]:
-    """The device offset of each result of `op`: its arena slot, or the buffer of the donated input the plan put it
-    in (`mem_operand`); a malformed plan attribute is an error at the op."""
+def _device_offsets(op: Operation, arena_base: int, input_offset: dict[int, int]) -> tuple[list[int], list[bool]]:
+    """The device offset of each result of `op` (its arena slot, or the buffer of the donated input the plan put it
+    in: `mem_operand`) and whether it is in an input's buffer; a malformed plan attribute is an error at the op."""
     slots = op.attributes["mem_offset"]
     in_input = op.attributes.get("mem_operand") or [-1] * len(op.results)
     if not isinstance(slots, list) or not isinstance(in_input, list) or not (
-            len(slots) == len(in_input) == len(op.results)):
+            len(slots) == len(in_input) == len(op.results)) or not all(type(k) is int for k in in_input):
         raise error(f"{op.name}: mem_offset and mem_operand must list one entry per result ({len(op.results)})",
                     op.loc)
     offsets = []
@@ -192,7 +189,7 @@ def _device_offsets(op: Operation, arena_base: int, input_offset: dict[int, int]
             raise error(f"{op.name}: mem_operand {k} of %{r.name} names no operand of its size in a graph input's "
                         f"buffer: only an input's buffer holds a result outside the arena", op.loc)
         offsets.append(input_offset[id(x)])
-    return offsets
+    return offsets, [k >= 0 for k in in_input]
 
 
 class _ArenaPages:
