@@ -35,7 +35,7 @@ from geir.ir import Operation
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, no_bytes
 from geir.kernels.tiling import KernelTiling
-from geir.target_npu.residency import SparseResidency
+from geir.target_npu.residency import Deferred, SparseResidency
 from geir.target_npu.sim import GlobalMemory, PipeInterval
 
 
@@ -69,6 +69,35 @@ class _Blocks:
         out = np.full(self.count, clock - self.background)
         out[self.where] = clock - self.values
         return out
+
+
+class _Replayed(Deferred):
+    """The residency a replayed launch left a tensor: `blocks` at the byte clock `clock`, built as
+    `blocks.absolute(clock)` only if something reads it. The memo's own key reads it unbuilt (`relative`): a
+    weight a step reads once is never built, though each replay of its matmul leaves one."""
+
+    def __init__(self, blocks: _Blocks, clock: float):
+        self.blocks, self.clock = blocks, clock
+
+    def materialize(self) -> np.ndarray:
+        return self.blocks.absolute(self.clock)
+
+    def relative(self, clock: float, cold: int) -> _Blocks:
+        """`_relative(clock, self.materialize(), cold)`, to the bit, from the few values that differ."""
+        b = self.blocks
+        if not b.count:
+            return _relative(clock, self.materialize(), cold)
+        # the built array's background and differing values, in its dtype (np.full's and the assignment's)
+        background = np.full(1, self.clock - b.background)
+        values = (self.clock - b.values).astype(background.dtype)
+        top = np.max(np.concatenate([background, values]))
+        if clock - top >= cold:  # all cold: _relative's shortcut
+            kind = np.result_type(clock, background)
+            return _Blocks(b.count, kind.type(cold), np.empty(0, np.int64), np.empty(0, kind))
+        now = np.minimum(clock - background, cold)[0]  # the last block's, which is always a background block
+        moved = np.minimum(clock - values, cold)
+        differ = moved != now
+        return _Blocks(b.count, now, b.where[differ], moved[differ])
 
 
 @attrs.frozen
@@ -219,7 +248,9 @@ class LaunchMemo:
                 gm.sizes[name] = s.size
             if s.clock is not None:
                 gm.tensor_clock[name] = gm.clock - s.clock
-            if s.blocks is not None:
+            if isinstance(s.blocks, _Blocks):
+                gm.last_touch[name] = _Replayed(s.blocks, gm.clock)
+            elif s.blocks is not None:
                 gm.last_touch[name] = s.blocks.absolute(gm.clock)
         waits = None
         if entry.stats.waits is not None:
@@ -270,7 +301,7 @@ class LaunchMemo:
         for i, base in enumerate(bases):
             for name in [base, *roles.get(base, ())]:
                 clock = gm.tensor_clock.get(name)
-                blocks = gm.last_touch.get(name)
+                blocks = _peek(gm.last_touch, name)
                 size = gm.sizes.get(name)
                 if clock is None and blocks is None and size is None:
                     continue
@@ -294,9 +325,17 @@ class LaunchMemo:
         return roles
 
 
-def _relative(clock: int, blocks: np.ndarray | SparseResidency, cold: int) -> _Blocks | SparseResidency:
+def _peek(last_touch: dict, name: str) -> Any:
+    """A tensor's residency as GlobalMemory keeps it, a replay's deferred one left unbuilt."""
+    peek = getattr(last_touch, "peek", None)
+    return last_touch.get(name) if peek is None else peek(name)
+
+
+def _relative(clock: int, blocks: np.ndarray | SparseResidency | _Replayed, cold: int) -> _Blocks | SparseResidency:
     """A residency relative to the byte clock, distances past `cold` kept as `cold`, compact: runs stay runs
     (already a few numbers, and canonical: runs made equal by the cut merge)."""
+    if isinstance(blocks, _Replayed):
+        return blocks.relative(clock, cold)
     if isinstance(blocks, SparseResidency):
         relative = clock - blocks
         return SparseResidency(relative.n, 0.0, relative.starts, np.minimum(relative.values, cold))

@@ -119,6 +119,47 @@ class SparseResidency:
         return resampled(self, n)
 
 
+class Deferred:
+    """A tensor's residency that is not built until something reads it (a launch replayed by the Runtime's memo
+    leaves the residency it records for every tensor it touched, and most are never read again in the run)."""
+
+    def materialize(self) -> np.ndarray | SparseResidency:
+        raise NotImplementedError
+
+
+class Residencies(dict):
+    """GlobalMemory.last_touch: each tensor's per-block residency by name, a Deferred one built on first read (so
+    every reader sees an array or runs, never the deferral); `peek` gives a value as stored, deferred or not."""
+
+    def __getitem__(self, name: str) -> np.ndarray | SparseResidency:
+        value = dict.__getitem__(self, name)
+        if isinstance(value, Deferred):
+            value = self._built(name, value)
+        return value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+    def pop(self, name: str, *default: Any) -> Any:
+        value = dict.pop(self, name, *default)
+        return value.materialize() if isinstance(value, Deferred) else value
+
+    def values(self) -> Any:
+        return [self[k] for k in self]
+
+    def items(self) -> Any:
+        return [(k, self[k]) for k in self]
+
+    def peek(self, name: str) -> Any:
+        """The stored value: maybe a Deferred (for a reader that can use it unbuilt); None where there is none."""
+        return dict.get(self, name)
+
+    def _built(self, name: str, value: Deferred) -> np.ndarray | SparseResidency:
+        built = value.materialize()
+        dict.__setitem__(self, name, built)
+        return built
+
+
 def _differ(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Whether float64 values differ to the bit (so -0.0 and 0.0 differ, and a NaN equals itself)."""
     return x.view(np.int64) != y.view(np.int64)

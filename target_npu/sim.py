@@ -15,7 +15,7 @@ from typing import Iterable
 import attrs
 import numpy as np
 
-from geir.target_npu.residency import SparseResidency, residency
+from geir.target_npu.residency import Residencies, SparseResidency, residency
 from geir.target_npu.target import Target
 
 # AIV_MTE2: on a chip whose cube and vector units are separate cores (Atlas A2), the vector core's own
@@ -135,7 +135,8 @@ class GlobalMemory:
         self.chip_hbm_rate = mem.hbm_bytes_per_s / target.clock_hz  # bytes per cycle, whole chip
         self.latency = mem.dma_latency_cycles
         self.clock = 0  # bytes moved so far: the reuse-distance clock
-        self.last_touch: dict[str, np.ndarray | SparseResidency] = {}  # runs for a tensor of many blocks
+        # runs for a tensor of many blocks; a launch memo's replay may defer one (built when read)
+        self.last_touch: dict[str, np.ndarray | SparseResidency] = Residencies()
         self.tensor_clock: dict[str, int] = {}  # when each tensor was last touched, whatever its blocks
         self.sizes: dict[str, int] = {}  # bytes of each tensor, where declared
         self.gm_read_bytes = 0

@@ -226,3 +226,27 @@ def test_a_residency_cold_by_more_than_the_l2_keys_as_the_l2_its_blocks_cut_ther
         assert got.key() == expected.key()
         np.testing.assert_array_equal(got.absolute(clock), expected.absolute(clock))
         assert got.absolute(clock).dtype == (clock - last).dtype
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_a_replayed_residency_left_unbuilt_keys_and_reads_as_the_built_array(dtype):
+    from geir.runtime.launch_memo import _Blocks, _relative, _Replayed
+    from geir.target_npu.residency import Residencies
+
+    rng = np.random.default_rng(2)
+    then, cold = 5_000_000, 4096
+    cases = [rng.integers(0, cold, 1000).astype(dtype), np.full(1000, cold, dtype), np.arange(30, dtype=dtype),
+             np.array([cold, 3, cold, 0], dtype), np.array([5, 100, cold, cold], dtype), np.full(0, 1, dtype)]
+    for relative in cases:
+        stored = _Blocks.of(relative)
+        built = stored.absolute(then)  # what the replay used to store
+        # then + cold - 50: a block turns cold, as the background is, while another is not yet
+        for now in (then, then + 1, then + 2000, then + cold - 50, then + cold, then + 10 * cold):
+            deferred = _Replayed(stored, then)
+            # the oracle: the key of the array built at replay, taken at a later clock
+            assert _relative(now, deferred, cold).key() == _relative(now, built, cold).key()
+        touches = Residencies({"t": _Replayed(stored, then)})
+        assert isinstance(touches.peek("t"), _Replayed)
+        got = touches["t"]  # any other reader gets the array, and it is kept built
+        np.testing.assert_array_equal(got, built)
+        assert got.dtype == built.dtype and touches.peek("t") is got
