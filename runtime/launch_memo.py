@@ -49,6 +49,8 @@ class _Blocks:
     background: np.generic  # the last block's value, in the array's dtype (a pool's tail: no step touched it)
     where: np.ndarray  # the blocks whose value differs, ascending
     values: np.ndarray
+    # key()'s value, made once: a key read again hashes the same bytes objects (Python keeps their hashes)
+    _key: Any = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def of(cls, relative: np.ndarray) -> _Blocks:
@@ -60,9 +62,19 @@ class _Blocks:
         return cls(len(relative), background, where, relative[where])
 
     def key(self) -> Hashable:
-        if not self.where.size:  # touched all at once (or never): one value says it, not every block's
-            return (self.count, float(self.background))
-        return (self.count, self.background.tobytes(), self.where.tobytes(), self.values.tobytes())
+        if self._key is None:
+            if not self.where.size:  # touched all at once (or never): one value says it, not every block's
+                key = (self.count, float(self.background))
+            else:
+                key = (self.count, self.background.tobytes(), self.where.tobytes(), self.values.tobytes())
+            object.__setattr__(self, "_key", key)
+        return self._key
+
+    def integral(self) -> bool:
+        """Whether every value is a whole number below 2**53 (distances in bytes are), so that adding a whole
+        number of bytes to it, or taking it from a clock, is exact in float64."""
+        vals = np.append(self.values, self.background)
+        return bool(np.all(np.abs(vals) < 2.0 ** 53) and np.all(vals == np.round(vals)))
 
     def absolute(self, clock: float) -> np.ndarray:
         """The last touches these relative values give at `clock` (GlobalMemory.last_touch's form, its dtype)."""
@@ -76,14 +88,20 @@ class _Replayed(Deferred):
     `blocks.absolute(clock)` only if something reads it. The memo's own key reads it unbuilt (`relative`): a
     weight a step reads once is never built, though each replay of its matmul leaves one."""
 
-    def __init__(self, blocks: _Blocks, clock: float):
-        self.blocks, self.clock = blocks, clock
+    def __init__(self, blocks: _Blocks, clock: float, seen: _SeenLater | None = None):
+        self.blocks, self.clock, self.seen = blocks, clock, seen
 
     def materialize(self) -> np.ndarray:
         return self.blocks.absolute(self.clock)
 
     def relative(self, clock: float, cold: int) -> _Blocks:
-        """`_relative(clock, self.materialize(), cold)`, to the bit, from the few values that differ."""
+        """`_relative(clock, self.materialize(), cold)`, to the bit, from the few values that differ; the same
+        record read the same number of bytes later (the next layer's twin launch) is derived once (`seen`)."""
+        if self.seen is None:
+            return self._derived(clock, cold)
+        return self.seen.relative(self, clock, cold)
+
+    def _derived(self, clock: float, cold: int) -> _Blocks:
         b = self.blocks
         if not b.count:
             return _relative(clock, self.materialize(), cold)
@@ -98,6 +116,40 @@ class _Replayed(Deferred):
         moved = np.minimum(clock - values, cold)
         differ = moved != now
         return _Blocks(b.count, now, b.where[differ], moved[differ])
+
+
+class _SeenLater:
+    """Replayed residencies read later, by (record, bytes since, cold), for the launches that read them: a 7B
+    step's 32 layers each replay a launch whose record a later launch reads the same number of bytes on, so
+    the relative form is derived once and its key bytes hashed once. Exact because every value involved is a
+    whole number of bytes below 2**53 (checked once per record): clock - (clock0 - v) is v + (clock - clock0).
+    Bounded (the oldest derivations leave first): a layer's twin comes a few dozen launches later."""
+
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        self.derived: dict[tuple, tuple[_Blocks, _Blocks]] = {}
+        self.exact: dict[int, tuple[_Blocks, bool]] = {}
+        self.hits = 0
+
+    def relative(self, replayed: _Replayed, clock: float, cold: int) -> _Blocks:
+        b = replayed.blocks
+        held = self.exact.get(id(b))
+        if held is None or held[0] is not b:
+            held = self.exact[id(b)] = (b, b.integral())
+        if not (held[1] and abs(clock) < 2 ** 53 and abs(replayed.clock) < 2 ** 53
+                and float(clock) == round(clock) and float(replayed.clock) == round(replayed.clock)):
+            return replayed._derived(clock, cold)
+        key = (id(b), clock - replayed.clock, cold)
+        got = self.derived.get(key)
+        if got is not None and got[0] is b:
+            self.hits += 1
+            return got[1]
+        out = replayed._derived(clock, cold)
+        self.derived[key] = (b, out)
+        if len(self.derived) > self.LIMIT:
+            del self.derived[next(iter(self.derived))]
+        return out
 
 
 @attrs.frozen
@@ -197,6 +249,7 @@ class LaunchMemo:
         self.entries: dict[Hashable, _Entry] = {}
         self.whole_runs = whole_runs
         self.runs = RunMemo()
+        self.seen = _SeenLater()
         self.stored = 0  # launches kept
         self._static: dict[int, tuple[Operation, Hashable]] = {}
         self._kernel_ops: dict[int, tuple[Operation, Operation]] = {}  # see kernel_op
@@ -249,7 +302,7 @@ class LaunchMemo:
             if s.clock is not None:
                 gm.tensor_clock[name] = gm.clock - s.clock
             if isinstance(s.blocks, _Blocks):
-                gm.last_touch[name] = _Replayed(s.blocks, gm.clock)
+                gm.last_touch[name] = _Replayed(s.blocks, gm.clock, self.seen)
             elif s.blocks is not None:
                 gm.last_touch[name] = s.blocks.absolute(gm.clock)
         waits = None

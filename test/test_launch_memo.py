@@ -230,9 +230,10 @@ def test_a_residency_cold_by_more_than_the_l2_keys_as_the_l2_its_blocks_cut_ther
 
 @pytest.mark.parametrize("dtype", [np.int64, np.float64])
 def test_a_replayed_residency_left_unbuilt_keys_and_reads_as_the_built_array(dtype):
-    from geir.runtime.launch_memo import _Blocks, _relative, _Replayed
+    from geir.runtime.launch_memo import _Blocks, _relative, _Replayed, _SeenLater
     from geir.target_npu.residency import Residencies
 
+    seen = _SeenLater()
     rng = np.random.default_rng(2)
     then, cold = 5_000_000, 4096
     cases = [rng.integers(0, cold, 1000).astype(dtype), np.full(1000, cold, dtype), np.arange(30, dtype=dtype),
@@ -242,9 +243,19 @@ def test_a_replayed_residency_left_unbuilt_keys_and_reads_as_the_built_array(dty
         built = stored.absolute(then)  # what the replay used to store
         # then + cold - 50: a block turns cold, as the background is, while another is not yet
         for now in (then, then + 1, then + 2000, then + cold - 50, then + cold, then + 10 * cold):
-            deferred = _Replayed(stored, then)
-            # the oracle: the key of the array built at replay, taken at a later clock
-            assert _relative(now, deferred, cold).key() == _relative(now, built, cold).key()
+            # the oracle: the key of the array built at replay, taken at a later clock; also where the record was
+            # replayed at another clock and read as many bytes later (a later layer's twin: derived once)
+            expected = _relative(now, built, cold).key()
+            assert _relative(now, _Replayed(stored, then), cold).key() == expected
+            for shift in (0, 12345, 0):
+                assert _relative(now + shift, _Replayed(stored, then + shift, seen), cold).key() == expected
+    assert seen.hits > 0
+    fraction = _Blocks.of(np.array([0.5, 1.0]))  # not whole numbers: derived every time, never from another clock
+    assert _relative(11, _Replayed(fraction, 10, seen), cold).key() == _relative(11, fraction.absolute(10), cold).key()
+    assert not fraction.integral()
+    for relative in cases:
+        stored = _Blocks.of(relative)
+        built = stored.absolute(then)
         touches = Residencies({"t": _Replayed(stored, then)})
         assert isinstance(touches.peek("t"), _Replayed)
         got = touches["t"]  # any other reader gets the array, and it is kept built
