@@ -28,9 +28,9 @@ from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
 from geir.kernels.flash_attention_a2 import cv_budget, vector_rows
-from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, cv_grid, softmax_passes, time_cv_split
+from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, block_rows, cv_grid, softmax_passes, time_cv_split
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
-from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, cube_refuses
+from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, align, cube_refuses
 from geir.ops.linalg import masked_rows
 from geir.ops.numerics import round_in_f32, round_to
 from geir.target_npu.sim import (
@@ -161,7 +161,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
     if pse is not None:
         # the pse tile comes in with the scores: a row of s2 where it is the same for every query row (ALiBi's
         # [B, N, 1, Skv]), else s1 x s2; the UB budget holds it as a tile beside the mask's
-        pse_bytes = (s2 if pse.ndim < 2 or pse.shape[-2] == 1 else s1 * s2) * _bytes(pse.dtype)
+        rows = block_rows(s1, (N // k.shape[1]) * Sq if decode else Sq)  # a unit's query rows (decode: its group's)
+        pse_bytes = (s2 if pse.ndim < 2 or pse.shape[-2] == 1 else rows * s2) * _bytes(pse.dtype)
         mask_isz += _bytes(pse.dtype)
     if cv:
         preload = tiling.preload
@@ -192,7 +193,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
                       causal_rows, softcap, pse_bytes=pse_bytes, kv_tiles=kv_tiles)
         if parts > 1:
             # on the AIVs, loading with their own engine
-            _time_combine(ctx, names[4], grid["o"] // parts, parts, s1, D, _bytes(q.dtype), "AIV_MTE2")
+            _time_combine(ctx, names[4], grid["o"] // parts, parts, block_rows(s1, q_grid[2]), D, _bytes(q.dtype),
+                          "AIV_MTE2")
         segments = parts  # the CV schedule's own blocks hold a whole key row segment per unit
     else:
         _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows, softcap,
@@ -400,12 +402,13 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
              ("o", ctx.result_names[0], B * N * nq * segments)]
     qname, kname, vname, mname, oname = _role_names(gm, roles)
     units = B * N * nq * segments
-    q_bytes, kv_bytes = s1 * D * isz, s2 * D * isz
+    rows = block_rows(s1, Sq)
+    q_bytes, kv_bytes = rows * D * isz, s2 * D * isz
 
     moves = _Moves(gm, [qname, kname, vname, mname, oname], q_bytes, kv_bytes,
-                   (s1 * s2 * _bytes(mask.dtype) if mask is not None else 0) + pse_bytes,
-                   s1 * D * isz if segments == 1 else s1 * (D + 2) * 4)
-    c = _Consts(target, dname, s1, s2, D, isz, softmax_passes(softcap, pse=pse_bytes > 0))
+                   (rows * s2 * _bytes(mask.dtype) if mask is not None else 0) + pse_bytes,
+                   rows * D * isz if segments == 1 else rows * (D + 2) * 4)
+    c = _Consts(target, dname, rows, s2, D, isz, softmax_passes(softcap, pse=pse_bytes > 0))
     # slot events per core, kept across waves: a core's next unit reuses the slots its last one used
     slots = _Slots(cores.count, nbuf)
     # MTE1, cube, FIXP and vector cycles are whole numbers: where those busy counters are too, a wave adds
@@ -433,7 +436,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     moves.commit()
 
     if segments > 1:
-        _time_combine(ctx, oname, units // segments, segments, s1, D, isz)
+        _time_combine(ctx, oname, units // segments, segments, rows, D, isz)
 
 
 def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None]:
@@ -490,15 +493,18 @@ class _Consts:
     """The cycles of a block's on-chip instructions (the same for every block of a launch)."""
 
     def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int, score_passes: int):
-        self.q_l0 = local_copy_cycles(target, s1 * D * isz)
+        # s1: the block's rows (block_rows): the cube's M and the vector work; on chip (L1, L0, L0C to UB) they
+        # are kept in whole fractals of 16 rows
+        m = align(s1, 16)
+        self.q_l0 = local_copy_cycles(target, m * D * isz)
         self.k_l0 = local_copy_cycles(target, s2 * D * isz)
         self.qk = cube_cycles(target, dname, s1, D, s2)
-        self.s_ub = local_copy_cycles(target, s1 * s2 * 4)
+        self.s_ub = local_copy_cycles(target, m * s2 * 4)
         self.softmax = vector_cycles(target, s1 * s2 * 4, score_passes)
-        self.p_l1 = local_copy_cycles(target, s1 * s2 * isz)
-        self.p_l0 = local_copy_cycles(target, s1 * s2 * isz)
+        self.p_l1 = local_copy_cycles(target, m * s2 * isz)
+        self.p_l0 = local_copy_cycles(target, m * s2 * isz)
         self.pv = cube_cycles(target, dname, s1, s2, D)
-        self.o_ub = local_copy_cycles(target, s1 * D * 4)
+        self.o_ub = local_copy_cycles(target, m * D * 4)
         self.acc = vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES)
         self.o_l = vector_cycles(target, s1 * D * 4, 1)
 

@@ -134,6 +134,17 @@ class _Layout:
         return np.stack([base, base + 1], axis=1)
 
 
+def block_rows(s1: int, sq: int) -> int:
+    """The query rows a unit's block computes: s1, or the query's rows where it has fewer (a decode step's one row
+    per head, or its group's rows stacked), as ops-transformer's kernels size a block by its real rows: s1RealSize
+    = min(s1BaseSize, S1 - s1oIdx * s1BaseSize) sets the matmuls' M (SetTail), the Q copy's rows and the vector
+    loop's (flash_attention_var_len_score.h, ComputeBmm1Tail, ComputeMm1, CopyInMm1AToL1, CANN 8.1.RC1's
+    built-in ascendc/flash_attention_score, as mirrored in leideng/CANN-8.1.RC1 at 4332a01). Where only the
+    query's last block is short (S1 > s1, S1 % s1 != 0) every block is costed at s1: GEIR's blocks of a launch
+    share one cost (that tail is over-costed by at most one block per head)."""
+    return min(s1, sq) if sq > 0 else s1
+
+
 def cv_grid(q_shape, k_shape, s1: int, s2: int, segments: int = 1) -> dict[str, int]:
     """The blocks each role's tensor is cut into by the CV-split schedule (for the caller to register)."""
     B, N, Sq, _ = q_shape
@@ -181,7 +192,8 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     trips = np.maximum(t1 - t0, 0)
     kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk + t0  # a unit's first K/V block
     blocks = _UnitBlocks(q=rows, mask=rows * nk + t0, o=u if segments > 1 else rows)
-    mask_bytes = (0 if mask is None else s1 * s2 * np.dtype(mask.dtype).itemsize) + pse_bytes
+    rows = block_rows(s1, Sq)
+    mask_bytes = (0 if mask is None else rows * s2 * np.dtype(mask.dtype).itemsize) + pse_bytes
     # A core walking one head keeps that head's K and V in the L2 only while the heads all cores walk at once fit
     # beside the workspace; otherwise the cores take turns on each head's row blocks, sharing its K and V
     read = Skv if kv_tiles is None else min(Skv, int(np.max(kv_tiles, initial=0)) * s2)  # the keys a head reads
@@ -190,9 +202,9 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
         assignment = contiguous(trips, cores.count)
     else:
         assignment = interleaved(units, cores.count)
-    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap, pse=pse_bytes > 0))
+    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap, pse=pse_bytes > 0), rows)
     if segments > 1:  # a partial O: f32, with the row max and sum for the combine
-        costs.out_block = s1 * (D + 2) * F32
+        costs.out_block = rows * (D + 2) * F32
     _Program(ctx, lay, costs, assignment, trips, kv_first, blocks, mask_bytes, preload, buffers).run()
     gm.release(lay.ws)
 
@@ -238,25 +250,29 @@ class _Costs:
     """The cycles of a CV block's on-chip instructions (the same for every block of a launch)."""
 
     def __init__(self, target: Target, dname: str, s1: int, s2: int, D: int, isz: int, v_rows: int, buffers: int,
-                 score_passes: int = SOFTMAX_PASSES):
+                 score_passes: int = SOFTMAX_PASSES, rows: int | None = None):
         vpc = target.vector_per_cube
         chunk = min(cube_chunk(align(s1, 16), align(s2, 16), align(D, 16), isz, buffers, target), s2)
         self.chunks = -(-s2 // chunk)
+        # the block's rows (block_rows: fewer than s1 where the query has fewer); on chip they are kept in whole
+        # fractals of 16 rows (the kernel's ND-to-NZ copies and its aligned P), in GM and on the AIVs as they are
+        rows = s1 if rows is None else rows
+        s1, m = rows, align(rows, 16)
         self.half = -(-s1 // vpc)  # rows each AIV takes
         self.subs = -(-self.half // v_rows)
         self.rows = [min(v_rows, self.half - j * v_rows) for j in range(self.subs)]
         # the same cycles as 0-d float64 arrays: an instruction adds them to its lanes' times, and numpy adds an
         # array about twice as fast as it converts a Python number (the sums are the same float64 sums)
         cycles = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
-        self.mm1_l0 = cycles(local_copy_cycles(target, (s1 + chunk) * D * isz))
+        self.mm1_l0 = cycles(local_copy_cycles(target, (m + chunk) * D * isz))
         self.mm1 = cycles(cube_cycles(target, dname, s1, D, chunk))
-        self.mm2_l0 = cycles(local_copy_cycles(target, (s1 + D) * chunk * isz))
+        self.mm2_l0 = cycles(local_copy_cycles(target, (m + D) * chunk * isz))
         self.mm2 = cycles(cube_cycles(target, dname, s1, chunk, D))
         # vector work of a sub-block pair (each AIV its v_rows rows, side by side: vector_cycles counts the pair)
         self.softmax = [cycles(vector_cycles(target, vpc * r * s2 * F32, score_passes)) for r in self.rows]
         self.acc = cycles(vector_cycles(target, s1 * D * F32, ACCUMULATE_PASSES))
         self.o_l = cycles(vector_cycles(target, s1 * D * F32, 1))
-        self.s_block, self.p_block, self.o_block = s1 * s2 * F32, s1 * s2 * isz, s1 * D * F32
+        self.s_block, self.p_block, self.o_block = s1 * s2 * F32, m * s2 * isz, s1 * D * F32
         self.q_block, self.kv_block, self.out_block = s1 * D * isz, s2 * D * isz, s1 * D * isz
 
 

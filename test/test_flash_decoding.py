@@ -169,7 +169,9 @@ def test_key_and_value_bytes_are_read_once_per_group(target):
     # on A2 (CV-split, as IncreFlashAttention runs there) every key block's S (f32), P (f16) and P V (f32) go
     # through the GM workspace between the AIC and its AIVs: written once and read once each
     blocks = 8 * math.ceil(2048 / tiling.s2)  # the key blocks of the 8 groups
-    workspace = blocks * tiling.s1 * (tiling.s2 * 4 + tiling.s2 * 2 + 128 * 4) if tiling.cv_split else 0
+    # P in whole fractals of 16 rows, as the cube reads it (ops-transformer's CopyInMm2AToL1: s1RealSizeAligned)
+    p_rows = math.ceil(tiling.s1 / 16) * 16
+    workspace = blocks * (tiling.s1 * tiling.s2 * 4 + p_rows * tiling.s2 * 2 + tiling.s1 * 128 * 4) if tiling.cv_split else 0
     assert tiling.cv_split == (target == "ascend910b")
     # Q once per key part, K and V once per group (not per head), the partials back for the combine
     assert ctx.gm.gm_read_bytes == tiling.segments * q.nbytes + kv + partials + workspace

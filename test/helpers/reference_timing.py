@@ -376,7 +376,11 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
              ("o", ctx.result_names[0], B * N * nq * segments)]
     qname, kname, vname, mname, oname = _role_names(gm, roles)
     units = B * N * nq * segments
-    q_bytes, kv_bytes, p_bytes = s1 * D * isz, s2 * D * isz, s1 * s2 * isz
+    # a block's real rows (kernels/flash_attention_cv.block_rows): fewer than s1 where the query has fewer; on chip
+    # in whole fractals of 16 rows
+    rows = min(s1, Sq) if Sq > 0 else s1
+    m = -(-rows // 16) * 16
+    q_bytes, kv_bytes, p_bytes = rows * D * isz, s2 * D * isz, m * s2 * isz
 
     k_free = [np.zeros(cores.count) for _ in range(nbuf)]
     slot_free = [np.zeros(cores.count) for _ in range(nbuf)]
@@ -395,7 +399,7 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
         trips = np.maximum(t1 - t0, 0)
 
         q_ready = cores_issue(cores, "MTE2", on, gm_read_block(gm, qname, bn * nq + qi, q_bytes), name="load Q")
-        q_ready = issue(cores, waits, "MTE1", on, local_copy_cycles(target, q_bytes), [q_ready], name="Q to L0A")
+        q_ready = issue(cores, waits, "MTE1", on, local_copy_cycles(target, m * D * isz), [q_ready], name="Q to L0A")
         pending = None
 
         for step in range(int(trips.max(initial=0))):
@@ -411,37 +415,37 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
             if mname is not None:
                 mtile = cores_issue(cores, "MTE2", core,
                                     gm_read_block(gm, mname, ((bn[act] * nq) + qi[act]) * nk + t,
-                                                  s1 * s2 * _bytes(mask.dtype)), name="load mask")
+                                                  rows * s2 * _bytes(mask.dtype)), name="load mask")
                 k_ready = np.maximum(k_ready, mtile)
             k_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, kv_bytes), [k_ready], name="K to L0B")
             k_free[slot][core] = k_l0
-            s_done = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, s1, D, s2), [k_l0, q_ready[act]],
+            s_done = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, rows, D, s2), [k_l0, q_ready[act]],
                            name="S = Q K^T")
-            s_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, s1 * s2 * 4), [s_done],
+            s_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, m * s2 * 4), [s_done],
                          [score_free[slot][core]], name="S to UB")
-            sm_done = issue(cores, waits, "VECTOR", core, vector_cycles(target, s1 * s2 * 4, SOFTMAX_PASSES), [s_ub],
+            sm_done = issue(cores, waits, "VECTOR", core, vector_cycles(target, rows * s2 * 4, SOFTMAX_PASSES), [s_ub],
                             name="online softmax")
             score_free[slot][core] = sm_done
             p_l1 = issue(cores, waits, "MTE3", core, local_copy_cycles(target, p_bytes), [sm_done],
                          [slot_free[slot][core]], name="P to L1")
             if pending is not None:
-                _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
+                _issue_pv(cores, waits, target, dname, rows, s2, D, isz, pending, slot_free)
                 pending = None
 
             pending = (core, p_l1, kv_ready, sm_done, slot)
             if nbuf == 1:
-                _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
+                _issue_pv(cores, waits, target, dname, rows, s2, D, isz, pending, slot_free)
                 pending = None
         if pending is not None:
-            _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free)
+            _issue_pv(cores, waits, target, dname, rows, s2, D, isz, pending, slot_free)
         if segments == 1:
-            cores_issue(cores, "VECTOR", on, vector_cycles(target, s1 * D * 4, 1), name="O / l")
-            cores_issue(cores, "MTE3", on, gm_write_block(gm, oname, bn * nq + qi, s1 * D * isz), name="store O")
+            cores_issue(cores, "VECTOR", on, vector_cycles(target, rows * D * 4, 1), name="O / l")
+            cores_issue(cores, "MTE3", on, gm_write_block(gm, oname, bn * nq + qi, rows * D * isz), name="store O")
         else:
-            cores_issue(cores, "MTE3", on, gm_write_block(gm, oname, wave, s1 * (D + 2) * 4), name="store partial O")
+            cores_issue(cores, "MTE3", on, gm_write_block(gm, oname, wave, rows * (D + 2) * 4), name="store partial O")
 
     if segments > 1:
-        _time_combine(ctx, oname, units // segments, segments, s1, D, isz)
+        _time_combine(ctx, oname, units // segments, segments, rows, D, isz)
 
 
 def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None]:
@@ -463,10 +467,11 @@ def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None
 
 def _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free) -> None:
     core, p_l1, kv_ready, sm_done, slot = pending
-    p_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, s1 * s2 * isz), [p_l1], name="P to L0A")
+    m = -(-s1 // 16) * 16  # s1: the block's real rows; on chip in whole fractals
+    p_l0 = issue(cores, waits, "MTE1", core, local_copy_cycles(target, m * s2 * isz), [p_l1], name="P to L0A")
     pv = issue(cores, waits, "CUBE", core, cube_cycles(target, dname, s1, s2, D), [p_l0, kv_ready], name="P V")
     slot_free[slot][core] = pv
-    o_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, s1 * D * 4), [pv], name="P V to UB")
+    o_ub = issue(cores, waits, "FIXP", core, local_copy_cycles(target, m * D * 4), [pv], name="P V to UB")
     issue(cores, waits, "VECTOR", core, vector_cycles(target, s1 * D * 4, ACCUMULATE_PASSES), [o_ub, sm_done],
           name="rescale and accumulate O")
 
