@@ -51,6 +51,7 @@ class _Blocks:
     values: np.ndarray
     # key()'s value, made once: a key read again hashes the same bytes objects (Python keeps their hashes)
     _key: Any = attrs.field(default=None, eq=False, repr=False)
+    _integral: bool | None = attrs.field(default=None, eq=False, repr=False)  # integral()'s, made once
 
     @classmethod
     def of(cls, relative: np.ndarray) -> _Blocks:
@@ -73,8 +74,11 @@ class _Blocks:
     def integral(self) -> bool:
         """Whether every value is a whole number below 2**53 (distances in bytes are), so that adding a whole
         number of bytes to it, or taking it from a clock, is exact in float64."""
-        vals = np.append(self.values, self.background)
-        return bool(np.all(np.abs(vals) < 2.0 ** 53) and np.all(vals == np.round(vals)))
+        if self._integral is None:
+            vals = np.append(self.values, self.background)
+            whole = bool(np.all(np.abs(vals) < 2.0 ** 53) and np.all(vals == np.round(vals)))
+            object.__setattr__(self, "_integral", whole)
+        return self._integral
 
     def absolute(self, clock: float) -> np.ndarray:
         """The last touches these relative values give at `clock` (GlobalMemory.last_touch's form, its dtype)."""
@@ -129,15 +133,11 @@ class _SeenLater:
 
     def __init__(self) -> None:
         self.derived: dict[tuple, tuple[_Blocks, _Blocks]] = {}
-        self.exact: dict[int, tuple[_Blocks, bool]] = {}
         self.hits = 0
 
     def relative(self, replayed: _Replayed, clock: float, cold: int) -> _Blocks:
         b = replayed.blocks
-        held = self.exact.get(id(b))
-        if held is None or held[0] is not b:
-            held = self.exact[id(b)] = (b, b.integral())
-        if not (held[1] and abs(clock) < 2 ** 53 and abs(replayed.clock) < 2 ** 53
+        if not (b.integral() and abs(clock) < 2 ** 53 and abs(replayed.clock) < 2 ** 53
                 and float(clock) == round(clock) and float(replayed.clock) == round(replayed.clock)):
             return replayed._derived(clock, cold)
         key = (id(b), clock - replayed.clock, cold)
