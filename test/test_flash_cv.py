@@ -104,6 +104,26 @@ def test_global_memory_bytes_are_the_fa2_count_plus_the_workspace_round_trips():
     assert ctx.gm.hbm_write_bytes == b * n * s * d * isz + cores * workspace_per_core(s1, s2, d, isz, 2)
 
 
+def test_a_one_row_query_costs_its_row_not_the_templates_block():
+    # a decode step's query (one row per head) on the S1S2 template, whose S1.i is 64 or 128 (S2 > 1024): the kernel
+    # sizes the block by its real rows (ops-transformer's s1RealSize), so the cube's M is one fractal of 16 rows
+    # and Q, S, P V and O move one row; P goes through the workspace in whole fractals (s1RealSizeAligned)
+    b, n, skv, d, isz = 1, 4, 4096, 128, 2
+    q, k, v, _ = _arrays(b, n, 1, d, skv=skv)
+    tiling = _cv_tiling(q, k, False, None)
+    assert tiling.s1 == 64 and tiling.s2 == 1024  # the template's block (few units: 64), for a query of one row
+    ctx = _context(A2)
+    flash_attention_forward(q, k, v, None, False, 1 / math.sqrt(d), tiling, ctx)
+    s2, units, blocks = tiling.s2, b * n, skv // tiling.s2
+    fm, fk, fn = load_target(A2).cube_fractal("f16")
+    # per block: S = Q K^T (1 -> 16 rows by d by s2) and P V (16 rows by s2 by d), in fractals at one per cycle
+    cube = units * blocks * 2 * (math.ceil(1 / fm) * math.ceil(d / fk) * math.ceil(s2 / fn))
+    assert ctx.cores.busy[PIPE_INDEX["CUBE"]].sum() == cube
+    trip = 1 * s2 * 4 + 16 * s2 * isz + 1 * d * 4  # S (f32) of one row, P in 16 rows, P V (f32) of one row
+    assert ctx.gm.gm_read_bytes == units * (d * isz + blocks * (2 * s2 * d * isz + trip))
+    assert ctx.gm.gm_write_bytes == units * (d * isz + blocks * trip)
+
+
 def _per_core(ctx: LaunchContext, core: int) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     for iv in ctx.cores.intervals:
