@@ -205,10 +205,8 @@ class GlobalMemory:
         valid = nbytes > 0
         hit = (self.clock - last[blocks]) < self.l2_bytes
         if key is not None and len(key) > 1:
-            _, first = np.unique(key, return_index=True)
-            repeat = np.ones(len(key), dtype=bool)
-            repeat[first] = False
-            hit |= repeat[:, None]
+            first = first_of_each(key)
+            hit |= ~first[:, None]
         miss = np.where(valid & ~hit, nbytes, 0).sum(axis=1)
         total = nbytes.sum(axis=1)
         hbm_rate = min(self.hbm_rate, self.chip_hbm_rate / max(int(np.count_nonzero(miss)), 1))
@@ -218,7 +216,7 @@ class GlobalMemory:
         self.hbm_read_bytes += int(miss.sum())
         if name not in self.scratch:
             # the L2 holds lines, not requests: data several cores read together is touched once
-            self.clock += moved if key is None or len(key) < 2 else int(total[first].sum())
+            self.clock += moved if key is None or len(key) < 2 else int(total[first].sum())  # integers: any order
         last[blocks[valid]] = self.clock
         self.tensor_clock[name] = self.clock
         return cost
@@ -376,13 +374,30 @@ class GlobalMemory:
 
     def read(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
         """Cycles for each core to read one block each (block ids per core); counts GM and HBM bytes."""
-        sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
+        sizes = (np.full(blocks.shape, nbytes, dtype=np.int64) if isinstance(nbytes, (int, np.integer))
+                 else np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape))
         return self.read_pieces(name, blocks[:, None], sizes[:, None], key=blocks)
 
     def write(self, name: str, blocks: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
         """Cycles for each core to write one block each."""
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
         return self.write_pieces(name, blocks[:, None], sizes[:, None])
+
+
+def first_of_each(key: np.ndarray) -> np.ndarray:
+    """Whether each entry is the first of its value in `key` (1-d): the mover that brings a shared block in. A few
+    dozen cores' keys are marked in Python, cheaper there than np.unique's sort; longer keys by np.unique."""
+    if len(key) > 64:
+        _, first = np.unique(key, return_index=True)
+        out = np.zeros(len(key), dtype=bool)
+        out[first] = True
+        return out
+    seen: set = set()
+    marks = []
+    for k in key.tolist():
+        marks.append(k not in seen)
+        seen.add(k)
+    return np.array(marks, dtype=bool)
 
 
 def _first_only(total: np.ndarray, first: np.ndarray | None) -> np.ndarray:
