@@ -365,8 +365,9 @@ class LaunchMemo:
     def _role_names(self, gm: GlobalMemory) -> dict[str, list[str]]:
         """The names kernels track a tensor's roles under (`@offset:q`), by tensor.
 
-        A kernel registers such a name in `tensor_clock` before anything else, and names there are never
-        removed, so the index is rebuilt only when that dict grew."""
+        A kernel registers such a name in `tensor_clock` before anything else. The only names ever removed are
+        workspaces (GlobalMemory.release), within the launch that registered them, so between launches, where
+        keys are taken, the names only grow and the index is rebuilt only when that dict grew."""
         count, roles = self._roles
         if count != len(gm.tensor_clock):
             roles = {}
