@@ -475,9 +475,11 @@ class _Moves:
         self.cols_vary = bias_shape is not None and len(bias_shape) > 0 and bias_shape[-1] != 1
         names = [t.name for t in (ag, bg, og, biasg) if t is not None]
         on_grid = all(size % FRACTAL == 0 or size >= dim for size, dim in ((g.m, g.M), (g.n, g.N), (g.k, g.K)))
+        # a glu's B tile is two rectangles (the gate columns and the up columns N on): two tiles of B's grid where
+        # the up half starts on a tile boundary (N a multiple of n), else moved one at a time
+        halves_on_grid = g.pair == 1 or g.N % g.n == 0
         self.sets = None
-        # a glu's B tile is two rectangles (gate and up columns): moved one at a time
-        if len(set(names)) == len(names) and g.K > 0 and on_grid and g.pair == 1:
+        if len(set(names)) == len(names) and g.K > 0 and on_grid and halves_on_grid:
             gm, m, n, k = self.gm, g.m, g.n, g.k
             self.sets = {"a": TileSets(gm, ag, k, m, swap=True) if g.transpose_a else TileSets(gm, ag, m, k),
                          "b": TileSets(gm, bg, n, k) if g.transpose_b else TileSets(gm, bg, k, n, swap=True),
@@ -506,17 +508,25 @@ class _Moves:
             moves.append(Transfer([self.sets["bias"]], ids[None, :] + self.sets["bias"].base, np.zeros(1, np.int64),
                                   key=[ids]))
             first = 1
-        # A and B of each k step take turns; cores loading the same block in a step share it (the first
-        # one brings it into L2)
-        ka, kb = g.a_of[bo] * g.tm + mi, g.b_of[bo] * g.tn + ni
-        ids = np.empty((2 * g.tk, len(wave)), dtype=np.int64)
-        ids[0::2], ids[1::2] = (ka * g.tk + sa.base)[None, :] + kk, (kb * g.tk + sb.base)[None, :] + kk
-        moves.append(Transfer([sa, sb], ids, first + np.arange(2 * g.tk), key=[ka, kb]))
-        moves.append(Transfer([sc], wave[None, :] + sc.base, np.array([first + 2 * g.tk]), write=True))
+        # A and B of each k step take turns (a glu's B: its gate tile, then its up tile, as _each moves them);
+        # cores loading the same block in a step share it (the first one brings it into L2)
+        P = g.pair
+        ka = g.a_of[bo] * g.tm + mi
+        kbs = [g.b_of[bo] * P * g.tn + half * g.tn + ni for half in range(P)]  # B's column tiles: P x tn a matrix
+        turns = 1 + P
+        ids = np.empty((turns * g.tk, len(wave)), dtype=np.int64)
+        ids[0::turns] = (ka * g.tk + sa.base)[None, :] + kk
+        for half, kb in enumerate(kbs):
+            ids[1 + half::turns] = (kb * g.tk + sb.base)[None, :] + kk
+        moves.append(Transfer([sa] + [sb] * P, ids, first + np.arange(turns * g.tk), key=[ka, *kbs]))
+        moves.append(Transfer([sc], wave[None, :] + sc.base, np.array([first + turns * g.tk]), write=True))
         costs = gm.transfer(moves)
         if first:
             bias = costs.pop(0)[0]
-        return bias, costs[0][0::2], costs[0][1::2], costs[1][0]
+        load_b = costs[0][1::turns]
+        for half in range(1, P):
+            load_b = load_b + costs[0][1 + half::turns]  # the halves' cycles summed, as _each sums them
+        return bias, costs[0][0::turns], load_b, costs[1][0]
 
     def _each(self, bo, mi, ni, m0, m_eff, n0, n_eff) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One wave's A, B and C moves one at a time (read_pieces, write_pieces)."""

@@ -435,3 +435,41 @@ def test_programs_time_as_the_reference_schedule(source, request):
         result = Runtime(target, record_pipes=True, count_waits=True, timing_only=True, memo=False).run(program, {}, {})
         runs.append(_program_figures(result))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("shape", [(256, 512, 2 * 1024), (100, 200, 2 * 384)])
+def test_a_glu_matmuls_halves_move_batched_as_they_move_one_at_a_time(tb, shape):
+    # the oracle: the same kernel moving every A, gate and up tile on its own (read_pieces, _Moves._each), the
+    # path every glu took before its two halves joined the batched transfer
+    from geir.kernels import matmul as mm
+
+    m, k, n2 = shape
+    dt = np.dtype(np.float16)
+    A, B = _arr((m, k), dt), _arr((n2, k) if tb else (k, n2), dt)
+    sig = OpSignature("ge.fused_matmul", (_type((m, k), dt), _type(B.shape, dt)), (None,),
+                      {"transpose_a": False, "transpose_b": tb, "glu": "silu"})
+    tilings = matmul_candidates(sig, TARGET, 2)
+    assert tilings
+    made = mm._Moves.__init__
+    batched = []
+
+    def watched(self, *a, **kw):
+        made(self, *a, **kw)
+        batched.append(self.sets is not None)
+
+    def unbatched(self, *a, **kw):
+        made(self, *a, **kw)
+        self.sets = None
+
+    def run(ctx, tiling, init):
+        mm._Moves.__init__ = init
+        try:
+            matmul_forward(A, B, None, False, tb, dt, tiling, ctx, glu="silu")
+        finally:
+            mm._Moves.__init__ = made
+
+    for tiling in tilings[:: max(len(tilings) // 5, 1)]:
+        _both(lambda ctx, t=tiling: run(ctx, t, watched), lambda ctx, t=tiling: run(ctx, t, unbatched),
+              ["a", "b"], ["c"], sizes={"c": m * n2 // 2 * dt.itemsize})
+    assert any(batched)  # some tiling's halves lie on B's tile grid and took the batched path
