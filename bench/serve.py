@@ -471,7 +471,7 @@ def _goals(model: Any, args: argparse.Namespace, trace: list, rows: list[dict[st
           f"{step['tpot_us'] / floor_us:.2f}x the weights' read at 1.6 TB/s ({floor_us / 1e3:.2f} ms)")
     for row in rows:
         print(f"  {len(trace)} requests in <= {GOAL_HOST_S:.0f} s of host time ({row['policy']}): "
-              f"{_verdict(row['host_s'] <= GOAL_HOST_S)} ({row['host_s']:.0f} s, export and compiles included)")
+              f"{_verdict(row['host_s'] <= GOAL_HOST_S)} ({row['host_s']:.1f} s, export and compiles included)")
     return {"decode_batch1": step, "weights_read_us": floor_us, "pool_waste_by_block_size": waste,
             "tpot_anchor": judged[0], "tpot_anchors": judged}
 
