@@ -35,7 +35,7 @@ from geir.ir import Operation
 from geir.kernels import KERNELS
 from geir.kernels.base import KernelStats, LaunchContext, PipeWaits, no_bytes
 from geir.kernels.tiling import KernelTiling
-from geir.target_npu.residency import Deferred, SparseResidency
+from geir.target_npu.residency import Deferred, Residencies, SparseResidency
 from geir.target_npu.sim import GlobalMemory, PipeInterval
 
 
@@ -237,7 +237,7 @@ class RunMemo:
     def store(self, key: Hashable, result: Any, replayable: int) -> None:
         """Keep a run just timed; `replayable`: its launches that a later identical run would replay."""
         gm = copy.copy(result.gm)
-        gm.last_touch = {}
+        gm.last_touch = Residencies()
         self.entries[key] = (attrs.evolve(result, gm=gm), replayable)
 
 
@@ -354,7 +354,7 @@ class LaunchMemo:
         for i, base in enumerate(bases):
             for name in [base, *roles.get(base, ())]:
                 clock = gm.tensor_clock.get(name)
-                blocks = _peek(gm.last_touch, name)
+                blocks = gm.last_touch.peek(name)  # a replay's deferred residency left unbuilt
                 size = gm.sizes.get(name)
                 if clock is None and blocks is None and size is None:
                     continue
@@ -377,12 +377,6 @@ class LaunchMemo:
                     roles.setdefault(base, []).append(name)
             self._roles = (len(gm.tensor_clock), roles)
         return roles
-
-
-def _peek(last_touch: dict, name: str) -> Any:
-    """A tensor's residency as GlobalMemory keeps it, a replay's deferred one left unbuilt."""
-    peek = getattr(last_touch, "peek", None)
-    return last_touch.get(name) if peek is None else peek(name)
 
 
 def _relative(clock: int, blocks: np.ndarray | SparseResidency | _Replayed, cold: int) -> _Blocks | SparseResidency:

@@ -204,8 +204,9 @@ class GlobalMemory:
         last = self.last_touch[name]
         valid = nbytes > 0
         hit = (self.clock - last[blocks]) < self.l2_bytes
-        if key is not None and len(key) > 1:
-            first = first_of_each(key)
+        first = first_of_key(key, None) if key is not None and len(key) > 1 else None  # None: no two share
+        if first is not None:
+            first = first[0]
             hit |= ~first[:, None]
         miss = np.where(valid & ~hit, nbytes, 0).sum(axis=1)
         total = nbytes.sum(axis=1)
@@ -216,7 +217,7 @@ class GlobalMemory:
         self.hbm_read_bytes += int(miss.sum())
         if name not in self.scratch:
             # the L2 holds lines, not requests: data several cores read together is touched once
-            self.clock += moved if key is None or len(key) < 2 else int(total[first].sum())  # integers: any order
+            self.clock += moved if first is None else int(total[first].sum())
         last[blocks[valid]] = self.clock
         self.tensor_clock[name] = self.clock
         return cost
@@ -382,22 +383,6 @@ class GlobalMemory:
         """Cycles for each core to write one block each."""
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.int64), blocks.shape)
         return self.write_pieces(name, blocks[:, None], sizes[:, None])
-
-
-def first_of_each(key: np.ndarray) -> np.ndarray:
-    """Whether each entry is the first of its value in `key` (1-d): the mover that brings a shared block in. A few
-    dozen cores' keys are marked in Python, cheaper there than np.unique's sort; longer keys by np.unique."""
-    if len(key) > 64:
-        _, first = np.unique(key, return_index=True)
-        out = np.zeros(len(key), dtype=bool)
-        out[first] = True
-        return out
-    seen: set = set()
-    marks = []
-    for k in key.tolist():
-        marks.append(k not in seen)
-        seen.add(k)
-    return np.array(marks, dtype=bool)
 
 
 def _first_only(total: np.ndarray, first: np.ndarray | None) -> np.ndarray:
