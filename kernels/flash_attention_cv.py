@@ -192,8 +192,8 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
     trips = np.maximum(t1 - t0, 0)
     kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk + t0  # a unit's first K/V block
     blocks = _UnitBlocks(q=rows, mask=rows * nk + t0, o=u if segments > 1 else rows)
-    rows = block_rows(s1, Sq)
-    mask_bytes = (0 if mask is None else rows * s2 * np.dtype(mask.dtype).itemsize) + pse_bytes
+    q_rows = block_rows(s1, Sq)  # a block's real query rows (`rows` above: each unit's row block)
+    mask_bytes = (0 if mask is None else q_rows * s2 * np.dtype(mask.dtype).itemsize) + pse_bytes
     # A core walking one head keeps that head's K and V in the L2 only while the heads all cores walk at once fit
     # beside the workspace; otherwise the cores take turns on each head's row blocks, sharing its K and V
     read = Skv if kv_tiles is None else min(Skv, int(np.max(kv_tiles, initial=0)) * s2)  # the keys a head reads
@@ -202,9 +202,9 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
         assignment = contiguous(trips, cores.count)
     else:
         assignment = interleaved(units, cores.count)
-    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap, pse=pse_bytes > 0), rows)
+    costs = _Costs(target, dname, s1, s2, D, isz, v_rows, buffers, softmax_passes(softcap, pse=pse_bytes > 0), q_rows)
     if segments > 1:  # a partial O: f32, with the row max and sum for the combine
-        costs.out_block = rows * (D + 2) * F32
+        costs.out_block = q_rows * (D + 2) * F32
     _Program(ctx, lay, costs, assignment, trips, kv_first, blocks, mask_bytes, preload, buffers).run()
     gm.release(lay.ws)
 

@@ -523,9 +523,7 @@ class _Moves:
         costs = gm.transfer(moves)
         if first:
             bias = costs.pop(0)[0]
-        load_b = costs[0][1::turns]
-        for half in range(1, P):
-            load_b = load_b + costs[0][1 + half::turns]  # the halves' cycles summed, as _each sums them
+        load_b = sum(costs[0][1 + half::turns] for half in range(P))  # the halves' cycles, summed as _each sums them
         return bias, costs[0][0::turns], load_b, costs[1][0]
 
     def _each(self, bo, mi, ni, m0, m_eff, n0, n_eff) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -136,7 +136,7 @@ class GlobalMemory:
         self.latency = mem.dma_latency_cycles
         self.clock = 0  # bytes moved so far: the reuse-distance clock
         # runs for a tensor of many blocks; a launch memo's replay may defer one (built when read)
-        self.last_touch: dict[str, np.ndarray | SparseResidency] = Residencies()
+        self.last_touch: Residencies = Residencies()
         self.tensor_clock: dict[str, int] = {}  # when each tensor was last touched, whatever its blocks
         self.sizes: dict[str, int] = {}  # bytes of each tensor, where declared
         self.gm_read_bytes = 0
