@@ -28,7 +28,15 @@ from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
 from geir.kernels.flash_attention_a2 import cv_budget, vector_rows
-from geir.kernels.flash_attention_cv import ACCUMULATE_PASSES, block_rows, cv_grid, softmax_passes, time_cv_split
+from geir.kernels.flash_attention_cv import (
+    ACCUMULATE_PASSES,
+    block_rows,
+    cv_grid,
+    parts_spanned,
+    softmax_passes,
+    time_cv_split,
+    unit_trips,
+)
 from geir.kernels.flash_attention_tiling import FLASH_DECODE, FlashTiling, flash_budget
 from geir.kernels.tiling import Budget, KernelTiling, Miss, OpSignature, align, cube_refuses
 from geir.ops.linalg import masked_rows
@@ -193,8 +201,10 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: n
                       causal_rows, softcap, pse_bytes=pse_bytes, kv_tiles=kv_tiles)
         if parts > 1:
             # on the AIVs, loading with their own engine
-            _time_combine(ctx, names[4], grid["o"] // parts, parts, block_rows(s1, q_grid[2]), D, _bytes(q.dtype),
-                          "AIV_MTE2")
+            nq, nk = -(-q_grid[2] // s1), -(-k.shape[2] // s2)
+            _, trips = unit_trips(q_grid[0], q_grid[1], nq, nk, parts, s1, s2, causal, causal_rows, kv_tiles)
+            _time_combine(ctx, names[4], parts_spanned(trips, parts), parts, block_rows(s1, q_grid[2]), D,
+                          _bytes(q.dtype), "AIV_MTE2")
         segments = parts  # the CV schedule's own blocks hold a whole key row segment per unit
     else:
         _time_tiles(q_grid, k.shape, q.dtype, mask, causal, s1, s2, nbuf, segments, ctx, causal_rows, softcap,
@@ -395,7 +405,6 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     isz = _bytes(dt)
     dname = "bf16" if dt.name == "bfloat16" else ("f16" if dt == np.float16 else "f32")
     nq, nk = -(-Sq // s1), -(-Skv // s2)
-    per_seg = -(-nk // segments)
     roles = [("q", ctx.operand_names[0], B * N * nq), ("k", ctx.operand_names[1], B * Nkv * nk),
              ("v", ctx.operand_names[2], B * Nkv * nk),
              ("mask", ctx.operand_names[3] if mask is not None or pse_bytes else None, B * N * nq * nk),
@@ -415,20 +424,14 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     # each lane's as one sum (exact in any order), not one instruction at a time
     per_core = -(-units // cores.count) * (nk + 1)
     whole = whole_sums(cores.busy[[MTE1, CUBE, FIXP, VECTOR]], per_core * 4 * max(vars(c).values()))
+    first_block, unit_blocks = unit_trips(B, N, nq, nk, segments, s1, s2, causal, causal_rows, kv_tiles)
     for wave, on in spread(units, cores.count):
-        seg = wave % segments
         rest = wave // segments
         qi = rest % nq
         bn = rest // nq
         b, n = bn // N, bn % N
         nkv = n // group
-        t0 = seg * per_seg
-        t1 = np.minimum(t0 + per_seg, nk)
-        if causal:  # blocks wholly above the diagonal are skipped
-            t1 = np.minimum(t1, -(-(causal_rows if causal_rows is not None else (qi + 1) * s1) // s2))
-        if kv_tiles is not None:  # the row's keys end there (its actual length): the unit reads no tile after
-            t1 = np.minimum(t1, kv_tiles[b])
-        trips = np.maximum(t1 - t0, 0)
+        t0, trips = first_block[wave], unit_blocks[wave]
         q_block = bn * nq + qi
         costs = moves.wave(q_block, (b * Nkv + nkv) * nk + t0, (bn * nq + qi) * nk + t0,
                            q_block if segments == 1 else wave, trips)
@@ -436,7 +439,7 @@ def _time_tiles(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2:
     moves.commit()
 
     if segments > 1:
-        _time_combine(ctx, oname, units // segments, segments, rows, D, isz)
+        _time_combine(ctx, oname, parts_spanned(unit_blocks, segments), segments, rows, D, isz)
 
 
 def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None]:
@@ -461,19 +464,26 @@ def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None
     return out
 
 
-def _time_combine(ctx: LaunchContext, oname: str, units: int, segments: int, s1: int, D: int, isz: int,
+def _time_combine(ctx: LaunchContext, oname: str, spans: np.ndarray, segments: int, s1: int, D: int, isz: int,
                   load: str = "MTE2") -> None:
     """Timing of the log-sum-exp combine: each row block's partials in, one vector pass, O out.
 
     A row block's partials come from other cores, so the combine starts after every core stored its
-    partials (the SyncAll that IncreFlashAttention's flash-decoding runs before its combine).
+    partials (the SyncAll that IncreFlashAttention's flash-decoding runs before its combine). Row block r
+    reads and combines the partials of its first spans[r] key parts, those that hold its keys, as
+    IncreFlashAttention's FlashDecodeCompute combines actualCombineLoopSize of them (hicann/ops-transformer
+    @c29bc1069d3252c641e2aa059ec88f392d3f05ac, attention/incre_flash_attention/op_kernel/
+    incre_flash_attention_split_Bbn2s2_Us2.h); a row with no keys only stores its O.
     """
     cores, gm = ctx.cores, ctx.gm
     stored = cores.free[MTE3].max(initial=0.0)
-    for wave, on in spread(units, cores.count):
-        read = sum(gm.read(oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
+    partial = s1 * (D + 2) * 4
+    work = {int(k): (vector_cycles(ctx.target, k * s1 * D * 4, 3) if k else 0.0) for k in np.unique(spans)}
+    for wave, on in spread(len(spans), cores.count):
+        n = spans[wave]
+        read = sum(gm.read(oname, wave * segments + j, np.where(j < n, partial, 0)) for j in range(segments))
         ready = cores.issue(load, on, read, [np.full(len(on), stored)], name="load partials")
-        done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
+        done = issue(cores, ctx.waits, "VECTOR", on, np.array([work[int(k)] for k in n]), [ready],
                      name="combine segments")
         issue(cores, ctx.waits, "MTE3", on, gm.write(oname, wave, s1 * D * isz), [done], name="store O")
 

@@ -154,6 +154,31 @@ def cv_grid(q_shape, k_shape, s1: int, s2: int, segments: int = 1) -> dict[str, 
             "o": B * N * nq * segments}
 
 
+def unit_trips(B: int, N: int, nq: int, nk: int, segments: int, s1: int, s2: int, causal: bool,
+               causal_rows: int | None, kv_tiles: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each work unit's first key block and how many it reads, units numbered ((b N + n) nq + row block) segments
+    + key part: a part's blocks, cut short where a causal mask hides the rest (`causal_rows`: stacked heads whose
+    query positions all lie below it) or where the row's keys end (`kv_tiles` [B], its actual length's)."""
+    u = np.arange(B * N * nq * segments)
+    seg, rows = u % segments, u // segments
+    per_seg = -(-nk // segments)
+    t0 = seg * per_seg
+    t1 = np.minimum(t0 + per_seg, nk)
+    if causal:  # key blocks wholly above the diagonal are skipped
+        limit = causal_rows if causal_rows is not None else (rows % nq + 1) * s1
+        t1 = np.minimum(t1, -(-limit // s2))
+    if kv_tiles is not None:  # the row's keys end there: the unit reads no tile after
+        t1 = np.minimum(t1, np.asarray(kv_tiles)[rows // nq // N])
+    return t0, np.maximum(t1 - t0, 0)
+
+
+def parts_spanned(trips: np.ndarray, segments: int) -> np.ndarray:
+    """Per row block, the key parts that hold any of its keys: how many partials flash-decoding's combine reads
+    (IncreFlashAttention's actualCombineLoopSize, ceil(actual length / part size); a part past the row's length
+    runs no unit, so nothing of it is stored or read)."""
+    return np.count_nonzero(trips.reshape(-1, segments) > 0, axis=1)
+
+
 def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2: int, v_rows: int,
                   preload: int, ctx: LaunchContext, names: list[str | None], buffers: int = 2, segments: int = 1,
                   causal_rows: int | None = None, softcap: float = 0.0, *, pse_bytes: int = 0,
@@ -179,17 +204,9 @@ def time_cv_split(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s
         return  # nothing to load or compute (an empty sequence)
     lay = _Layout(gm, names, nk, cores.count, preload, s1, s2, D, isz)
     u = np.arange(units)
-    seg, rows = u % segments, u // segments  # rows: the unit's (batch, head, row block)
-    per_seg = -(-nk // segments)
-    t0 = seg * per_seg
-    t1 = np.minimum(t0 + per_seg, nk)
-    if causal:  # key blocks wholly above the diagonal are skipped
-        limit = causal_rows if causal_rows is not None else (rows % nq + 1) * s1
-        t1 = np.minimum(t1, -(-limit // s2))
+    rows = u // segments  # the unit's (batch, head, row block)
+    t0, trips = unit_trips(B, N, nq, nk, segments, s1, s2, causal, causal_rows, kv_tiles)
     bn = rows // nq
-    if kv_tiles is not None:  # the row's keys end there (its actual length): the unit reads no tile after
-        t1 = np.minimum(t1, np.asarray(kv_tiles)[bn // N])
-    trips = np.maximum(t1 - t0, 0)
     kv_first = ((bn // N) * Nkv + (bn % N) // group) * nk + t0  # a unit's first K/V block
     blocks = _UnitBlocks(q=rows, mask=rows * nk + t0, o=u if segments > 1 else rows)
     q_rows = block_rows(s1, Sq)  # a block's real query rows (`rows` above: each unit's row block)

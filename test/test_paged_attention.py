@@ -23,7 +23,7 @@ from geir.kernels.paged_attention import PagedAttentionKernel
 from geir.kernels.paged_attention_tiling import INCRE, PROMPT, PagedTiling, choose, ifa_kv_parts
 from geir.kernels.tiling import Miss, OpSignature
 from geir.target_npu import load_target
-from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory
+from geir.target_npu.sim import PIPE_INDEX, Cores, GlobalMemory, vector_cycles
 from geir.types import DType, TensorType
 
 torch = pytest.importorskip("torch")
@@ -418,13 +418,46 @@ def test_a_row_with_a_shorter_length_reads_only_its_own_blocks(target):
     if target == "ascend910a":  # the on-chip schedule: the reads are K, V, q and the parts' partials
         kv = 2 * nkv * sum(tiles) * tiling.s2 * d * 2
         q_bytes = b * n * d * 2 * tiling.segments
-        partials = b * nkv * tiling.segments * tiling.s1 * (d + 2) * 4 if tiling.segments > 1 else 0
+        # the combine reads a row's partials of the parts that hold its keys, ceil(its tiles / a part's tiles) of
+        # them (IncreFlashAttention's actualCombineLoopSize): the short row's fewer
+        per = -(-nk // max(tiling.segments, 1))
+        spanned = [-(-min(-(-n // tiling.s2), nk) // per) for n in lengths]
+        assert tiling.segments > 1 and spanned[1] < spanned[0]  # the case this checks
+        partials = nkv * sum(spanned) * tiling.s1 * (d + 2) * 4
         assert ctx.gm.gm_read_bytes == kv + q_bytes + partials
     else:  # the CV split adds its GM workspace traffic; K and V are still only the tiles read
         assert ctx.gm.gm_read_bytes < full_ctx.gm.gm_read_bytes
     # the cube's work is per tile read (the two matmuls of each): it shrinks as the tiles do
     cube = lambda c: c.cores.busy[PIPE_INDEX["CUBE"]].sum()  # noqa: E731
     assert cube(ctx) / cube(full_ctx) == pytest.approx(sum(tiles) / sum(_tiles_read(wide, tiling, nk)))
+
+
+def test_the_flash_decoding_combine_reads_only_the_parts_a_row_spans():
+    """On Atlas A2, IncreFlashAttention's combine of a (batch, K/V head) reads and reduces the partials of
+    actualCombineLoopSize = ceil(length / part) key parts, not the split's every part: a row whose length ends in
+    the first part combines one partial. Checked on the CV schedule's recorded instructions: the combine's vector
+    work per unit is the target's vector cost of its spanned parts' rows, and its partial loads move their bytes."""
+    b, n, nkv, d, bs = 2, 8, 2, 64, 128
+    wide, lengths = [4096, 4096], [4096, 400]
+    kc, vc, table = pool_and_table(b, nkv, d, bs, wide, 70, np.float16)
+    q = np.random.default_rng(6).standard_normal((b, n, 1, d)).astype(np.float16)
+    op = paged_op(q, kc, vc, table, lengths, nkv)
+    t = load_target("ascend910b")
+    tiling = choose(OpSignature.of(op), t)
+    assert tiling.segments > 1  # B x Nkv = 4 units for 48 vector cores over 4096 keys: IFA splits them
+    ctx = LaunchContext(t, Cores(t.cube_cores, record=True), GlobalMemory(t), [a.name for a in op.operands], ["o"],
+                        host_values=(None,) * 4 + (np.asarray(lengths),))
+    PagedAttentionKernel().run(op, [q, kc, vc, table, np.asarray(lengths)], tiling, ctx)
+    part_keys = -(-(table.shape[1] * bs // tiling.s2) // tiling.segments) * tiling.s2
+    spanned = [-(-length // part_keys) for length in lengths for _ in range(nkv)]  # per (row, K/V head)
+    assert spanned[0] == tiling.segments and spanned[-1] == 1
+    rows = n // nkv  # a unit's rows: its group's query heads
+    combine = [iv for iv in ctx.cores.intervals if iv.name == "combine segments"]
+    got = sorted(float(e - s_) for iv in combine for s_, e in zip(np.atleast_1d(iv.start), np.atleast_1d(iv.end)))
+    want = sorted(vector_cycles(t, k * rows * d * 4, 3) for k in spanned)
+    assert got == pytest.approx(want)
+    loads = [iv for iv in ctx.cores.intervals if iv.name == "load partials"]
+    assert sum(np.size(iv.cores) for iv in loads) == b * nkv
 
 
 def test_the_launch_memo_keys_a_paged_launch_by_the_tiles_its_rows_read():

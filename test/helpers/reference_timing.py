@@ -385,6 +385,7 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
     k_free = [np.zeros(cores.count) for _ in range(nbuf)]
     slot_free = [np.zeros(cores.count) for _ in range(nbuf)]
     score_free = [np.zeros(cores.count) for _ in range(nbuf)]
+    unit_trips = np.zeros(units, dtype=np.int64)
     for wave, on in spread(units, cores.count):
         seg = wave % segments
         rest = wave // segments
@@ -397,6 +398,7 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
         if causal:
             t1 = np.minimum(t1, -(-(causal_rows if causal_rows is not None else (qi + 1) * s1) // s2))
         trips = np.maximum(t1 - t0, 0)
+        unit_trips[wave] = trips
 
         q_ready = cores_issue(cores, "MTE2", on, gm_read_block(gm, qname, bn * nq + qi, q_bytes), name="load Q")
         q_ready = issue(cores, waits, "MTE1", on, local_copy_cycles(target, m * D * isz), [q_ready], name="Q to L0A")
@@ -445,7 +447,9 @@ def flash_timing(q_shape, k_shape, dt: np.dtype, mask, causal: bool, s1: int, s2
             cores_issue(cores, "MTE3", on, gm_write_block(gm, oname, wave, rows * (D + 2) * 4), name="store partial O")
 
     if segments > 1:
-        _time_combine(ctx, oname, units // segments, segments, rows, D, isz)
+        # each row block combines the parts that hold its keys (IncreFlashAttention's actualCombineLoopSize)
+        _time_combine(ctx, oname, np.count_nonzero(unit_trips.reshape(-1, segments) > 0, axis=1), segments, rows,
+                      D, isz)
 
 
 def _role_names(gm, roles: list[tuple[str, str | None, int]]) -> list[str | None]:
@@ -476,12 +480,14 @@ def _issue_pv(cores, waits, target, dname, s1, s2, D, isz, pending, slot_free) -
           name="rescale and accumulate O")
 
 
-def _time_combine(ctx, oname: str, units: int, segments: int, s1: int, D: int, isz: int) -> None:
+def _time_combine(ctx, oname: str, spans: np.ndarray, segments: int, s1: int, D: int, isz: int) -> None:
     cores, gm = ctx.cores, ctx.gm
     stored = cores.free[PIPE_INDEX["MTE3"]].max(initial=0.0)  # every core's partials are stored first
-    for wave, on in spread(units, cores.count):
-        read = sum(gm_read_block(gm, oname, wave * segments + j, s1 * (D + 2) * 4) for j in range(segments))
+    for wave, on in spread(len(spans), cores.count):
+        n = spans[wave]  # row r reads and combines its first spans[r] partials
+        read = sum(gm_read_block(gm, oname, wave * segments + j, np.where(j < n, s1 * (D + 2) * 4, 0))
+                   for j in range(segments))
         ready = cores_issue(cores, "MTE2", on, read, [np.full(len(on), stored)], name="load partials")
-        done = issue(cores, ctx.waits, "VECTOR", on, vector_cycles(ctx.target, segments * s1 * D * 4, 3), [ready],
-                     name="combine segments")
+        work = np.array([vector_cycles(ctx.target, k * s1 * D * 4, 3) if k else 0.0 for k in n])
+        done = issue(cores, ctx.waits, "VECTOR", on, work, [ready], name="combine segments")
         issue(cores, ctx.waits, "MTE3", on, gm_write_block(gm, oname, wave, s1 * D * isz), [done], name="store O")
