@@ -24,7 +24,9 @@ A full run computes values and needs each kernel's arithmetic, so only timing-on
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 import re
 from typing import Any, Hashable
 
@@ -253,7 +255,8 @@ class LaunchMemo:
         self.stored = 0  # launches kept
         self._static: dict[int, tuple[Operation, Hashable]] = {}
         self._kernel_ops: dict[int, tuple[Operation, Operation]] = {}  # see kernel_op
-        self._roles: tuple[int, dict[str, list[str]]] = (-1, {})  # see _names
+        # see _role_names: the tensor_clock dict it indexes, how many of its names, the index
+        self._roles: tuple[dict | None, int, dict[str, list[str]]] = (None, 0, {})
         self.hits = 0
         self.misses = 0
 
@@ -363,19 +366,22 @@ class LaunchMemo:
         return out
 
     def _role_names(self, gm: GlobalMemory) -> dict[str, list[str]]:
-        """The names kernels track a tensor's roles under (`@offset:q`), by tensor.
+        """The names kernels track a tensor's roles under (`@offset:q`), by tensor, each tensor's sorted.
 
         A kernel registers such a name in `tensor_clock` before anything else. The only names ever removed are
         workspaces (GlobalMemory.release), within the launch that registered them, so between launches, where
-        keys are taken, the names only grow and the index is rebuilt only when that dict grew."""
-        count, roles = self._roles
-        if count != len(gm.tensor_clock):
-            roles = {}
-            for name in sorted(gm.tensor_clock):
+        keys are taken, the names only grow, in insertion order: the index reads only the names added since it
+        last looked. It belongs to one run's GlobalMemory (a new run's starts afresh, whatever its count)."""
+        names = gm.tensor_clock
+        held, seen, roles = self._roles
+        if held is not names or seen > len(names):
+            seen, roles = 0, {}
+        if seen != len(names):
+            for name in itertools.islice(names, seen, None):
                 base, sep, _ = name.partition(":")
                 if sep:
-                    roles.setdefault(base, []).append(name)
-            self._roles = (len(gm.tensor_clock), roles)
+                    bisect.insort(roles.setdefault(base, []), name)
+            self._roles = (names, len(names), roles)
         return roles
 
 

@@ -261,3 +261,21 @@ def test_a_replayed_residency_left_unbuilt_keys_and_reads_as_the_built_array(dty
         got = touches["t"]  # any other reader gets the array, and it is kept built
         np.testing.assert_array_equal(got, built)
         assert got.dtype == built.dtype and touches.peek("t") is got
+
+
+def test_the_role_index_follows_each_runs_global_memory_not_its_name_count():
+    """A memo outlives its runs, and each run starts a GlobalMemory of its own: the index of role names a key reads
+    (`@offset:q`) is that memory's, even where another run's memory held as many names (the index once went by the
+    count alone and kept the first run's roles); within one memory it takes up the names added since."""
+    from geir.runtime.launch_memo import LaunchMemo
+    from geir.target_npu.sim import GlobalMemory
+
+    target = load_target("ascend910b")
+    memo = LaunchMemo()
+    first, second = GlobalMemory(target), GlobalMemory(target)
+    first.tensor_clock.update({"@0": 0, "@0:q": 0})
+    second.tensor_clock.update({"@64": 0, "@64:k": 0})
+    assert memo._role_names(first) == {"@0": ["@0:q"]}
+    assert memo._role_names(second) == {"@64": ["@64:k"]}
+    second.tensor_clock.update({"@0": 0, "@64:a": 0})
+    assert memo._role_names(second) == {"@64": ["@64:a", "@64:k"]}
