@@ -174,8 +174,8 @@ def unit_trips(B: int, N: int, nq: int, nk: int, segments: int, s1: int, s2: int
 
 def parts_spanned(trips: np.ndarray, segments: int) -> np.ndarray:
     """Per row block, the key parts that hold any of its keys: how many partials flash-decoding's combine reads
-    (IncreFlashAttention's actualCombineLoopSize, ceil(actual length / part size); a part past the row's length
-    runs no unit, so nothing of it is stored or read)."""
+    (IncreFlashAttention's actualCombineLoopSize, ceil(actual length / part size): a part past the row's length
+    holds nothing to combine, and the CV schedule stores no partial for it)."""
     return np.count_nonzero(trips.reshape(-1, segments) > 0, axis=1)
 
 
