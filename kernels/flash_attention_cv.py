@@ -410,8 +410,13 @@ class _Program:
             ids = self.lay.ws_ids(kind, slot, self.order[:n])
             made = self.ws_made[key] = (ids, np.full(ids.shape, nbytes // 2, dtype=np.int64))
         ids, half = made
+        rows = ids.reshape(-1, 1) if by_aiv else ids  # the AIV pair: each half its own move
+        if nbytes >= 2:
+            cost = gm.workspace_move(self.lay.ws, rows, nbytes // 2, write)
+            if cost is not None:  # every row alike (a read that found every piece in the L2)
+                return np.full(n, cost)
         if by_aiv:
-            return move(self.lay.ws, ids.reshape(-1, 1), half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
+            return move(self.lay.ws, rows, half.reshape(-1, 1)).reshape(-1, 2).max(axis=1)
         return move(self.lay.ws, ids, half)
 
     def _shared(self, name: str, blocks: np.ndarray, nbytes: int, j: int) -> np.ndarray:

@@ -249,6 +249,33 @@ class GlobalMemory:
             rate = min(self.hbm_rate, self.chip_hbm_rate / max(int(np.count_nonzero(total)), 1))
         return np.where(total > 0, self.latency, 0) + total / rate
 
+    def workspace_move(self, name: str, blocks: np.ndarray, nbytes: int, write: bool) -> float | None:
+        """Cycles of each row's move of a workspace (`blocks` [rows, pieces], every piece `nbytes` > 0): the cost
+        write_pieces, or read_pieces where every piece is in the L2, gives each row, with the same effect on the
+        counters and the residency, bit for bit; None for a read of which some piece has left the L2 (call
+        read_pieces then). A workspace's slots are rewritten block after block in one launch: its moves are the
+        CV-split kernels' most frequent, and a row's cost is one number. None also for a workspace kept as runs.
+        """
+        if name not in self.scratch or nbytes <= 0:
+            raise ValueError(f"workspace_move: {name} is not a workspace, or its pieces hold {nbytes} bytes")
+        last = self.last_touch.get(name)
+        if last.__class__ is not np.ndarray:  # kept as runs (a workspace of more than 2**20 blocks)
+            return None
+        since = self.clock - last[blocks]
+        pieces = blocks.size
+        if write:
+            self.gm_write_bytes += pieces * nbytes
+            self.hbm_write_bytes += int(np.count_nonzero(since >= self.l2_bytes)) * nbytes
+        else:
+            if pieces and since.max() >= self.l2_bytes:
+                return None
+            self.gm_read_bytes += pieces * nbytes
+        last[blocks] = self.clock
+        self.tensor_clock[name] = self.clock
+        # read_pieces' latency + (total - 0) / l2_rate + 0 / hbm_rate, write_pieces' latency + total / l2_rate: the
+        # same float sums
+        return self.latency + (blocks.shape[1] * nbytes) / self.l2_rate
+
     def transfer(self, moves: list[Transfer]) -> list[np.ndarray]:
         """Cycles of every mover in every event of `moves` ([events, movers] each; idle movers' entries are
         0), exactly as read_pieces / write_pieces would cost them one event at a time in order.

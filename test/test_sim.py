@@ -98,3 +98,43 @@ def test_a_workspace_gives_back_the_l2_share_it_took_and_no_more() -> None:
     gm.release("small")
     # the L2 is its capacity again: a reuse distance of at least that is a miss whatever ran (runtime/launch_memo)
     assert gm.l2_bytes == t.memory.l2_bytes
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_a_workspace_move_is_read_pieces_and_write_pieces_to_the_bit(pieces) -> None:
+    """GlobalMemory.workspace_move, the CV-split kernels' shortcut for their workspace slots, against the general
+    moves on twin memories: the same cycles per row, byte counters, last touches and tensor clock, for writes
+    over blocks fresh, hot and evicted; a read that finds a piece evicted is refused (None) and changes nothing."""
+    import copy
+
+    target = load_target("ascend910b")
+    gm = GlobalMemory(target)
+    gm.tensor("w", 64)
+    gm.workspace("ws", 16, 16 * 4096)
+    rng = np.random.default_rng(3)
+    refused = evicted_writes = 0
+    for step in range(40):
+        rows = rng.choice(16, size=(rng.integers(1, 8), pieces), replace=False)
+        nbytes = int(rng.integers(1, 5000))
+        write = bool(rng.integers(2))
+        if step % 7 == 3:  # other traffic evicts the workspace's lines: some reads must miss
+            gm.read("w", np.arange(64), gm.l2_bytes // 32)
+        twin = copy.deepcopy(gm)
+        written_back = gm.hbm_write_bytes
+        got = gm.workspace_move("ws", rows, nbytes, write)
+        sizes = np.full(rows.shape, nbytes, dtype=np.int64)
+        want = (twin.write_pieces if write else twin.read_pieces)("ws", rows, sizes)
+        if got is None:
+            assert not write and np.any(want > target.memory.dma_latency_cycles + pieces * nbytes
+                                        / target.memory.l2_read_bytes_per_cycle)
+            gm = twin  # the general move's effect stands
+            refused += 1
+            continue
+        evicted_writes += gm.hbm_write_bytes > written_back  # a write over blocks that had left the L2
+        assert np.array_equal(np.full(len(rows), got), want)
+        for a, b in ((gm.gm_read_bytes, twin.gm_read_bytes), (gm.gm_write_bytes, twin.gm_write_bytes),
+                     (gm.hbm_read_bytes, twin.hbm_read_bytes), (gm.hbm_write_bytes, twin.hbm_write_bytes),
+                     (gm.clock, twin.clock), (gm.tensor_clock["ws"], twin.tensor_clock["ws"])):
+            assert a == b
+        assert np.array_equal(gm.last_touch["ws"], twin.last_touch["ws"])
+    assert refused and evicted_writes  # both cases were met
