@@ -265,12 +265,9 @@ class LaunchMemo:
     def kernel_op(self, launch: Operation) -> Operation:
         """The ge op the launch runs (interpreter.detached_op), rebuilt once per launch and kept with it: a serve's
         Runtimes walk the same step program's launches thousands of times."""
-        held = self._kernel_ops.get(id(launch))
-        if held is None or held[0] is not launch:
-            from geir.runtime.interpreter import detached_op
+        from geir.runtime.interpreter import detached_op
 
-            held = self._kernel_ops[id(launch)] = (launch, detached_op(launch))
-        return held[1]
+        return _made_once(self._kernel_ops, launch, detached_op)
 
     def key(self, launch: Operation, tiling: KernelTiling | None, ctx: LaunchContext) -> Hashable:
         """Everything the launch's timing reads, as one hashable value."""
@@ -319,11 +316,8 @@ class LaunchMemo:
     def _results(self, launch: Operation) -> tuple[np.ndarray, ...]:
         """A replayed launch's results: arrays of its result types holding no bytes (read-only, so one set per
         launch serves every replay of it; a timing-only run reads their shapes, never their values)."""
-        held = self._outs.get(id(launch))
-        if held is None or held[0] is not launch:
-            held = self._outs[id(launch)] = (launch, tuple(no_bytes(r.type.shape, r.type.dtype.np)
-                                                           for r in launch.results))
-        return held[1]
+        return _made_once(self._outs, launch,
+                          lambda op: tuple(no_bytes(r.type.shape, r.type.dtype.np) for r in op.results))
 
     def before(self, ctx: LaunchContext) -> tuple[int, tuple[int, int, int, int], dict[str, float]]:
         """What `store` compares the launch's effect with: the clock, the counters, every name's clock."""
@@ -351,20 +345,13 @@ class LaunchMemo:
     def _tiling_key(self, tiling: KernelTiling | None) -> str:
         """repr(tiling), made once per tiling object (a program's tilings are decoded once and read every run): the
         same string object each time, whose hash Python keeps."""
-        held = self._tilings.get(id(tiling))
-        if held is None or held[0] is not tiling:
-            held = self._tilings[id(tiling)] = (tiling, repr(tiling))
-        return held[1]
+        return _made_once(self._tilings, tiling, repr)
 
     def _static_key(self, launch: Operation) -> Hashable:
         # offsets and stream place the launch; they do not change its timing (names carry the residency)
-        held = self._static.get(id(launch))
-        if held is None or held[0] is not launch:
-            attributes = tuple(sorted((k, repr(v)) for k, v in launch.attrs.items()))
-            key = (launch.kernel, tuple(str(v.type) for v in launch.operands),
-                   tuple(str(r.type) for r in launch.results), attributes)
-            held = self._static[id(launch)] = (launch, key)
-        return held[1]
+        return _made_once(self._static, launch, lambda op: (
+            op.kernel, tuple(str(v.type) for v in op.operands), tuple(str(r.type) for r in op.results),
+            tuple(sorted((k, repr(v)) for k, v in op.attrs.items()))))
 
 
     def _states(self, gm: GlobalMemory, bases: list[str], cold: int) -> list[_NameState]:
@@ -415,6 +402,15 @@ def _relative(clock: int, blocks: np.ndarray | SparseResidency | _Replayed, cold
         kind = np.result_type(clock, blocks)
         return _Blocks(len(blocks), kind.type(cold), np.empty(0, np.int64), np.empty(0, kind))
     return _Blocks.of(np.minimum(clock - blocks, cold))
+
+
+def _made_once(cache: dict[int, tuple[Any, Any]], obj: Any, make: Any) -> Any:
+    """make(obj), made once per object and kept with it in `cache` (by id, the object held so its id is never
+    another's): for what a launch or its decoded tiling gives every time a run walks it."""
+    held = cache.get(id(obj))
+    if held is None or held[0] is not obj:
+        held = cache[id(obj)] = (obj, make(obj))
+    return held[1]
 
 
 def _bases(ctx: LaunchContext) -> list[str]:
