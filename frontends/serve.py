@@ -60,14 +60,13 @@ from geir.frontends.generate import (
     DEVICE_STEPS,
     GE_HOST,
     _cache_layer_class,
-    _export,
     _Loop,
     _StepModule,
     bucket_length,
+    import_step,
 )
 from geir.frontends.torch_builder import geir_dtype, to_numpy
 from geir.passes.lower import ALIGN  # the alignment GE lays each input out at
-from geir.frontends.torch_import import import_program
 from geir.runtime.device import DeviceTensor
 from geir.runtime.interpreter import LAUNCH_MODES, RuntimeListener
 from geir.runtime.kv_pool import KVBlockPool
@@ -856,9 +855,17 @@ class _Server:
         self.layers, self.kv_heads, self.head_dim, self.dtype = step.layers, step.kv_heads, step.head_dim, model.dtype
         return tuple(torch.zeros(1, 1, 1, dtype=model.dtype).expand(self._pool_shape()) for _ in range(2 * step.layers))
 
+    def _step_program(self, step: type[_PagedStep], model: torch.nn.Module, inputs: tuple, dynamic: tuple,
+                      source: str) -> Any:
+        """A step program over the pools (`inputs` with their `dynamic` dims, then each layer's pools), exported and
+        imported: from a two-layer cut of the model where its layers are one layer repeated (generate.import_step)."""
+        pools, bs = self._stand_in_pools(model), self.pool.block_size
+        return import_step(lambda m: step(m, bs), model, inputs, dynamic, pools, tuple(None for _ in pools),
+                           source=source)
+
     def _prefill_program(self, model: torch.nn.Module, prompt: list[int]) -> Any:
         """The batched prefill over the pools (batch and blocks dynamic), exported and imported."""
-        pools, bs = self._stand_in_pools(model), self.pool.block_size
+        bs = self.pool.block_size
         b_dim, n_dim = _DIMS
         # a batch of two rows of different lengths over three blocks: the trace sees padding (each row's mask)
         slots = 3 * bs
@@ -866,22 +873,21 @@ class _Server:
         tables = [[0, 1, 2], [3, 4, 5]]
         writes = [[_slot_of(t, j, bs) for j in range(slots)] for t in tables]
         dynamic = ({0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: bs * n_dim}, {0: bs * n_dim}, {0: b_dim, 1: bs * n_dim},
-                   {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim}, tuple(None for _ in pools))
-        prefill = import_program(_export(_PagedPrefill(model, bs), (*_prefill_inputs(rows, slots, writes, tables, bs),
-                                                                     *pools), dynamic), source="<prefill>")
+                   {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim})
+        prefill = self._step_program(_PagedPrefill, model, _prefill_inputs(rows, slots, writes, tables, bs), dynamic,
+                                     "<prefill>")
         self.pools_unpinned &= _unpin_pools(prefill.module.graph(), PREFILL_INPUTS)
         _donate_pools(prefill.module.graph(), PREFILL_INPUTS)
         return prefill
 
     def _decode_program(self, model: torch.nn.Module, prompt: list[int]) -> Any:
         """The decode step over the pools (batch and table width dynamic), exported and imported."""
-        pools, bs = self._stand_in_pools(model), self.pool.block_size
+        bs = self.pool.block_size
         b_dim, n_dim = _DIMS
         rows = [_Sequence(0, prompt, 2, 0.0, [1, 2]), _Sequence(1, prompt, 2, 0.0, [1, 2])]
-        dynamic = ({0: b_dim}, {0: b_dim, 1: bs * n_dim}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim},
-                   tuple(None for _ in pools))
-        decode = import_program(_export(_PagedDecode(model, bs), (*_decode_inputs(rows, [[0, 0], [0, 0]], 2, bs),
-                                                                    *pools), dynamic), source="<decode>")
+        dynamic = ({0: b_dim}, {0: b_dim, 1: bs * n_dim}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim})
+        decode = self._step_program(_PagedDecode, model, _decode_inputs(rows, [[0, 0], [0, 0]], 2, bs), dynamic,
+                                    "<decode>")
         self.pools_unpinned &= _unpin_pools(decode.module.graph(), DECODE_INPUTS)
         _donate_pools(decode.module.graph(), DECODE_INPUTS)
         return decode

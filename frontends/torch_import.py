@@ -23,6 +23,7 @@ from geir.frontends.torch_builder import (COMPUTED_LITERAL_LIMIT, LITERAL_LIMIT,
                                           TorchImportError, dims_of, geir_dtype, is_broadcast, node_description,
                                           source_location, to_numpy)
 from geir.frontends.torch_ops import CONVERTERS, TAKES_RUNTIME_SIZES, Unavailable
+from geir.frontends.torch_regional import LayersDiffer, LayerWalk, RepeatedLayers
 from geir.ir import Module, Value
 from geir.types import DType, TensorType
 from geir.verifier import verify_graph
@@ -43,7 +44,7 @@ class ImportedProgram:
     module: Module
     # per flattened user input: the graph argument it binds, or None for a non-tensor input torch specialised
     input_names: list[str | None]
-    in_spec: Any
+    in_spec: Any  # None where the module is not the exported program's (a regional import's: more layers)
     out_spec: Any
 
 
@@ -54,31 +55,49 @@ def functional(ep: ExportedProgram) -> ExportedProgram:
     return ep.run_decompositions({}) if mutating else ep
 
 
-def import_program(ep: ExportedProgram, name: str = "main", source: str = "<torch.export>") -> ImportedProgram:
-    """Translate an exported program into a verified `ge.graph @name` with its weights; `source` names the module."""
-    return _Importer(functional(ep), name).run(source)
+def import_program(ep: ExportedProgram, name: str = "main", source: str = "<torch.export>",
+                   repeat: RepeatedLayers | None = None) -> ImportedProgram:
+    """Translate an exported program into a verified `ge.graph @name` with its weights; `source` names the module.
+
+    `repeat`: `ep` was exported from a two-layer cut of a deeper model (torch_regional.cut_to_two_layers); its
+    second layer is stamped out for each further layer, so the module is the whole model's (LayersDiffer when the
+    two exported layers are not one layer twice)."""
+    ep = functional(ep)
+    walk = None
+    if repeat is not None:
+        walk = LayerWalk.of(ep, repeat)
+        if isinstance(walk, str):
+            raise LayersDiffer(f"cannot import the model's {repeat.count} layers from two: {walk}")
+    return _Importer(ep, name, repeat, walk).run(source)
 
 
 class _Importer:
     """One walk over an exported program's fx graph, building the GEIR graph as it goes."""
 
-    def __init__(self, ep: ExportedProgram, name: str):
+    def __init__(self, ep: ExportedProgram, name: str, repeat: RepeatedLayers | None = None,
+                 walk: LayerWalk | None = None):
         self.ep = ep
         self.b = GraphBuilder(name)
         self.env: dict[Any, Any] = {}
         self.input_names: list[str | None] = []
-        self._consts: dict[int, Value] = {}
+        # id(constant) -> (the constant, kept alive so that its id is never another's, its ge.const)
+        self._consts: dict[int, tuple[ConstTensor, Value]] = {}
+        self.repeat, self.walk = repeat, walk
+        self.layer_results: list[list[Value]] = []  # a regional import's results of its second and further layers
 
     def run(self, source: str) -> ImportedProgram:
         """Convert every node in order, then verify the graph."""
         specs = {s.arg.name: s for s in self.ep.graph_signature.input_specs}
         results: list[Value] = []
+        last = self.walk.second[-1] if self.walk is not None else None
         for node in self.ep.graph.nodes:
             self.b.node, self.b.loc = node, source_location(node)
             if node.op == "placeholder":
                 self.placeholder(node, specs[node.name])
             elif node.op == "call_function":
                 self.env[node] = self.call(node)
+                if node is last:
+                    self.further_layers()
             elif node.op == "output":
                 results = self.outputs(node)
             else:
@@ -91,7 +110,32 @@ class _Importer:
         except DiagnosticError as e:  # a converter produced bad IR: the importer's bug, reported plainly
             raise TorchImportError(f"the imported graph does not verify: {e}") from None
         module = Module([graph], source, dict(self.b.weights))
+        if self.walk is not None:
+            return ImportedProgram(module, self.input_names, None, None)
         return ImportedProgram(module, self.input_names, self.ep.call_spec.in_spec, self.ep.call_spec.out_spec)
+
+    def further_layers(self) -> None:
+        """A regional import: the second layer's nodes walked again for each further layer, each reading the layer
+        before it, its own weights and inputs (new graph arguments after the program's); the nodes after the
+        layers then read the last layer's values."""
+        walk, repeat = self.walk, self.repeat
+        self.layer_results.append([self.value_of(r) for r in walk.outputs])
+        outer = {n: self.env[n] for n in (*walk.carried, *walk.weights, *walk.inputs)}
+        for layer in range(2, repeat.count):
+            before = {first: self.env[twin] for first, twin in walk.carried.items()}
+            self.env.update(before)
+            for node, name in walk.weights.items():
+                key, tensor = repeat.tensor(name, layer)
+                self.env[node] = ConstTensor(tensor, key)
+            for node in walk.inputs:
+                arg = self.b.argument(outer[node].type, walk.input_name(node.name, layer))
+                self.input_names.append(arg.name)
+                self.env[node] = arg
+            for node in walk.second:
+                self.b.node, self.b.loc = node, source_location(node)
+                self.env[node] = self.call(node)
+            self.layer_results.append([self.value_of(r) for r in walk.outputs])
+        self.env.update(outer)  # the first layer's values and the second's inputs, as the program's outputs read them
 
     # --- inputs and constants --------------------------------------------------------------------------
 
@@ -134,19 +178,20 @@ class _Importer:
 
     def materialize(self, node: Any, c: ConstTensor) -> Value:
         """The ge.const for a constant tensor (one per tensor, emitted at its first use)."""
-        v = self._consts.get(id(c))
+        kept = self._consts.get(id(c))
+        v = None if kept is None else kept[1]
         if v is None and c.key is not None and is_broadcast(c.tensor):
             # one element behind many (a timing-only model's weight: bench/serve.py's LLaMA-7B shape): a resource, as
             # a checkpoint's weight is, that keeps its zero strides, not a splat literal or a copy of its bytes
             one = to_numpy(c.tensor[(0,) * c.tensor.dim()])
             dtype = geir_dtype(c.tensor.dtype, f"constant '{c.key}'")
             v = self.b.broadcast_resource(np.broadcast_to(one, tuple(c.tensor.shape)), dtype, node.name, c.key)
-            self._consts[id(c)] = v
+            self._consts[id(c)] = (c, v)
         if v is None:
             dtype = geir_dtype(c.tensor.dtype, f"constant '{c.key or node.name}'")
             limit = LITERAL_LIMIT if c.key is not None else COMPUTED_LITERAL_LIMIT
             v = self.b.const(to_numpy(c.tensor), dtype, hint=node.name, key=c.key, limit=limit)
-            self._consts[id(c)] = v
+            self._consts[id(c)] = (c, v)
         return v
 
     # --- operations ------------------------------------------------------------------------------------
@@ -242,12 +287,15 @@ class _Importer:
             raise TorchImportError(f"the program mutates {', '.join(map(str, mutated))} (e.g. batch-norm statistics "
                                    f"in training mode); export the module in eval mode (module.eval())")
         results = []
+        layered = set(self.walk.outputs) if self.walk is not None else set()
         for x in node.args[0]:
             if not isinstance(x, torch.fx.Node):
                 raise TorchImportError(f"output {x!r} is not a tensor; GEIR graphs return tensors only")
+            if x in layered:
+                continue  # a regional import's layers' results come last, layer by layer
             self.b.node, self.b.loc = x, source_location(x)
             results.append(self.value_of(x))
-        return results
+        return results + [v for layer in self.layer_results for v in layer]
 
 
 def _is_check(target: Any) -> bool:
