@@ -102,6 +102,10 @@ def _family(name: str) -> torch.nn.Module:
         return _llama()
     if name == "gpt2":
         return _gpt2()
+    if name == "qwen2":  # q/k/v biases
+        cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+        return transformers.Qwen2ForCausalLM(cfg).eval()
     if name == "gptj":
         cfg = transformers.GPTJConfig(n_embd=64, n_inner=128, n_layer=LAYERS, n_head=4, rotary_dim=8, n_positions=64,
                                       vocab_size=100, bos_token_id=0, eos_token_id=0)
@@ -111,7 +115,7 @@ def _family(name: str) -> torch.nn.Module:
     return transformers.FalconForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gptj", "falcon"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gptj", "falcon", "qwen2"])
 def test_generates_step_programs_imported_from_two_layers_are_the_whole_models(family):
     model = _family(family)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
@@ -164,6 +168,11 @@ def test_a_model_whose_layers_differ_is_not_cut():
     mixed = _llama()
     mixed.config.layer_types = ["full_attention", "sliding_attention"] * 2
     assert cut_to_two_layers(mixed) is None
+    torch.manual_seed(0)  # Gemma2: sliding and full attention layers alternate
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, vocab_size=100)).eval()
+    assert cut_to_two_layers(gemma2) is None
 
 
 def test_layers_that_trace_differently_are_refused_and_exported_whole():
