@@ -13,7 +13,9 @@ The second layer is the template, not the first: the first reads the embedding, 
 as every further layer does. The walk is taken only when it is sound: the layers must be one layer repeated (the
 same modules, shapes and settings but their index, one `layer_types` entry) and the two exported layers must be
 the same nodes over their own inputs, weights and the values before them (`LayerWalk.of` says why not, and the
-caller exports the whole model).
+caller exports the whole model). What neither check sees is a layer's forward branching on its own index beyond
+the first two in code alone (no attribute, no config entry saying so); Hugging Face's models keep such choices in
+per-layer attributes or `layer_types` (GPT-2's inverse-index scaling shows in the first two layers).
 """
 
 from __future__ import annotations
