@@ -122,8 +122,7 @@ class _Importer:
         self.layer_results.append([self.value_of(r) for r in walk.outputs])
         outer = {n: self.env[n] for n in (*walk.carried, *walk.weights, *walk.inputs)}
         for layer in range(2, repeat.count):
-            before = {first: self.env[twin] for first, twin in walk.carried.items()}
-            self.env.update(before)
+            self.env.update({first: self.env[twin] for first, twin in walk.carried.items()})  # the layer before
             for node, name in walk.weights.items():
                 key, tensor = repeat.tensor(name, layer)
                 self.env[node] = ConstTensor(tensor, key)

@@ -55,11 +55,12 @@ def attr_sig(v: Any) -> Any:
     raise TypeError(f"unexpected attribute value {v!r}")
 
 
-def graph_sig(g: Graph) -> tuple:
+def graph_sig(g: Graph, value_names: bool = True) -> tuple:
     """Everything that makes a graph what it is, independent of object identity.
 
     Values are referred to by their definition site; constants by the array they stand for
     (a literal written out in full and the same literal printed as a splat are the same constant).
+    `value_names=False` leaves the ops' result names out (two builds that name their values apart).
     """
     where: dict[int, tuple] = {}
     for i, a in enumerate(g.args):
@@ -74,7 +75,7 @@ def graph_sig(g: Graph) -> tuple:
                     attrs[key] = ("const", _array_sig(val.to_array(op.results[0].type)))
             else:
                 attrs[key] = attr_sig(val)
-        results = tuple((r.name, r.type) for r in op.results)
+        results = tuple((r.name if value_names else None, r.type) for r in op.results)
         ops.append((op.name, operands, tuple(sorted(attrs.items())), results))
         for j, r in enumerate(op.results):
             where[id(r)] = ("op", k, j)
@@ -87,5 +88,5 @@ def graph_sig(g: Graph) -> tuple:
     )
 
 
-def module_sig(m: Module) -> tuple:
-    return tuple(graph_sig(g) for g in m.graphs)
+def module_sig(m: Module, value_names: bool = True) -> tuple:
+    return tuple(graph_sig(g, value_names) for g in m.graphs)
