@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -346,6 +347,22 @@ def timed_command(cmd: list[str]) -> Timed:
     return timed
 
 
+def on_one_core(fn):
+    """fn() with this process held to one host core and BLAS to one thread (so the loop's BLAS threads do not
+    queue on the one core); None where the OS has no CPU affinity."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415 - a dependency of geir; imported where used
+
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        with threadpool_limits(1, user_api="blas"):
+            return fn()
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 def interleaved_rounds(n: int, *runs) -> list[list[Timed]]:
     """n rounds after one not counted (first page faults, cold caches); every run once a round, the order reversed
     every other round: on a shared host the load drifts, and runs compared with each other should meet the same
@@ -466,6 +483,17 @@ def host_speed(s: int, tmp: Path, small_s: int = 128) -> None:
     line("gerun's main() (parse, compile, inputs, run)", main_, main_wall)
     line("of which the Runtime's run", runtime, run_wall, run_cpu, f"{verdict(run_wall.median <= 1.0)} (<= 1.0x)")
     say(f"   {'the Runtime against the P-rounding loop':<48}{'':15}   {run_p}")
+    one_core = on_one_core(lambda: interleaved_rounds(
+        HOST_ROUNDS, lambda: timed_call(lambda: numpy_flash_attention(q, k, v, scale, s1, s2)),
+        lambda: timed_call(lambda: run_program(program, inputs))))
+    if one_core is None:
+        say("   on one host core: the host cannot be held to one core here (no CPU affinity), skipped")
+    else:
+        loop_1, runtime_1 = one_core
+        say("   on one host core (CPU affinity, BLAS one thread), where the Runtime's query-row chunks cannot run a")
+        say("   lane per core (geir.host_threads)")
+        line("numpy FlashAttention-2 loop", loop_1)
+        line("the Runtime's run", runtime_1, Ratio.of([t.wall for t in runtime_1], [t.wall for t in loop_1]))
     row: dict[str, Any] = {
         "S": s, "s1": s1, "s2": s2, "rounds": HOST_ROUNDS,
         "numpy_s": median([t.wall for t in loop]), "numpy_round_p_s": median([t.wall for t in loop_p]),

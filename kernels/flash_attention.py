@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from geir.host_threads import run_split
 from geir.ir import Operation
 from geir.kernels import flash_attention_tiling as tiling_rules
 from geir.kernels.base import Kernel, LaunchContext, PipeWaits, allocate, issue, register_kernel
@@ -252,15 +253,21 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     # page faults than its arithmetic (the values are the same: each op writes where its result would have gone)
     rows_at_once = min(heads, B * Nkv) * min(chunk, R)
     tile = rows_at_once * min(s2, Skv)
-    buffers = _Buffers(np.empty(tile, dtype=_F32), np.empty(tile, dtype=_F32) if _bytes(q.dtype) < 4 else None,
-                       np.empty(rows_at_once * Dv, dtype=_F32))
-    for h0 in range(0, B * Nkv, heads):
-        h = slice(h0, min(h0 + heads, B * Nkv))
-        for c0 in range(0, R, chunk):
-            c1 = min(c0 + chunk, R)
+    pieces = [(slice(h0, min(h0 + heads, B * Nkv)), c0, min(c0 + chunk, R))
+              for h0 in range(0, B * Nkv, heads) for c0 in range(0, R, chunk)]
+
+    def lane_rows(lane: int, part: list[tuple[slice, int, int]]) -> None:
+        buffers = _Buffers(np.empty(tile, dtype=_F32), np.empty(tile, dtype=_F32) if _bytes(q.dtype) < 4 else None,
+                           np.empty(rows_at_once * Dv, dtype=_F32))
+        for h, c0, c1 in part:
             _rows(qf[h, :, c0:c1], kff[h], vff[h], None if mf is None else mf[h, :, c0:c1], rows[c0:c1], causal,
                   scale, q.dtype, s1, s2, segments, softcap, None if pf is None else pf[h, :, c0:c1], buffers,
                   of[h, :, c0:c1])
+
+    # the chunks are independent (each writes its own rows of `out`): on a multi-core host they run a lane per core,
+    # where there is enough of them to repay the threads (see geir.host_threads: the numbers are the same)
+    worth_lanes = len(pieces) > 1 and B * Nkv * R * Skv >= 2 * _CACHE_SCORES
+    run_split(pieces, lane_rows, None if worth_lanes else 1)
     return round_to(out.reshape(B, N, Sq, Dv), q.dtype)
 
 
