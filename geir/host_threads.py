@@ -2,7 +2,8 @@
 
 A kernel's numpy arithmetic runs on the host, where numpy's elementwise passes use one core and only its BLAS calls
 use more. Pieces that are independent (FlashAttention's query-row chunks, each writing its own rows) can instead run
-one per host core: numpy releases the GIL inside its loops, so the passes then overlap.
+one per host core: numpy releases the GIL inside its loops, so the passes then overlap. OMP_NUM_THREADS, where set,
+caps the lanes as it caps torch's threads (the test suite sets it to 1 in each of its worker processes).
 
 BLAS is held to one thread for the whole section, with one lane or many. Its own threads competing with the lanes'
 halve the speed instead of doubling it, and its result may depend on its thread count: OpenBLAS picks another kernel
@@ -30,8 +31,12 @@ T = TypeVar("T")
 _section = threading.Lock()
 
 
-def host_cores() -> int:
-    """The host cores this process may run on (its CPU affinity where the OS says, else the machine's count)."""
+def host_lanes() -> int:
+    """How many lanes a split runs at most: OMP_NUM_THREADS where it is set to a count (as torch takes its intra-op
+    threads from it), else the host cores this process may run on (its CPU affinity where the OS says)."""
+    wish = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if wish.isdigit() and int(wish) > 0:
+        return int(wish)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -48,11 +53,11 @@ def run_split(pieces: Sequence[T], work: Callable[[int, Sequence[T]], None], wor
     """Calls `work(lane, pieces[lane::n])` for lanes 0..n-1, each lane on a thread of its own, BLAS held to one
     thread; returns n.
 
-    n is `workers` (default: the host's cores) but at most one lane per piece; with one lane every piece runs here
+    n is `workers` (default: host_lanes()) but at most one lane per piece; with one lane every piece runs here
     in order. `work` must keep its lanes apart (a lane's own scratch buffers, disjoint results). Every lane runs in
     the caller's context (its numpy errstate). An exception in any lane is raised here once every lane has stopped.
     """
-    n = max(1, min(host_cores() if workers is None else workers, len(pieces)))
+    n = max(1, min(host_lanes() if workers is None else workers, len(pieces)))
     with _section, _blas().limit(limits=1, user_api="blas"):
         if n == 1:
             work(0, pieces)

@@ -3,6 +3,7 @@ held to one thread meanwhile, and FlashAttention's numbers the same bits with an
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -43,6 +44,15 @@ def test_one_lane_per_piece_at_most_and_one_lane_runs_here() -> None:
     here: list[int] = []
     assert host_threads.run_split([1, 2, 3], lambda lane, part: here.append(threading.get_ident()), workers=1) == 1
     assert here == [threading.get_ident()]
+
+
+def test_lanes_follow_omp_num_threads_where_set_else_the_cores_the_process_may_use(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert host_threads.host_lanes() == 3
+    assert host_threads.run_split(list(range(5)), lambda lane, part: None) == 3
+    for unset in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert host_threads.host_lanes() == len(os.sched_getaffinity(0))
 
 
 def test_blas_is_held_to_one_thread_inside_and_given_back_after() -> None:
