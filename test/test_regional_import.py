@@ -23,22 +23,17 @@ from geir.frontends.torch_import import import_program  # noqa: E402
 from geir.frontends.torch_regional import LayersDiffer, LayerWalk, cut_to_two_layers  # noqa: E402
 from geir.passes.dce import eliminate_dead_ops  # noqa: E402
 from helpers import module_sig  # noqa: E402
+from helpers.tiny_models import tiny_gpt2, tiny_llama  # noqa: E402
 
 LAYERS, BLOCK = 4, 16
 
 
 def _llama(layers: int = LAYERS) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(layers)
 
 
 def _gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=128, vocab_size=100,
-                                  bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2(LAYERS)
 
 
 def _whole(make, model, inputs, dynamic, per_layer=(), per_layer_dynamic=()):

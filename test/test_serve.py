@@ -16,23 +16,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from geir.frontends.torch import serve  # noqa: E402
+from helpers.tiny_models import tiny_gpt2, tiny_llama  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
 
 
 def _llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=100)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(LAYERS, KV_HEADS)
 
 
 def _gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=128, vocab_size=100,
-                                  bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2(LAYERS)
 
 
 def _trace(lengths=((5, 6, 0.0), (9, 4, 0.0), (3, 7, 300.0), (12, 5, 2000.0)), seed=1):
