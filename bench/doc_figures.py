@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--list", action="store_true", help="list the blocks and their commands")
     parser.add_argument("--recorded", action="store_true",
                         help="with --write: also re-run the recorded blocks and keep their new records")
+    parser.add_argument("--force", action="store_true",
+                        help="with --write: write what the command prints now even where the block holds within its "
+                             "host noise (a count that moved inside the tolerance of the wall times beside it)")
     parser.add_argument("--match", metavar="TEXT", help="only the blocks whose command contains TEXT")
     parser.add_argument("files", nargs="*", type=Path, help="only these markdown files")
     args = parser.parse_args(argv)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{block.where}: {block.command}{'   (recorded)' if block.recorded else ''}")
                 continue
             now = render(block, rerun_recorded=args.write and args.recorded)
-            if same(block, now):
+            if same(block, now) and not (args.write and args.force and now.strip() != block.body.strip()):
                 continue
             if args.write:
                 updates[block.line] = now
