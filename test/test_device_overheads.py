@@ -159,3 +159,16 @@ def test_flash_decoding_runs_cv_split_on_a2_with_the_numbers_of_the_on_chip_sche
     vector_side = cv_ctx.cores.busy[[PIPE_INDEX["AIV_MTE2"], PIPE_INDEX["VECTOR"]]].sum(axis=1)
     assert np.all(vector_side > 0)  # the AIVs load S and the partials with their own engine
     assert chip_ctx.cores.busy[PIPE_INDEX["AIV_MTE2"]].sum() == 0
+
+
+def test_a_mixed_matmul_epilogue_waits_one_sync_for_the_aics_flag():
+    # Atlas A2's MatmulMixEpilogue: the AIC drains a block to the workspace and sets a flag; its AIVs see it
+    # cross_core_sync_cycles later. One base block on one core: the whole chain is the launch, so the flag's wait
+    # adds exactly its cycles to the launch's end
+    sig = _sig("ge.fused_matmul", [(128, 128), (128, 128)], (128, 128), activation="gelu")
+    tiling = KERNELS[sig.name].choose(sig, B910)
+    assert tiling.template == "MatmulMixEpilogue" and tiling.single_core_m == tiling.single_core_n == 128
+    no_sync = load_target("ascend910b[overhead.cross_core_sync_cycles=0]")
+    synced, _ = _stats(sig, B910)
+    bare, _ = _stats(sig, no_sync)
+    assert synced.cycles - bare.cycles == pytest.approx(B910.overhead("cross_core_sync_cycles"), rel=1e-12)

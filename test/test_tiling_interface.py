@@ -226,3 +226,19 @@ def test_the_fields_row_gather_and_scan_tilings_share_are_declared_once():
     row = RowTiling(segments=2, ub_bytes=4096, cores=3, buffers=2, cols=64, rows=8, template="VectorRow")
     assert list(row.to_attr()) == ["template", "rows", "cols", "buffers", "cores", "ub_bytes", "segments"]
     assert RowTiling.from_attr(row.to_attr()) == row
+
+
+def test_matmul_candidates_vary_the_tcubetiling_fields_getune_tunes():
+    # issue 25: getune's candidates follow TCubeTiling's fields: the k slices an L1 load caches (stepKa / stepKb),
+    # the order the cores walk C (iterateOrder) and the base block, with it the 2-D core split
+    from geir.kernels.matmul_tiling import M_FIRST, N_FIRST
+    chip = load_target("ascend910b")
+    sig = OpSignature("ge.matmul", (TensorType((4096, 4096), DType("f16")),) * 2,
+                      (TensorType((4096, 4096), DType("f16")),), {})
+    kernel = KERNELS["ge.matmul"]
+    rules, cands = kernel.choose(sig, chip), kernel.candidates(sig, chip)
+    assert rules.step_ka == rules.step_kb == 4
+    assert {c.step_ka for c in cands} >= {1, 2, 4} and all(c.step_ka == c.step_kb for c in cands)
+    assert {c.iterate_order for c in cands} == {M_FIRST, N_FIRST}
+    assert len({(c.base_m, c.base_n, c.base_k) for c in cands}) > 1
+    assert len({(c.single_core_m, c.single_core_n) for c in cands}) > 1
