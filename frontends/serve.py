@@ -66,8 +66,9 @@ from geir.frontends.generate import (
     import_step,
 )
 from geir.frontends.torch_builder import geir_dtype, to_numpy
+from geir.kernels.paged_attention_tiling import CUBE_TILE_ELEMENTS  # one KV block is one cube tile
 from geir.passes.lower import ALIGN  # the alignment GE lays each input out at
-from geir.runtime.device import DeviceTensor
+from geir.runtime.device import DeviceTensor, host_bytes_available
 from geir.runtime.interpreter import LAUNCH_MODES, RuntimeListener
 from geir.runtime.kv_pool import KVBlockPool
 from geir.runtime.profile import time_split
@@ -630,6 +631,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
         if bad:
             raise ValueError(f"request {s.index}: token id {bad[0]} is outside the model's vocabulary (0 to "
                              f"{vocab - 1 if vocab else '?'})")
+    _check_block(model, block_size)
     per_token = kv_bytes_per_token(model)
     if memory_utilization is not None:
         if pool_bytes is not None:
@@ -652,6 +654,27 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
     if memory_utilization is not None:
         return attrs.evolve(run, pool_sized_from="memory")
     return attrs.evolve(run, pool_sized_from="requests" if pool_bytes is None else "pool_bytes")
+
+
+def _check_block(model: torch.nn.Module, block_size: int) -> None:
+    """ValueError unless one KV block of `block_size` tokens is one cube tile of FIA's paged attention (ATB
+    PagedAttentionOperation: block_size x head dim <= 128 x 128), said before any step is exported or planned."""
+    head_dim = _StepModule(model, False).head_dim
+    if block_size * head_dim > CUBE_TILE_ELEMENTS:
+        raise ValueError(f"block_size {block_size}: a block of {block_size} keys of head dim {head_dim} "
+                         f"({block_size * head_dim} elements) exceeds one 128 x 128 cube tile (ATB PagedAttention: "
+                         f"block_size x head dim <= 128 x 128); this model takes blocks of at most "
+                         f"{CUBE_TILE_ELEMENTS // head_dim} tokens")
+
+
+def _check_host_holds(pool: KVBlockPool, how: str) -> None:
+    """ValueError where serving with numbers cannot hold the KV pool in the host's memory (the simulated device's
+    bytes are the host's: a 60 GB pool sized from an NPU's memory is a timing-only pool)."""
+    available = host_bytes_available()
+    if available is not None and pool.pool_bytes > available:
+        raise ValueError(f"a KV pool of {pool.pool_bytes} B{' ' + how if how else ''} does not fit the "
+                         f"{available} B this host has available to compute the numbers in: serve it timing only "
+                         f"(no bytes held), or give a smaller pool_bytes")
 
 
 def _check_memory(target: Target, utilisation: float) -> None:
@@ -716,6 +739,8 @@ class _Server:
             self.sizing = self._memory_profile(memory_utilization)
             self.pool = self._pool_from(self.sizing)
             _refuse_unfittable(seqs, self.pool)
+        if not timing_only:
+            _check_host_holds(self.pool, "sized from the device's memory" if self.sizing else "")
         self.pools = self._empty_pools()
         self.admissions = 0
         # GE's host us, plans, device us before the first arrival: the memory profile's plan is startup work too

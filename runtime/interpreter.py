@@ -181,7 +181,13 @@ class Runtime:
         if layout is None:
             raise RuntimeFailure(f"{program.loc}: rt.program @{program.name} has no memory layout: attribute "
                                  f"memory = {{inputs = N, constants = N, arena = N}} gives its sizes in bytes")
-        device = DeviceMemory(sum(layout.values()), backed=not self.timing_only)
+        try:
+            device = DeviceMemory(sum(layout.values()), backed=not self.timing_only)
+        except MemoryError:
+            raise RuntimeFailure(
+                f"this host cannot hold the {sum(layout.values())} bytes of device memory @{program.name} computes "
+                f"its numbers in (inputs {layout['inputs']}, constants {layout['constants']}, arena "
+                f"{layout['arena']}): run it timing only, which holds no bytes, or with smaller inputs") from None
         cores = Cores(self.target.cube_cores, record=self.record_pipes)
         gm = GlobalMemory(self.target)
         host: dict[int, np.ndarray] = {}

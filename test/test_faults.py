@@ -127,3 +127,22 @@ def test_no_smaller_tiling_below_the_smallest_block() -> None:
         KERNELS["ge.flash_attention"].decode({"template": "Unknown", "s1": 16, "s2": 16, "d": 16, "buffers": 2,
                                                "cores": 1, "ub_bytes": 1, "segments": 1, "l1_bytes": 1,
                                                "l0a_bytes": 1, "l0b_bytes": 1, "l0c_bytes": 1})
+
+
+def test_device_memory_the_host_cannot_allocate_is_a_runtime_failure(program, inputs, monkeypatch) -> None:
+    # the simulated device's bytes are the host's: where numpy cannot allocate them, the Runtime says so (which
+    # program, how many bytes and why) instead of letting a MemoryError escape; a timing-only run holds none
+    import geir.runtime.interpreter as interpreter
+
+    def no_memory(size: int, backed: bool = True):
+        if backed:
+            raise MemoryError(f"Unable to allocate {size} bytes")
+        return real(size, backed)
+
+    real = interpreter.DeviceMemory
+    monkeypatch.setattr(interpreter, "DeviceMemory", no_memory)
+    with pytest.raises(RuntimeFailure, match=r"this host cannot hold the \d+ bytes of device memory @main computes "
+                                             r"its numbers in \(inputs \d+, constants \d+, arena \d+\): run it "
+                                             r"timing only"):
+        _run(program, inputs)
+    assert Runtime(load_target("ascend910b"), timing_only=True).run(program, inputs) is not None

@@ -160,6 +160,33 @@ def test_the_pool_sized_from_the_devices_memory(files, capsys):
         assert e.value.code == 2
 
 
+def test_a_block_larger_than_one_cube_tile_is_refused_before_any_step(files, capsys):
+    # ATB PagedAttention: block_size x head dim <= 128 x 128; this model's head dim is 64 / 4 = 16, so 1024 tokens
+    tmp, trace, config = files
+    rc, out, err = _main(capsys, trace, "--model", config, "--block-size", 2048, "--timing-only")
+    assert rc == 1 and out == ""
+    assert err == ("geserve: error: block_size 2048: a block of 2048 keys of head dim 16 (32768 elements) exceeds one "
+                   "128 x 128 cube tile (ATB PagedAttention: block_size x head dim <= 128 x 128); this model takes "
+                   "blocks of at most 1024 tokens\n")
+    rc, _, err = _main(capsys, trace, "--model", config, "--block-size", 1024, "--timing-only")
+    assert rc == 0, err
+
+
+def test_a_pool_the_host_cannot_hold_with_numbers_is_refused(files, capsys, monkeypatch):
+    # the simulated device's bytes are the host's: with numbers, a pool larger than the host's available memory
+    # is refused up front (timing only it holds no bytes and serves)
+    import geir.frontends.serve as serve_module
+
+    tmp, trace, config = files
+    monkeypatch.setattr(serve_module, "host_bytes_available", lambda: 1 << 20)
+    rc, out, err = _main(capsys, trace, "--model", config, "--block-size", 4, "--pool-bytes", 4 << 20)
+    assert rc == 1 and out == ""
+    assert err.startswith("geserve: error: a KV pool of ") and "does not fit the 1048576 B this host has" in err
+    assert "serve it timing only" in err
+    rc, _, err = _main(capsys, trace, "--model", config, "--block-size", 4, "--pool-bytes", 4 << 20, "--timing-only")
+    assert rc == 0, err
+
+
 def test_a_bad_config_is_said_where_it_is(files, capsys):
     tmp, trace, _ = files
     bad = tmp / "bad.json"

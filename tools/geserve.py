@@ -87,7 +87,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="iteration-level (continuous) batching, or static batches run to their end "
                         "(default continuous)")
     p.add_argument("--block-size", type=_positive, default=128, metavar="N",
-                   help="tokens per KV block (default 128, as on Ascend)")
+                   help="tokens per KV block (default 128, as on Ascend; a block times the head dim at most 128 x 128, "
+                        "one cube tile)")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--pool-bytes", type=_positive, metavar="B",
                       help="the KV pool's device bytes (default: every request at its longest at once)")
@@ -274,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 raise _error(trace_name, line, 1, f"the prompt's {len(ids)} tokens and {new} new tokens exceed the "
                                                   f"model's {limit} positions")
         from geir.frontends.torch import TorchImportError, serve
+        from geir.runtime.interpreter import RuntimeFailure
 
         try:
             result = serve(model, requests, policy=args.policy, block_size=args.block_size,
@@ -282,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
                            progress=_progress_bar() if sys.stderr.isatty() else None)
         except TorchImportError as e:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
+        except RuntimeFailure as e:  # a step the Runtime cannot run (e.g. device bytes the host cannot hold)
+            raise ToolError(str(e)) from None
         except ValueError as e:
             m = re.match(r"request (\d+)[: ]", str(e))
             if m is None:
