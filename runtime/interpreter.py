@@ -226,6 +226,7 @@ class Runtime:
             if not graph:
                 submitted += self.submit_us
             elif replay_pending:  # aclmdlRIExecuteAsync: the device's task scheduler dispatches the rest
+                # (each launch still pays its head on the device; no cited figure for a gap between tasks)
                 submitted += self.submit_us
                 replay_pending = False
 
