@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from geir.builder import Builder
-from geir.frontends.torch_builder import to_numpy
+from geir.frontends.torch_builder import TorchImportError, to_numpy
 from geir.frontends.torch_import import ImportedProgram, import_program
 from geir.frontends.torch_regional import LayersDiffer, cut_to_two_layers
 from geir.ir import Module
@@ -324,7 +324,12 @@ def _export(step: _StepModule, args: tuple, dynamic: tuple) -> Any:
 
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        return torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+        try:
+            return torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+        except Exception as e:  # noqa: BLE001 - the model's own forward under the trace may raise anything
+            text = str(e).strip()
+            raise TorchImportError(f"torch.export cannot trace the model's step program: "
+                                   f"{text.splitlines()[0] if text else type(e).__name__}") from e
 
 
 def import_step(make: Callable[[torch.nn.Module], torch.nn.Module], model: torch.nn.Module, inputs: tuple,

@@ -75,6 +75,7 @@ from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE
 from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
+from geir.verifier import MAX_TENSOR_BYTES
 from geir.types import TensorType
 
 POLICIES = ("continuous", "static")
@@ -369,6 +370,12 @@ def _batch_gear(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+def _slots_dim(blocks: Any, block_size: int) -> Any:
+    """The export's dim of a row's cache slots, `block_size` x its table's width: the width's own dim for blocks of
+    one token (torch.export refuses a derived dim equal to its root: 1 x blocks is a second dim named "blocks")."""
+    return blocks if block_size == 1 else block_size * blocks
+
+
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Device bytes one token's keys and values take over all layers."""
     step = _StepModule(model, False)
@@ -644,6 +651,7 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
         blocks = sum(-(-s.most_slots // block_size) for s in seqs)
         pool = KVBlockPool(blocks, block_size, per_token)
     else:
+        _check_pool_bytes(int(pool_bytes), as_target(target))
         pool = KVBlockPool.from_bytes(int(pool_bytes), block_size, per_token)
     if buckets is not None:  # a gear for the longest cache any step needs, said now rather than mid-run
         bucket_length(max(s.most_slots for s in seqs), buckets)
@@ -665,6 +673,14 @@ def _check_block(model: torch.nn.Module, block_size: int) -> None:
                          f"({block_size * head_dim} elements) exceeds one 128 x 128 cube tile (ATB PagedAttention: "
                          f"block_size x head dim <= 128 x 128); this model takes blocks of at most "
                          f"{CUBE_TILE_ELEMENTS // head_dim} tokens")
+
+
+def _check_pool_bytes(pool_bytes: int, target: Target) -> None:
+    """ValueError for a pool larger than the device's memory (or, on a target that names none, than any tensor)."""
+    limit = target.memory.hbm_bytes or MAX_TENSOR_BYTES
+    if pool_bytes > limit:
+        what = f"the {target.name} device's {limit} B of memory" if target.memory.hbm_bytes else f"{limit} B"
+        raise ValueError(f"pool_bytes {pool_bytes}: a KV pool larger than {what}")
 
 
 def _check_host_holds(pool: KVBlockPool, how: str) -> None:
@@ -892,13 +908,14 @@ class _Server:
         """The batched prefill over the pools (batch and blocks dynamic), exported and imported."""
         bs = self.pool.block_size
         b_dim, n_dim = _DIMS
+        s_dim = _slots_dim(n_dim, bs)
         # a batch of two rows of different lengths over three blocks: the trace sees padding (each row's mask)
         slots = 3 * bs
         rows = [(prompt * slots)[:slots], (prompt * slots)[:max(2, slots - 1)]]
         tables = [[0, 1, 2], [3, 4, 5]]
         writes = [[_slot_of(t, j, bs) for j in range(slots)] for t in tables]
-        dynamic = ({0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: bs * n_dim}, {0: bs * n_dim}, {0: b_dim, 1: bs * n_dim},
-                   {0: b_dim}, {0: b_dim, 1: bs * n_dim}, {0: b_dim, 1: n_dim})
+        dynamic = ({0: b_dim, 1: s_dim}, {0: b_dim, 1: s_dim}, {0: s_dim}, {0: b_dim, 1: s_dim}, {0: b_dim},
+                   {0: b_dim, 1: s_dim}, {0: b_dim, 1: n_dim})
         prefill = self._step_program(_PagedPrefill, model, _prefill_inputs(rows, slots, writes, tables, bs), dynamic,
                                      "<prefill>")
         self.pools_unpinned &= _unpin_pools(prefill.module.graph(), PREFILL_INPUTS)
@@ -910,7 +927,7 @@ class _Server:
         bs = self.pool.block_size
         b_dim, n_dim = _DIMS
         rows = [_Sequence(0, prompt, 2, 0.0, [1, 2]), _Sequence(1, prompt, 2, 0.0, [1, 2])]
-        dynamic = ({0: b_dim}, {0: b_dim, 1: bs * n_dim}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim})
+        dynamic = ({0: b_dim}, {0: b_dim, 1: _slots_dim(n_dim, bs)}, None, {0: b_dim}, {0: b_dim}, {0: b_dim, 1: n_dim})
         decode = self._step_program(_PagedDecode, model, _decode_inputs(rows, [[0, 0], [0, 0]], 2, bs), dynamic,
                                     "<decode>")
         self.pools_unpinned &= _unpin_pools(decode.module.graph(), DECODE_INPUTS)

@@ -42,9 +42,10 @@ def _main(capsys, *argv):
     return rc, out, err
 
 
-def test_the_json_run_has_hugging_faces_tokens_for_every_request(files, capsys):
+@pytest.mark.parametrize("block_size", [4, 1])  # 1: a row's slots are its table's width (one export dim)
+def test_the_json_run_has_hugging_faces_tokens_for_every_request(files, capsys, block_size):
     tmp, trace, config = files
-    rc, out, err = _main(capsys, trace, "--model", config, "--block-size", 4, "--json", "--seed", 3)
+    rc, out, err = _main(capsys, trace, "--model", config, "--block-size", block_size, "--json", "--seed", 3)
     assert rc == 0, err
     run = json.loads(out)
     torch.manual_seed(3)
@@ -62,7 +63,7 @@ def test_the_json_run_has_hugging_faces_tokens_for_every_request(files, capsys):
     for key in ("throughput_tok_per_s", "pool_bytes", "pool_waste", "plan_cache_hits", "plan_cache_misses",
                 "host_ge_us", "device_idle_us", "steps"):
         assert key in run
-    assert run["block_size"] == 4 and run["policy"] == "continuous"
+    assert run["block_size"] == block_size and run["policy"] == "continuous"
 
 
 def test_the_table_has_a_row_per_request_and_the_runs_figures(files, capsys):
@@ -197,6 +198,55 @@ def test_a_bad_config_is_said_where_it_is(files, capsys):
     rc, _, err = _main(capsys, trace, "--model", bad)
     assert rc == 1 and err.startswith(f"{bad}:1:2: error: transformers has no model_type 'lama'; did you mean "
                                       f"'llama'?")
+
+
+@pytest.mark.parametrize("edit, where, message", [
+    # Python reads no integer of more than 4300 digits (sys.get_int_max_str_digits): not JSON it can take
+    ({"num_attention_heads": "9" * 5000}, (1, 1), "invalid JSON: Exceeds the limit (4300 digits)"),
+    # the model's constructor divides by the K/V heads
+    ({"num_key_value_heads": 0}, None, "no causal LM for a 'llama' config: integer division or modulo by zero"),
+    # 64 / 64 = head dim 1: RoPE's cos and sin are 2 wide, so the keys the step writes are not the pool's width
+    ({"num_attention_heads": 64, "num_key_value_heads": 64}, "geserve", "torch.export cannot trace the model's step"),
+])
+def test_a_config_whose_model_cannot_be_made_or_run_is_an_error(files, capsys, edit, where, message):
+    tmp, trace, _ = files
+    bad = tmp / "bad.json"
+    text = json.dumps({**CONFIG, **edit}, indent=1)
+    bad.write_text(text.replace(f'"{"9" * 5000}"', "9" * 5000))  # the digits as a JSON number
+    rc, out, err = _main(capsys, trace, "--model", bad, "--timing-only")
+    assert rc == 1 and out == "" and message in err
+    if where == "geserve":
+        assert err.startswith(f"geserve: error: {bad}: GEIR cannot import the model's step programs")
+    else:
+        line, col = where or (2, 2)  # the model_type's line and column
+        assert err.startswith(f"{bad}:{line}:{col}: error: ")
+
+
+def test_a_model_ge_cannot_compile_is_an_error_naming_why(files, capsys):
+    # head dim 2048: no FlashAttention tiling of its f32 blocks fits the 910B's 512 KiB L1 (GE's own diagnostic)
+    tmp, trace, _ = files
+    wide = tmp / "wide.json"
+    wide.write_text(json.dumps({**CONFIG, "head_dim": 2048}))
+    rc, out, err = _main(capsys, trace, "--model", wide, "--timing-only", "--block-size", 4)
+    assert rc == 1 and out == ""
+    assert err.startswith(f"geserve: error: {wide}: GE cannot compile the model's step programs: ")
+    assert "no flash_attention tiling fits ascend910b" in err and "head dim 2048" in err
+
+
+def test_a_model_larger_than_the_host_and_a_pool_larger_than_the_device_are_refused(files, capsys, monkeypatch):
+    import geir.runtime.device as device
+
+    tmp, trace, config = files
+    rc, _, err = _main(capsys, trace, "--model", config, "--pool-bytes", 2 ** 40, "--timing-only")
+    assert rc == 1 and err == (f"geserve: error: pool_bytes {2 ** 40}: a KV pool larger than the ascend910b device's "
+                               f"{64 * 2 ** 30} B of memory\n")
+    # the tiny LLaMA's weights: embedding and LM head 100 x 64, per layer q, o 64 x 64, k, v 32 x 64, three MLP
+    # matrices 64 x 128 and two norms of 64, and the final norm; f32
+    weights = 4 * (2 * 100 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128 + 2 * 64) + 64)
+    monkeypatch.setattr(device, "host_bytes_available", lambda: weights - 1)
+    rc, _, err = _main(capsys, trace, "--model", config, "--timing-only")
+    assert rc == 1 and err.startswith(f"{config}:2:2: error: the 'llama' model this config makes has {weights} B "
+                                      f"of weights, more than the {weights - 1} B this host has available")
 
 
 def test_missing_files_and_bad_usage(files, capsys):

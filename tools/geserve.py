@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Any
 
-from geir.diagnostics import Diagnostic, Location, SourceManager
+from geir.diagnostics import Diagnostic, DiagnosticError, Location, SourceManager
 from geir.tools.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -149,6 +149,8 @@ def _json_object(name: str, line_no: int, line: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         line_at = line_no + e.lineno - 1
         raise _error(name, line_at, e.colno, f"invalid JSON: {e.msg}") from None
+    except ValueError as e:  # JSON Python will not read: an integer of more digits than int() converts
+        raise _error(name, line_no, 1, f"invalid JSON: {e}") from None
     if not isinstance(value, dict):
         raise _error(name, line_no, 1, f"expected a JSON object, not {type(value).__name__}")
     return value
@@ -198,6 +200,8 @@ def build_model(name: str, text: str, seed: int) -> Any:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise _error(name, e.lineno, e.colno, f"invalid JSON: {e.msg}") from None
+    except ValueError as e:  # JSON Python will not read: an integer of more digits than int() converts
+        raise _error(name, 1, 1, f"invalid JSON: {e}") from None
     if not isinstance(config, dict):
         raise _error(name, 1, 1, f"expected a JSON object (a transformers config), not {type(config).__name__}")
     kind = config.get("model_type")
@@ -209,6 +213,8 @@ def build_model(name: str, text: str, seed: int) -> Any:
 
     from transformers import CONFIG_MAPPING
 
+    from geir.runtime.device import host_bytes_available
+
     if kind not in CONFIG_MAPPING:
         import difflib
 
@@ -217,14 +223,32 @@ def build_model(name: str, text: str, seed: int) -> Any:
         raise _error(name, *line_of, f"transformers has no model_type '{kind}'{hint}")
     try:
         cfg = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
-    except (ValueError, TypeError, KeyError) as e:
-        raise _error(name, *line_of, f"transformers cannot make a '{kind}' config: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own validation raises many kinds (its strict dataclasses)
+        raise _error(name, *line_of, f"transformers cannot make a '{kind}' config: {_first_line(e)}") from None
+    try:  # its size first, on the meta device (no bytes): a config may ask for more weights than the host holds
+        with torch.device("meta"):
+            shape = transformers.AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:  # noqa: BLE001 - a model's constructor checks its config with any exception it likes
+        raise _error(name, *line_of, f"no causal LM for a '{kind}' config: {_first_line(e)}") from None
+    weights = sum(p.numel() * p.element_size() for p in shape.parameters())
+    available = host_bytes_available()
+    if available is not None and weights > available:
+        raise _error(name, *line_of, f"the '{kind}' model this config makes has {weights} B of weights, more than the "
+                                     f"{available} B this host has available")
     torch.manual_seed(seed)
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    except (ValueError, TypeError, KeyError) as e:
-        raise _error(name, *line_of, f"no causal LM for a '{kind}' config: {str(e).splitlines()[0]}") from None
-    return model.eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    try:  # a config transformers accepts may still make a model that cannot run (heads that do not divide, ...)
+        with torch.no_grad():
+            model(torch.zeros((1, 2), dtype=torch.long))
+    except Exception as e:  # noqa: BLE001 - whatever the model's forward raises on its own config
+        raise _error(name, *line_of, f"the '{kind}' model this config makes cannot run: {_first_line(e)}") from None
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message's first line (or its type where it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _line_of_key(text: str, key: str) -> tuple[int, int]:
@@ -286,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
             raise ToolError(f"{model_name}: GEIR cannot import the model's step programs: {e}") from None
         except RuntimeFailure as e:  # a step the Runtime cannot run (e.g. device bytes the host cannot hold)
             raise ToolError(str(e)) from None
+        except DiagnosticError as e:  # GE cannot compile a step (e.g. no tiling fits the model's head dim)
+            raise ToolError(f"{model_name}: GE cannot compile the model's step programs: {e}") from None
         except ValueError as e:
             m = re.match(r"request (\d+)[: ]", str(e))
             if m is None:
