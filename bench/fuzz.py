@@ -1,8 +1,10 @@
-"""Long fuzz campaigns of geopt, gerun, geimport and gedoctor: runs, failures and the distinct reproducers.
+"""Long fuzz campaigns of the tools: runs, failures and the distinct reproducers.
 
-    python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--gedoctor 0] [--getune 0] [--out DIR]
+    python bench/fuzz.py [--seed 0] [--geopt 10000] [--gerun 500] [--geimport 500] [--gedoctor 0] [--getune 0]
+                         [--geserve 0] [--out DIR]
 
-Mutates the example and lit programs, rt.programs lowered from them and small ONNX models with
+Mutates the example and lit programs, rt.programs lowered from them, small ONNX models and geserve's request
+traces and model configs with
 geir.tools.fuzz (its docstring lists the mutation classes: target files and what-if chips at the edges,
 damaged tuning repositories and poisoned entries, huge tensors, deep chains among them) and runs each tool in-process on every
 case (gedoctor on programs and models alike). A failure is an exit code
@@ -28,19 +30,21 @@ def main() -> None:
     ap.add_argument("--geimport", type=int, default=500)
     ap.add_argument("--gedoctor", type=int, default=0)
     ap.add_argument("--getune", type=int, default=0)
+    ap.add_argument("--geserve", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write one reproducer per distinct failure here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     outcomes = campaign(args.seed, {"geopt": args.geopt, "gerun": args.gerun, "geimport": args.geimport,
-                                    "gedoctor": args.gedoctor, "getune": args.getune})
+                                    "gedoctor": args.gedoctor, "getune": args.getune,
+                                    "geserve": args.geserve})
     seconds = time.perf_counter() - t0
     failures = [o for o in outcomes if o.problem]
     kinds: dict[str, list] = collections.defaultdict(list)
     for o in failures:
         kinds[signature(o)].append(o)
     print(f"{len(outcomes)} runs in {seconds:.0f} s (seed {args.seed}): {len(failures)} failures, "
-          f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun/gedoctor/getune runs dropped as slow")
-    for tool in ("geopt", "gerun", "geimport", "gedoctor", "getune"):
+          f"{len(kinds)} distinct; {sum(o.slow for o in outcomes)} gerun/gedoctor/getune/geserve runs dropped as slow")
+    for tool in ("geopt", "gerun", "geimport", "gedoctor", "getune", "geserve"):
         runs = [o for o in outcomes if o.case.tool == tool]
         if not runs:
             continue
@@ -52,9 +56,13 @@ def main() -> None:
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             first = group[0].case
-            path = args.out / f"{first.tool}-{len(list(args.out.iterdir())):03d}-{first.name}"
-            path.write_bytes(first.data)
-            print(f"          reproducer: {first.tool} {path} {' '.join(first.args)}")
+            folder = args.out / f"{first.tool}-{len(list(args.out.iterdir())):03d}"
+            folder.mkdir()
+            (folder / first.name).write_bytes(first.data)
+            for name, data in first.files:  # the files the case had beside its input ({dir} in its arguments)
+                (folder / name).write_bytes(data)
+            argv = " ".join(a.replace("{dir}", str(folder)) for a in first.args)
+            print(f"          reproducer: {first.tool} {folder / first.name} {argv}")
 
 
 if __name__ == "__main__":

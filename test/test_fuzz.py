@@ -1,8 +1,9 @@
 """A bounded fuzz campaign of the tools (geir.tools.fuzz), and the harness's judge on what it must flag.
 
 The campaign (about a minute) mutates the example and lit programs and small ONNX models and runs
-geopt, gerun, geimport, gedoctor and getune on each: none may exit other than 0, 1 or 2, print a traceback
-or an internal error, or point a diagnostic outside its input. `bench/fuzz.py` runs long ones.
+geopt, gerun, geimport, gedoctor and getune on each, and geserve on mutated request traces and model
+configs: none may exit other than 0, 1 or 2, print a traceback or an internal error, or point a
+diagnostic outside its input. `bench/fuzz.py` runs long ones.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from geir.tools import fuzz
 from geir.tools.fuzz import Case, campaign, judge, run_case, signature
 
-COUNTS = {"geopt": 2000, "gerun": 200, "geimport": 750, "gedoctor": 100, "getune": 30}
+COUNTS = {"geopt": 2000, "gerun": 200, "geimport": 750, "gedoctor": 100, "getune": 30, "geserve": 24}
 
 
 class _Campaign:
@@ -26,6 +27,9 @@ class _Campaign:
         tool = self.tool
         if tool == "geimport" and not fuzz.onnx_models():
             pytest.skip("no onnx: no models to mutate")
+        if tool == "geserve":
+            pytest.importorskip("torch")
+            pytest.importorskip("transformers")
         outcomes = campaign(list(COUNTS).index(tool), {tool: COUNTS[tool]})
         assert collections.Counter(o.case.tool for o in outcomes) == {tool: COUNTS[tool]}
         failures = [o for o in outcomes if o.problem]

@@ -6,7 +6,8 @@ them, small ONNX models made here) - bytes, tokens, numbers, nesting, constants 
 sometimes with a target file one number of which is at an edge, a what-if chip of astronomical counts or
 latencies, or a damaged tuning repository (or one with a poisoned entry: a tiling field or a time no tuning
 gives, for `tile{db=...}` and getune) beside it; runs geopt, gerun, geimport, gedoctor or getune in-process
-on it and checks what any input must
+on it (geserve on a tiny LLaMA's request trace and its config, either or both mutated: fields set to the edges of
+what JSON says, with its flags at theirs) and checks what any input must
 give: an exit code of 0, 1 or 2, no Python traceback, no "internal error", and every
 `FILE:LINE:COL:` diagnostic about the input pointing inside it. `test/test_fuzz.py` runs a bounded campaign in
 the suite; `bench/fuzz.py` runs long ones and prints the distinct reproducers.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import random
 import re
 import signal
@@ -37,7 +39,7 @@ TOKENS = [
     b"1x" * 70, b"true", b"ge.return", b"ge.graph @main() -> () {", b"\x00", b"\xff", "é".encode(), b"\n", b" ",
 ]
 RUN_SECONDS = 20  # a mutated gerun or gedoctor run that simulates for longer is dropped (counted as slow), not failed
-SIMULATING = ("gerun", "gedoctor", "getune")
+SIMULATING = ("gerun", "gedoctor", "getune", "geserve")
 
 
 @attrs.frozen
@@ -469,6 +471,58 @@ _ONNX_EDITS = [_set_attribute, _set_attribute, _set_dim, _set_opset, _set_op_typ
                _recursive_function]
 
 
+# geserve's inputs: a trace of a tiny LLaMA's requests (the case's file) and its transformers config beside it
+SERVE_CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "max_position_embeddings": 64}
+SERVE_TRACE = [{"prompt_ids": [1, 5, 9, 12], "max_new_tokens": 3, "arrival_us": 0},
+               {"prompt_ids": [3, 7, 8], "max_new_tokens": 2, "arrival_us": 50.5},
+               {"prompt_ids": [2, 4, 6, 8, 10], "max_new_tokens": 1}]
+# values a mutated trace or config field takes: the edges of what a JSON number, list or string can say
+JSON_EDGES = [0, -1, 1, 2, 3, 7, 1000, 2 ** 31, 2 ** 63, 10 ** 40, 1e308, -1e-300, 0.5, 1e-9, "x", "", None, True,
+              [], {}, [[1]], [1.5], [-5], [10 ** 6], list(range(1, 300)), "float16", "bfloat16", "int8", "gpt2",
+              "bert", "lama"]
+SERVE_KEYS = ["prompt_ids", "max_new_tokens", "arrival_us", "extra"]
+CONFIG_KEYS = list(SERVE_CONFIG) + ["torch_dtype", "head_dim", "rope_theta", "tie_word_embeddings", "n_positions"]
+
+
+def serve_sources() -> list[tuple[str, bytes]]:
+    """geserve's traces: the tiny LLaMA's three requests, each line one JSON object."""
+    return [("trace.jsonl", ("\n".join(json.dumps(r) for r in SERVE_TRACE) + "\n").encode())]
+
+
+def mutate_json(data: bytes, rng: random.Random, keys: list[str]) -> bytes:
+    """One object of a JSON text (one a line) with a field set to an edge value (or removed, or the line emptied);
+    text that is not JSON any more gets `mutate`'s byte edits instead."""
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    at = rng.choice([i for i, line in enumerate(lines) if line.strip()] or [0])
+    try:
+        value = json.loads(lines[at])
+    except ValueError:
+        return mutate(data, rng)
+    if not isinstance(value, dict) or rng.randrange(10) == 0:
+        lines[at] = json.dumps(rng.choice(JSON_EDGES))
+    else:
+        key = rng.choice(keys)
+        if key in value and rng.randrange(5) == 0:
+            del value[key]
+        else:
+            value[key] = rng.choice(JSON_EDGES)
+        lines[at] = json.dumps(value)
+    return "\n".join(lines).encode()
+
+
+def mutate_serve_case(data: bytes, rng: random.Random) -> tuple[bytes, bytes]:
+    """A mutated trace and its config: JSON-aware edits mostly, byte edits sometimes, to one or both."""
+    config = json.dumps(SERVE_CONFIG, indent=1).encode()
+    which = rng.randrange(4)
+    if which in (0, 2):
+        data = mutate(data, rng) if rng.randrange(4) == 0 else mutate_json(data, rng, SERVE_KEYS)
+    if which in (1, 2):
+        config = mutate(config, rng) if rng.randrange(4) == 0 else mutate_json(config, rng, CONFIG_KEYS)
+    return data, config
+
+
 def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, bytes]],
           poisoned: dict[str, list[bytes]] | None = None) -> Iterator[Case]:
     """`count` mutated cases for one tool (`poisoned`: repositories with a poisoned entry, by program name, planted
@@ -483,13 +537,26 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
             "gedoctor": [(), ("--json",), ("--no-fuse",), ("--target", "{target}")],
             "getune": [(), ("--json",), ("--target", "ascend310p"), ("--sweep", "--set", "ub_bytes=x0.5"),
                        ("--sweep", "--set", "l2_mib=x0.01,x2", "--json"), ("--target", "{what-if}"),
-                       ("--db", "{dir}/planted.sqlite")]}[tool]
+                       ("--db", "{dir}/planted.sqlite")],
+            "geserve": [(), ("--timing-only",), ("--policy", "static"), ("--launch", "graph", "--json"),
+                        ("--block-size", "1"), ("--block-size", "3"), ("--block-size", "1024"),
+                        ("--block-size", "4096"), ("--block-size", "99999999999999999999"),
+                        ("--pool-bytes", "1"), ("--pool-bytes", "4096"), ("--pool-bytes", "10" + "0" * 30),
+                        ("--memory-utilization", "0.9", "--timing-only"), ("--memory-utilization", "1e-9"),
+                        ("--memory-utilization", "nan"), ("--target", "{what-if}", "--timing-only"),
+                        ("--trace", "{dir}/chrome.json"), ("--seed", "-1")]}[tool]
     repositories = damaged_repositories() if tool in ("geopt", "gerun", "getune") else []
     poisoned = poisoned or {}
     for _ in range(count):
         name, data = rng.choice(sources)
         edit = mutate_onnx if name.endswith(".onnx") else mutate
         chosen, files = rng.choice(args), ()
+        if tool == "geserve":  # the trace is the case's file, its config (maybe mutated too) beside it
+            trace, config = mutate_serve_case(data, rng)
+            chosen = ("--model", "{dir}/config.json") + tuple(
+                a.replace("{what-if}", rng.choice(EXTREME_TARGETS)) for a in chosen)
+            yield Case(tool, Path(name).name, trace, chosen, (("config.json", config),))
+            continue
         if "{target}" in chosen:  # a target file with one number at an edge
             chosen = tuple(a.replace("{target}", "{dir}/chip.toml") for a in chosen)
             files = (("chip.toml", mutate_target(rng)),)
@@ -502,10 +569,10 @@ def cases(rng: random.Random, tool: str, count: int, sources: list[tuple[str, by
 
 
 def _tool_main(tool: str) -> Callable[[list[str]], int]:
-    from geir.tools import gedoctor, geimport, geopt, gerun, getune
+    from geir.tools import gedoctor, geimport, geopt, gerun, geserve, getune
 
     return {"geopt": geopt.main, "gerun": gerun.main, "geimport": geimport.main, "gedoctor": gedoctor.main,
-            "getune": getune.main}[tool]
+            "getune": getune.main, "geserve": geserve.main}[tool]
 
 
 class _Slow(BaseException):
@@ -577,7 +644,7 @@ def campaign(seed: int, counts: dict[str, int]) -> list[Outcome]:
     small = [c for c in corpus() if len(c[1]) < 4000]
     programs = lowered(small)  # the Runtime's own input: rt.programs to mutate
     sources = {"geopt": corpus() + programs, "gerun": small + programs, "geimport": onnx_models(),
-               "gedoctor": small + onnx_models() + programs, "getune": small}
+               "gedoctor": small + onnx_models() + programs, "getune": small, "geserve": serve_sources()}
     # repositories with a poisoned entry, for the tools that read one (getune tunes these programs first)
     poisoned = poisoned_repositories(small) if {"geopt", "gerun", "getune"} & {t for t, n in counts.items() if n} else {}
     outcomes = []
