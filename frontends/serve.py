@@ -75,8 +75,8 @@ from geir.runtime.profile import time_split
 from geir.runtime.trace import Counter, Span, Trace, Track, chrome_trace
 from geir.session import DEFAULT_PIPELINE
 from geir.target_npu.target import DEFAULT_TARGET, Target, as_target
-from geir.verifier import MAX_TENSOR_BYTES
 from geir.types import TensorType
+from geir.verifier import MAX_TENSOR_BYTES
 
 POLICIES = ("continuous", "static")
 # serve's warm-up before the first arrival: every gear of both step programs (vLLM's startup: no compile while
