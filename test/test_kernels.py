@@ -222,6 +222,34 @@ def test_matmul_loads_overlap_the_cube_with_double_buffering():
     assert ctx1.cores.finish > ctx.cores.finish  # one buffer: every load waits for the cube to free its slot
 
 
+def test_matmul_drains_a_block_while_the_cube_computes_the_next_with_two_l0c_accumulators():
+    # FIXP drains a finished block from L0C to GM; a 128 x 128 f32 block is half the 910B's 128 KiB L0C, so with two
+    # accumulators the next block's mmad runs during the drain, and on a chip whose L0C holds one it waits for it.
+    # The second of two calls (its operands warm in the L2), so that the loads do not hide the drain
+    text = ("%c = ge.matmul %a, %b : tensor<4096x128xf16>", "%a: tensor<4096x64xf16>, %b: tensor<64x128xf16>")
+
+    def second_call(target: str) -> tuple[float, int]:
+        op = one_op(*text, target)
+        inputs = random_inputs(op)
+        t = load_target(target)
+        ctx = LaunchContext(t, Cores(t.cube_cores, record=True), GlobalMemory(t),
+                            [v.name for v in op.operands], [r.name for r in op.results])
+        kernel = KERNELS[op.name]
+        tiling = kernel.tiling_for(op, inputs, t)
+        assert (tiling.base_m, tiling.base_n) == (128, 128)
+        kernel.run(op, inputs, tiling, ctx)
+        start = ctx.cores.finish
+        ctx.cores.sync_to(start)
+        ctx.cores.intervals.clear()
+        kernel.run(op, inputs, tiling, ctx)
+        drains, mmads = _intervals(ctx.cores, "FIXP", 0), _intervals(ctx.cores, "CUBE", 0)
+        return ctx.cores.finish - start, sum(1 for s1, e1 in drains for s2, e2 in mmads if s1 < e2 and s2 < e1)
+
+    two, overlapped = second_call("ascend910b")
+    one, waited = second_call("ascend910b[buffers_kib.l0c=64]")
+    assert overlapped > 0 and waited == 0 and one > two
+
+
 # --- elementwise -------------------------------------------------------------------------------------
 
 UNARY = ["exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "sin", "cos"]
