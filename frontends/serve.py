@@ -640,6 +640,8 @@ def serve(model: torch.nn.Module, requests: Sequence[Any], policy: str = "contin
                              f"{vocab - 1 if vocab else '?'})")
     _check_block(model, block_size)
     per_token = kv_bytes_per_token(model)
+    if per_token < 1:
+        raise ValueError("the model keeps no keys or values (no layers, or no K/V heads): it has no KV cache to serve")
     if memory_utilization is not None:
         if pool_bytes is not None:
             raise ValueError("give pool_bytes or memory_utilization, not both")

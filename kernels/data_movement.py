@@ -101,6 +101,9 @@ def gm_tensor(gm: GlobalMemory, name: str, shape: tuple[int, ...], itemsize: int
     rows, cols = matrix_shape(tuple(shape))
     t = GmTensor(name, rows, cols, itemsize, shape[-2] if len(shape) >= 2 and shape[-2] else 1)
     last = gm.last_touch.get(name)
+    if last is not None and len(last) == 0 < t.blocks:  # known only as empty (no blocks): nothing to resample
+        del gm.last_touch[name]
+        last = None
     if last is None:
         gm.ensure(name, t.blocks)
     elif len(last) < t.blocks:
@@ -827,12 +830,14 @@ class GatherKernel(Kernel):
         self.allocate(tiling, OpSignature.of_arrays(op, inputs), ctx.target,
                       f"{buffers} x the indices and {rows} rows of {cols} elements")
         out = np.empty(table.shape[:axis] + indices.shape + table.shape[axis + 1:], dtype=table.dtype)
+        # an index outside the table is an access the device faults on, rows of no elements too (as torch's
+        # embedding and the op's semantics refuse it)
+        problem = index_problem(indices, dim, axis) if ctx.compute else None
+        if problem is not None:
+            raise DeviceFault(problem)
         if out.size == 0:
             return [out]
-        if ctx.compute:  # an index outside the table is an access the device faults on
-            problem = index_problem(indices, dim, axis)
-            if problem is not None:
-                raise DeviceFault(problem)
+        if ctx.compute:
             index = indices.reshape(-1).astype(np.int64) % dim
             table3, out2 = table.reshape(outer, dim, inner), out.reshape(R, inner)
         gm = ctx.gm

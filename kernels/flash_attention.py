@@ -228,6 +228,8 @@ def _compute(q, k, v, mask, causal: bool, scale: float, s1: int, s2: int, segmen
     B, N, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
     Dv = v.shape[-1]  # the output's head dim is v's, which may differ from q's and k's
+    if Skv == 0:  # no keys: P V sums nothing, so O is zeros (as torch's SDPA gives), with no running sum to divide
+        return np.zeros((B, N, Sq, Dv), dtype=q.dtype)
     group = N // Nkv
     R = group * Sq
     # heads that share a K/V head are stacked as rows: [B, Nkv, group * Sq, D]

@@ -277,7 +277,8 @@ def choose_matmul_tiling(a: TensorType, b: TensorType, chip: Target, buffers: in
     M, N, K = _dims(a, b, transpose_a, transpose_b)
     nb = a.dtype.itemsize
     half = L0_HALF if buffers == 2 else 2 * L0_HALF
-    pm, pn, pk = (p if dim is None else min(p, align(dim, f))
+    # at least one fractal each: a dimension of 0 (an empty C, or a K that sums nothing) still has a block shape
+    pm, pn, pk = (p if dim is None else min(p, max(f, align(dim, f)))
                   for p, dim, f in zip(MATMUL_BLOCK, (M, N, K), (fm, fn, fk)))
     pk = min(pk, max(fk, half // (pn * nb) // fk * fk))  # f32 halves base_k: 32 x 256 x 4 bytes fill a half
     batch = product(broadcast_dims(a.shape[:-2], b.shape[:-2]))

@@ -222,6 +222,15 @@ def test_a_config_whose_model_cannot_be_made_or_run_is_an_error(files, capsys, e
         assert err.startswith(f"{bad}:{line}:{col}: error: ")
 
 
+def test_a_model_with_no_kv_cache_is_refused(files, capsys):
+    tmp, trace, _ = files
+    flat = tmp / "flat.json"
+    flat.write_text(json.dumps({**CONFIG, "num_hidden_layers": 0}))
+    rc, out, err = _main(capsys, trace, "--model", flat, "--pool-bytes", 4096)
+    assert rc == 1 and out == "" and err == ("geserve: error: the model keeps no keys or values (no layers, or no "
+                                             "K/V heads): it has no KV cache to serve\n")
+
+
 def test_a_model_ge_cannot_compile_is_an_error_naming_why(files, capsys):
     # head dim 2048: no FlashAttention tiling of its f32 blocks fits the 910B's 512 KiB L1 (GE's own diagnostic)
     tmp, trace, _ = files

@@ -250,6 +250,30 @@ def test_matmul_drains_a_block_while_the_cube_computes_the_next_with_two_l0c_acc
     assert overlapped > 0 and waited == 0 and one > two
 
 
+@pytest.mark.parametrize("m, k, n", [(4, 8, 0), (0, 8, 8), (4, 0, 8), (0, 0, 0), (3, 0, 40)])
+def test_a_matmul_with_an_empty_dimension_is_tiled_and_gives_numpys_result(m, k, n):
+    # an empty C, or a K that sums nothing (C is zeros): the tiling still has a block shape and the kernel runs
+    op = one_op(f"%c = ge.matmul %a, %b : tensor<{m}x{n}xf16>", f"%a: tensor<{m}x{k}xf16>, %b: tensor<{k}x{n}xf16>")
+    t = op.attributes["tiling"]
+    assert min(t["base_m"], t["base_n"], t["base_k"]) >= 16
+    a, b = random_inputs(op)
+    (out,), _ = launch(op, [a, b])
+    assert out.shape == (m, n) and np.array_equal(out, (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float16))
+
+
+@pytest.mark.parametrize("sq, skv", [(16, 0), (0, 16), (0, 0)])
+def test_flash_attention_over_no_keys_or_no_queries_matches_torch(sq, skv):
+    # no keys: P V sums nothing, O is zeros (torch's SDPA, and softmax over an empty row then an empty matmul)
+    torch = pytest.importorskip("torch")
+    q_type, kv_type = f"tensor<1x2x{sq}x64xf16>", f"tensor<1x2x{skv}x64xf16>"
+    op = one_op(f"%o = ge.flash_attention %q, %k, %v : {q_type}", f"%q: {q_type}, %k: {kv_type}, %v: {kv_type}")
+    inputs = random_inputs(op)
+    (out,), _ = launch(op, inputs)
+    want = torch.nn.functional.scaled_dot_product_attention(*(torch.from_numpy(x.astype(np.float32)) for x in inputs))
+    assert out.shape == (1, 2, sq, 64) and np.array_equal(out.astype(np.float32), want.numpy())
+    assert np.array_equal(run_op(op, inputs)[0], out)  # the op's numpy semantics agree
+
+
 # --- elementwise -------------------------------------------------------------------------------------
 
 UNARY = ["exp", "log", "sqrt", "rsqrt", "neg", "abs", "tanh", "sigmoid", "relu", "silu", "erf", "sin", "cos"]

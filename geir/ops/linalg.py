@@ -132,6 +132,8 @@ class FlashAttention(Operation):
                 raise ShapeError(f"flash_attention {what} differ: {x} vs {y}")
         if n is not None and nk is not None and (nk == 0 or n % nk):
             raise ShapeError(f"query heads {n} are not a multiple of key/value heads {nk}")
+        if d == 0 and self.scale is None:
+            raise ShapeError("head dim 0: the default scale 1/sqrt(head dim) is undefined (give `scale`)")
         mask, pse = self.mask_and_pse(extras)
         if mask is not None and not (mask.dtype == DType.i1 or mask.dtype.is_float):
             raise ShapeError(f"mask must be i1 or floating-point, not {mask}")
@@ -159,6 +161,9 @@ class FlashAttention(Operation):
             q, k, v = (np.swapaxes(t, 1, 2) for t in (q, k, v))
         q, k, v = work(q), work(k), work(v)
         b, n, sq, d = q.shape
+        if q.size == 0 and d:  # no query rows (or heads): an empty result, whatever the keys
+            out = np.empty((b, n, sq, v.shape[-1]), dtype=q.dtype)
+            return np.swapaxes(out, 1, 2) if self.layout == "BSND" else out
         group = n // k.shape[1]
         if group > 1:
             k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)

@@ -86,7 +86,9 @@ def erf(x: np.ndarray) -> np.ndarray:
 
 
 def softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    """Numerically stable softmax; a row of all -inf gives NaN, as torch does."""
+    """Numerically stable softmax; a row of all -inf gives NaN, as torch does, and an empty axis an empty result."""
+    if x.shape[axis] == 0:
+        return x.copy()
     m = np.max(x, axis=axis, keepdims=True)
     with np.errstate(invalid="ignore"):
         e = np.exp(x - m)

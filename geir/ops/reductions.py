@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from geir.ir import Operation
@@ -23,6 +25,9 @@ class Reduce(Operation):
     ROW_PASSES = 1
     ROW_STAT_PASSES = None
     SEGMENT_STATISTIC = "sum"
+    # whether the reduction has a value over no elements (a sum's 0, a mean's NaN); a max has none (numpy and torch
+    # both refuse it)
+    OVER_NOTHING = True
 
     @classmethod
     def row_axes(cls, attributes: dict, rank: int) -> tuple[int, ...]:
@@ -36,6 +41,9 @@ class Reduce(Operation):
 
     def infer(self, x: TensorType) -> TensorType:
         axes = self.normalized_axes(x.rank)
+        empty = [a for a in axes if x.shape[a] == 0]
+        if empty and not self.OVER_NOTHING:
+            raise ShapeError(f"axis {empty[0]} has no elements: {self.name} over nothing has no value")
         if self.keepdims:
             shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
         else:
@@ -44,13 +52,16 @@ class Reduce(Operation):
 
     def compute(self, x: np.ndarray) -> np.ndarray:
         axes = self.normalized_axes(x.ndim)
-        return type(self).fn(work(x), axis=axes, keepdims=self.keepdims)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a mean over nothing is NaN, as numpy says, quietly
+            return type(self).fn(work(x), axis=axes, keepdims=self.keepdims)
 
 
 for _name, _fn, _passes in (("sum", np.sum, 1), ("max", np.max, 1), ("mean", np.mean, 2)):
     op(f"ge.reduce_{_name}")(
         type(f"Reduce{_name.capitalize()}", (Reduce,), {"fn": staticmethod(_fn), "__doc__": f"reduce_{_name} over axes",
-                                                        "ROW_PASSES": _passes, "SEGMENT_STATISTIC": _name})
+                                                        "ROW_PASSES": _passes, "SEGMENT_STATISTIC": _name,
+                                                        "OVER_NOTHING": _name != "max"})
     )
 
 
