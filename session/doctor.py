@@ -419,9 +419,10 @@ def _attention_miss(m: AttentionMiss, device_us: float, fused_equivalent: FusedE
     else:
         evidence.update(q=str(types[0]), k=str(types[1]), v=str(types[2]))
         fused = fused_equivalent(*types)
-        why = fused if isinstance(fused, str) else ""
+        why = fused if isinstance(fused, str) else ("it has no elements: the fused kernel takes no time" if not fused
+                                                    else "")
     head = f"attention not fused: {reason}"
-    if isinstance(fused, float) and parts:
+    if isinstance(fused, float) and fused > 0 and parts:
         saving = unfused_us - fused
         share = saving / device_us if device_us else 0.0
         evidence.update(fused_equivalent_us=fused, ratio=unfused_us / fused if fused > 0 else None, saving_us=saving,

@@ -96,3 +96,20 @@ def test_an_index_past_a_table_of_empty_rows_is_still_a_device_fault(tmp_path, c
 }
 """, "--inputs", str(tmp_path / "in.npz"))
     assert rc == 1 and "empty.geir:2:3: device fault: gather index 4 is out of range for axis 0 of size 4" in err
+
+
+def test_gedoctor_on_an_empty_attention_near_miss_says_its_cost_is_nothing(tmp_path, capsys):
+    # the near-miss example with its batch of 0: the fused kernel it would compare with takes no time
+    import re
+    from pathlib import Path
+
+    from geir.tools.gedoctor import main as gedoctor_main
+
+    text = (Path(__file__).resolve().parent.parent / "examples/attention/near_miss_softmax_axis.geir").read_text()
+    src = tmp_path / "near_miss.geir"
+    src.write_text(re.sub(r"tensor<1x", "tensor<0x", text))
+    rc = gedoctor_main([str(src)])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "internal error" not in err and "Traceback" not in out + err
+    assert ("attention not fused: softmax axis is 2, not the last axis. Its cost is not measured: it has no elements"
+            in out)
