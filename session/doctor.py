@@ -236,6 +236,8 @@ def fused_attention_us(q: TensorType, k: TensorType, v: TensorType, pipeline: st
     """Simulated device time (us) of one ge.flash_attention on q, k, v of these types, compiled with the
     same pipeline and run on random inputs; or the reason there is no such kernel."""
     out = TensorType(tuple(q.shape[:-1]) + (v.shape[-1],), q.dtype)
+    if not q.shape[-1]:
+        return "its head dim is 0 (no scale 1/sqrt(head dim) to compare with)"
     scale = 1.0 / math.sqrt(q.shape[-1])
     text = (f"ge.graph @main(%q: {q}, %k: {k}, %v: {v}) -> {out} {{\n"
             f"  %o = ge.flash_attention %q, %k, %v {{scale = {scale!r}}}\n  ge.return %o\n}}\n")
