@@ -520,7 +520,8 @@ def mutate_json(data: bytes, rng: random.Random, keys: list[str]) -> bytes:
 
 
 def mutate_serve_case(data: bytes, rng: random.Random) -> tuple[bytes, bytes]:
-    """A mutated trace and its config: JSON-aware edits mostly, byte edits sometimes, to one or both."""
+    """A trace and its config, JSON-aware edits mostly and byte edits sometimes to one or both (a quarter of the
+    cases neither: runs that serve, with the flags alone at their edges)."""
     config = json.dumps(SERVE_CONFIG, indent=1).encode()
     which = rng.randrange(4)
     if which in (0, 2):
