@@ -782,7 +782,11 @@ def _pad(b: GraphBuilder, node: Node, xs: Inputs) -> list[Tensor]:
     if mode != "constant":
         raise ImportProblem(f"Pad in '{mode}' mode (GEIR pads with a constant only)")
     if node.opset < 11:
-        pads, value = list(node.attr("pads")), node.attr("value", 0.0)
+        name = "paddings" if node.opset < 2 else "pads"  # Pad-1 named the attribute `paddings`
+        if node.attr(name) is None:
+            raise ImportProblem(f"Pad at opset {node.opset} takes its pads as the attribute '{name}', and it has none",
+                                unsupported=False)
+        pads, value = list(node.attr(name)), node.attr("value", 0.0)
         axes = list(range(x.rank))
     else:
         pads = int_list(required(xs, 1, "pads"), "pads")

@@ -116,3 +116,19 @@ def test_gedoctor_on_an_empty_attention_near_miss_says_why_it_has_no_cost(tmp_pa
     out, err = capsys.readouterr()
     assert rc == 0 and "internal error" not in err and "Traceback" not in out + err
     assert f"attention not fused: softmax axis is 2, not the last axis. Its cost is not measured: {why}" in out
+
+
+def test_the_norm_cast_fusion_takes_a_gamma_of_no_elements(tmp_path, capsys):
+    # its hidden size of 0: the f32 gamma is a splat of no elements, narrowed to f16 as an empty constant
+    import re
+    from pathlib import Path
+
+    from geir.tools.geopt import main as geopt_main
+
+    text = (Path(__file__).resolve().parent / "lit/passes/fuse-norm-cast.geir").read_text()
+    src = tmp_path / "norm_cast.geir"
+    src.write_text(re.sub(r"(?<=[<x])64(?=x)", "0", text))
+    rc = geopt_main([str(src), "--passes=canonicalize,fuse"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "internal error" not in err, err
+    assert "ge.add_rms_norm" in out and "tensor<0xf16>" in out

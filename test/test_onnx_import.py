@@ -716,3 +716,16 @@ def test_topk_with_more_than_one_k_is_a_stated_problem_not_an_internal_error():
     with pytest.raises(OnnxImportError) as info:
         import_onnx(m)
     assert "internal error" not in str(info.value) and "TopK's K holds one value" in str(info.value)
+
+
+def test_pad_1_reads_its_paddings_attribute():
+    # ONNX's Pad-1 names its pads `paddings` (Pad-2 renamed them `pads`): [begin..., end...] per axis
+    padded = model([helper.make_node("Pad", ["x"], ["y"], paddings=[0, 1, 0, 2])], [vi("x", [2, 3])],
+                   [vi("y", [2, 6])], opset=1)
+    module, _ = import_onnx(padded)
+    x = randn(2, 3)
+    (y,) = run_graph(module.graph(), {module.graph().args[0].name: x})
+    np.testing.assert_array_equal(y, np.pad(x, [(0, 0), (1, 2)]))
+    bare = model([helper.make_node("Pad", ["x"], ["y"])], [vi("x", [2, 3])], [vi("y", [2, 3])], opset=1)
+    with pytest.raises(OnnxImportError, match="'paddings'"):
+        import_onnx(bare)

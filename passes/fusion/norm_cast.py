@@ -64,7 +64,8 @@ class FoldNormCasts(Pattern):
         operands = [m.x]
         for p, narrow in m.params:
             attr = p.owner.value
-            values = narrow.reshape(-1)[:1].reshape(()) if attr.is_splat else narrow
+            # a splat stays one value (a splat of no elements: its empty array, there is no value to keep)
+            values = narrow.reshape(-1)[:1].reshape(()) if attr.is_splat and narrow.size else narrow
             operands.append(rw.create("ge.const", [], {"value": DenseAttr(values)}, [p.type.with_dtype(m.x.type.dtype)],
                                       before=m.norm).result)
         norm = rw.create(m.norm.name, operands, dict(m.norm.attributes), [m.root.result.type], before=m.root,
